@@ -1,0 +1,212 @@
+"""The `pyruntime` command: generate, chat, inspect, serve, bench, shm."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from pyruntime import errors
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--model", default=None, help="GGUF path, hf repo/file.gguf@rev, or 'default' (bundled SmolLM2-135M)")
+  g = p.add_mutually_exclusive_group()
+  g.add_argument("--stages", type=int, default=2, help="number of stages (split balanced by memory)")
+  g.add_argument("--split", default=None, help="explicit half-open block ranges, e.g. 0:15,15:30")
+  p.add_argument("--device", default=None, help="auto (default), one device for all stages, or one per stage: CUDA:0,CUDA:1")
+  p.add_argument("--boundary-dtype", default="float32", choices=["float32", "float16"])
+  p.add_argument("--kv-slots", type=int, default=4)
+  p.add_argument("--max-context", type=int, default=None)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--max-tokens", type=int, default=256)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--min-p", type=float, default=0.0)
+  p.add_argument("--seed", type=int, default=None)
+  p.add_argument("--repetition-penalty", type=float, default=1.0)
+  p.add_argument("--frequency-penalty", type=float, default=0.0)
+  p.add_argument("--presence-penalty", type=float, default=0.0)
+  p.add_argument("--penalty-last-n", type=int, default=None)
+  p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling(a: argparse.Namespace) -> dict[str, Any]:
+  return dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+              repetition_penalty=a.repetition_penalty, frequency_penalty=a.frequency_penalty,
+              presence_penalty=a.presence_penalty, penalty_last_n=a.penalty_last_n, stop=a.stop)
+
+
+class LoadProgress:
+  """A one-line progress bar on stderr while the stages load (only on a terminal)."""
+  def __init__(self, quiet: bool) -> None:
+    self.quiet, self.loaded, self.total, self.t0 = quiet or not sys.stderr.isatty(), 0, 0, time.monotonic()
+
+  def __call__(self, ev: dict) -> None:
+    kind = ev.get("event")
+    if kind == "StageSpawned": self.total += 1
+    elif kind == "WeightsLoaded": self.loaded += 1
+    elif kind == "DownloadProgress" and ev.get("total"):
+      return self.draw(f"downloading {ev['bytes'] / ev['total']:6.1%}")
+    elif kind == "LauncherReady":
+      if not self.quiet: sys.stderr.write(f"\r\x1b[Kloaded {self.total} stages in {ev['load_s']:.1f} s\n")
+      return
+    else: return
+    bar = "#" * self.loaded + "." * max(0, self.total - self.loaded)
+    self.draw(f"loading stages [{bar}] {self.loaded}/{self.total}  {time.monotonic() - self.t0:5.1f} s")
+
+  def draw(self, text: str) -> None:
+    if not self.quiet: sys.stderr.write("\r\x1b[K" + text); sys.stderr.flush()
+
+
+def _launcher(a: argparse.Namespace, quiet: bool = False) -> Any:
+  from pyruntime.launcher import Launcher, parse_split
+  return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
+                  boundary_dtype=a.boundary_dtype, kv_slots=a.kv_slots, max_context=a.max_context, on_event=LoadProgress(quiet))
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+  from pyruntime.launcher import Delta, Done
+  with _launcher(a, quiet=a.json) as lm:
+    done = None
+    for ev in lm.generate(a.prompt, raw=a.raw, **_sampling(a)):
+      if isinstance(ev, Delta) and not a.json:
+        sys.stdout.write(ev.text); sys.stdout.flush()
+      elif isinstance(ev, Done): done = ev
+    if a.json:
+      print(json.dumps({"model": lm.model_name, "split": [list(r) for r in lm.split], "prompt_token_ids": done.prompt_token_ids,
+                        "token_ids": done.token_ids, "text": done.text, "finish_reason": done.finish_reason,
+                        "usage": {"prompt_tokens": done.usage.prompt_tokens, "completion_tokens": done.usage.completion_tokens},
+                        "timings": {"load_s": done.timings.load_s, "ttft_s": done.timings.ttft_s,
+                                    "decode_tokens_per_s": done.timings.decode_tokens_per_s}}))
+    else:
+      t = done.timings
+      sys.stdout.write("\n")
+      sys.stderr.write(f"[{done.finish_reason}] {done.usage.prompt_tokens} prompt + {done.usage.completion_tokens} completion tokens, "
+                       f"load {t.load_s:.1f} s, first token {t.ttft_s:.2f} s, {t.decode_tokens_per_s:.1f} tokens/s\n")
+  return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+  from pyruntime.launcher import Delta, Done
+  messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
+  with _launcher(a) as lm:
+    sys.stderr.write("chat with the model; an empty line or Ctrl-D ends it\n")
+    while True:
+      try: line = input("> ")
+      except EOFError: break
+      if not line.strip(): break
+      messages.append({"role": "user", "content": line})
+      reply = []
+      try:
+        for ev in lm.generate(messages=messages, **_sampling(a)):
+          if isinstance(ev, Delta): sys.stdout.write(ev.text); sys.stdout.flush(); reply.append(ev.text)
+          elif isinstance(ev, Done) and ev.finish_reason == "length": sys.stdout.write(" [length]")
+      except errors.ContextLengthExceeded as e:
+        sys.stderr.write(f"\n{e}\n"); messages.pop(); continue
+      sys.stdout.write("\n")
+      messages.append({"role": "assistant", "content": "".join(reply)})
+  return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+  from pyruntime.gguf import read_header
+  from pyruntime.model import suggest_split
+  from pyruntime.source import resolve_model
+  h = read_header(resolve_model(a.model))
+  blocks = int(h.get("block_count"))
+  per_block = [sum(t.nbytes for n, t in h.tensors.items() if n.startswith(f"blk.{i}.")) for i in range(blocks)]
+  other = {n: t.nbytes for n, t in h.tensors.items() if not n.startswith("blk.")}
+  info = {"path": str(h.path), "architecture": h.arch, "name": h.kv.get("general.name"), "blocks": blocks,
+          "dim": h.get("embedding_length"), "heads": h.get("attention.head_count"), "kv_heads": h.get("attention.head_count_kv"),
+          "context_length": h.get("context_length"), "vocab_size": len(h.kv.get("tokenizer.ggml.tokens", [])),
+          "tied_embeddings": "output.weight" not in h.tensors, "weight_bytes": sum(t.nbytes for t in h.tensors.values()),
+          "bytes_per_block": per_block, "non_block_bytes": other,
+          "suggested_split": {f"{n}_stages": {"by_memory": suggest_split(h, n, by="memory"), "by_compute": suggest_split(h, n, by="compute")}
+                              for n in range(1, a.max_stages + 1) if n <= blocks}}
+  if a.json: print(json.dumps(info, indent=1))
+  else:
+    for k, v in info.items():
+      if k == "bytes_per_block": v = f"{min(v)}..{max(v)} bytes (total {sum(v)})"
+      if k == "suggested_split":
+        for n, s in v.items(): print(f"split {n:>10}: memory {s['by_memory']}  compute {s['by_compute']}")
+        continue
+      print(f"{k:>16}: {v}")
+  return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+  from pyruntime.server import serve
+  return serve(a)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+  # The benchmarks live in the source tree's bench/ (an editable install, or a checkout).
+  import pathlib
+  import runpy
+  script = pathlib.Path(__file__).resolve().parent.parent / "bench" / f"{a.what}.py"
+  if not script.exists(): raise errors.InvalidOption("bench", f"{script} not found: run from a source checkout (pip install -e .)")
+  sys.argv = [str(script), *a.args]
+  runpy.run_path(str(script), run_name="__main__")
+  return 0
+
+
+def cmd_shm(a: argparse.Namespace) -> int:
+  from pyruntime.ring import cleanup_stale
+  removed = cleanup_stale()
+  print("\n".join(removed) if removed else "no stale segments")
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="pyruntime", description="Serve an LLM split across the devices of one host over shared-memory rings.")
+  sub = ap.add_subparsers(dest="cmd", required=True)
+  p = sub.add_parser("generate", help="generate a completion for one prompt")
+  p.add_argument("prompt")
+  _add_model_args(p); _add_sampling_args(p)
+  p.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
+  p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming text")
+  p.set_defaults(fn=cmd_generate)
+  p = sub.add_parser("chat", help="an interactive conversation")
+  _add_model_args(p); _add_sampling_args(p)
+  p.add_argument("--system", default=None, help="a system message")
+  p.set_defaults(fn=cmd_chat)
+  p = sub.add_parser("inspect", help="describe a model and suggest splits")
+  p.add_argument("model", nargs="?", default=None)
+  p.add_argument("--max-stages", type=int, default=4)
+  p.add_argument("--json", action="store_true")
+  p.set_defaults(fn=cmd_inspect)
+  p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+  _add_model_args(p)
+  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--queue-size", type=int, default=16, help="requests waiting beyond this get 429")
+  p.set_defaults(fn=cmd_serve)
+  p = sub.add_parser("bench", help="benchmarks: ring | pipeline")
+  p.add_argument("what", choices=["ring", "pipeline"])
+  p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
+  p.set_defaults(fn=cmd_bench)
+  p = sub.add_parser("shm", help="shared-memory housekeeping")
+  p.add_argument("action", choices=["clean"], help="clean: unlink segments of ours whose creator is dead")
+  p.set_defaults(fn=cmd_shm)
+  return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+  a = build_parser().parse_args(argv)
+  try:
+    return a.fn(a)
+  except errors.PyruntimeError as e:
+    sys.stderr.write(f"\npyruntime: {e.code}: {e}\n")
+    return 2
+  except KeyboardInterrupt:
+    sys.stderr.write("\ninterrupted\n")
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

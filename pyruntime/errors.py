@@ -1,0 +1,127 @@
+"""Every named error pyruntime raises.
+
+Each class name is the name used on the wire (WorkerFatal reason codes, C status names, HTTP
+error codes), so a caller can match on `type(e).__name__` or `e.code` across process
+boundaries without a second table.
+"""
+from __future__ import annotations
+
+
+class PyruntimeError(Exception):
+  """Base of every pyruntime error. `code` is the stable name of the error."""
+  @property
+  def code(self) -> str: return type(self).__name__
+
+
+# --- ring and arena (native/mo_ring.h status codes) -------------------------------------------
+class RingError(PyruntimeError): pass
+class WouldBlock(RingError): pass
+class RingTimeout(RingError): pass
+class RingClosed(RingError): pass
+class PeerDead(RingError): pass
+class RingBusy(RingError):
+  """The producer or consumer side of a ring is already claimed by a live process."""
+
+class RecordError(RingError):
+  """A consumer found a bad record; the read cursor did not move."""
+class EofBeforeFullHeader(RecordError): pass
+class InvalidObjectMagic(RecordError): pass
+class InvalidObjectHeader(RecordError): pass
+class ObjectExtentInvalid(RecordError): pass
+class ObjectExtentAlignmentViolation(RecordError): pass
+class SequenceViolation(RecordError):
+  def __init__(self, expected: int, actual: int):
+    super().__init__(f"SequenceViolation: expected sequence {expected}, got {actual}")
+    self.expected, self.actual = expected, actual
+
+class OutputError(RingError):
+  """A producer refused a payload; nothing was published."""
+class OutputExtentInvalid(OutputError): pass
+class OutputExtentAlignmentViolation(OutputError): pass
+class OutputRingCapacityExceeded(OutputError): pass
+
+class ArenaError(PyruntimeError): pass
+class ArenaInvalid(ArenaError):
+  """Wrong magic, layout version or size: not an arena of ours, or one of another version."""
+class ShmSpaceError(ArenaError):
+  """/dev/shm has too little free space for the arena (it would SIGBUS later)."""
+
+
+# --- payloads and boundaries (SPEC §1, §2) ----------------------------------------------------
+class PayloadError(PyruntimeError): pass
+class PayloadNotU32Aligned(PayloadError): pass
+class ActivationExtentInvalid(PayloadError): pass
+
+class BoundaryError(PyruntimeError): pass
+class BoundaryArchitectureMismatch(BoundaryError): pass
+class BoundarySchemaMismatch(BoundaryError): pass
+class ResultIdentityMissing(BoundaryError): pass
+class LayerRangeInvalid(BoundaryError): pass
+class TokenIdInvalid(BoundaryError):
+  """A head ingress token id is outside the vocabulary."""
+class UnsupportedArchitecture(BoundaryError): pass
+
+
+# --- streams on the rings (pyruntime/records.py) ----------------------------------------------
+class StreamError(PyruntimeError): pass
+class StreamNotOpen(StreamError):
+  """A data record names a stream that no OPEN record announced."""
+class StreamPositionInvalid(StreamError):
+  """A data record's position is not where the stream's KV cache stands."""
+class SlotInvalid(StreamError):
+  """An OPEN record names a KV slot outside the stage's slots or one already in use."""
+
+
+# --- model sources (SPEC §3 WorkerFatal reasons) ----------------------------------------------
+class ModelSourceError(PyruntimeError): pass
+class GgufLocalPathMissing(ModelSourceError): pass
+class GgufDownloadFailed(ModelSourceError): pass
+class DefaultModelMissing(ModelSourceError): pass
+class ModelLoadFailed(ModelSourceError): pass
+
+
+# --- generation and serving (SPEC §4) ---------------------------------------------------------
+class GenerationError(PyruntimeError): pass
+
+class InvalidOption(GenerationError):
+  """A request field has a bad value. `field` names it."""
+  def __init__(self, field: str, message: str):
+    super().__init__(f"invalid {field!r}: {message}")
+    self.field = field
+
+class EmptyPrompt(InvalidOption):
+  def __init__(self, message: str = "the prompt is empty after tokenization"):
+    super().__init__("prompt", message)
+
+class ContextLengthExceeded(GenerationError):
+  def __init__(self, prompt_tokens: int, context: int):
+    super().__init__(f"the prompt has {prompt_tokens} tokens but the model's context is {context} tokens; "
+                     f"shorten the prompt to at most {context - 1} tokens")
+    self.prompt_tokens, self.context = prompt_tokens, context
+
+class UnsupportedFeature(GenerationError):
+  """A request asks for something pyruntime does not do; refused rather than ignored."""
+  def __init__(self, feature: str, message: str = ""):
+    super().__init__(f"{feature!r} is not supported" + (f": {message}" if message else ""))
+    self.feature = feature
+
+class StageFailed(GenerationError):
+  """A stage process died or reported WorkerFatal. `stage` is its index, `reason` its code."""
+  def __init__(self, stage: int, reason: str, detail: str = ""):
+    super().__init__(f"stage {stage} failed: {reason}" + (f": {detail}" if detail else ""))
+    self.stage, self.reason, self.detail = stage, reason, detail
+
+class LauncherClosed(GenerationError): pass
+
+
+# --- the stage worker's control channel (SPEC §3 WorkerFatal reasons) ---------------------------
+class WorkerError(PyruntimeError): pass
+class UnknownCommand(WorkerError): pass
+class InvalidCommand(WorkerError):
+  """A known command with missing or malformed arguments."""
+class RoleNotConfigured(WorkerError): pass
+class WeightsNotLoaded(WorkerError): pass
+class RingNotInstalled(WorkerError): pass
+class UnsupportedHelperAbi(WorkerError): pass
+class NoObjectLoaded(WorkerError):
+  """ExecuteStep / ReleaseDeviceObject without a record loaded by RingReadable."""

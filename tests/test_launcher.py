@@ -1,0 +1,192 @@
+"""End to end: the launcher, its stage processes and the CLI, on the real SmolLM2-135M."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pyruntime import errors
+from pyruntime.launcher import Delta, Done, Launcher
+
+pytestmark = pytest.mark.slow
+MAX_CONTEXT = 512
+
+
+def run(lm: Launcher, prompt=None, **kw) -> tuple[Done, list[Delta]]:
+  deltas, done = [], None
+  for ev in lm.generate(prompt, **kw):
+    if isinstance(ev, Delta): deltas.append(ev)
+    elif isinstance(ev, Done): done = ev
+  return done, deltas
+
+
+def children_of(pid: int) -> list[int]:
+  out = []
+  for d in os.listdir("/proc"):
+    if d.isdigit():
+      try:
+        with open(f"/proc/{d}/stat") as f: fields = f.read().rsplit(")", 1)[1].split()
+      except OSError: continue
+      if int(fields[1]) == pid and fields[0] != "Z": out.append(int(d))
+  return out
+
+
+def gone(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f: return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+  except OSError: return True
+
+
+@pytest.fixture(scope="module")
+def lm(smollm2_path):
+  with Launcher(smollm2_path, stages=2, max_context=MAX_CONTEXT) as launcher:
+    yield launcher
+  assert not any(launcher.alive())
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path):
+  """tinygrad's own single-process model on the same file and device: greedy continuation of token ids."""
+  from tinygrad.llm.model import Transformer
+  model, _ = Transformer.from_gguf(smollm2_path, max_context=MAX_CONTEXT)
+
+  def greedy(ids: list[int], n: int) -> list[int]:
+    model._cached_tokens = []
+    out = []
+    for tok in model.generate(list(ids)):
+      out.append(tok)
+      if len(out) == n: break
+    return out
+  return greedy
+
+
+def test_factual_answer_and_equal_to_single_process(lm, reference):
+  done, deltas = run(lm, "What is the capital of France?", max_tokens=24)
+  assert "Paris" in done.text
+  assert "".join(d.text for d in deltas) == done.text
+  assert done.usage.completion_tokens == len(done.token_ids) and done.usage.prompt_tokens == len(done.prompt_token_ids)
+  # the reference does not know our end tokens: compare the tokens both produced (ours stop at EOS)
+  ref = reference(done.prompt_token_ids, len(done.token_ids) + 1)
+  assert done.token_ids == ref[:len(done.token_ids)]
+  if done.finish_reason == "stop": assert ref[len(done.token_ids)] in lm.tokenizer.end_ids
+  assert done.timings.ttft_s > 0 and done.timings.load_s > 0
+
+
+def test_max_tokens_gives_length(lm):
+  done, _ = run(lm, "Count from one to one hundred in words.", max_tokens=5)
+  assert done.finish_reason == "length" and done.usage.completion_tokens == 5
+
+
+def test_end_token_gives_stop(lm):
+  done, _ = run(lm, "Reply with the single word: yes", max_tokens=40)
+  assert done.finish_reason == "stop" and done.stop is None
+  assert not set(done.token_ids) & lm.tokenizer.end_ids
+  assert done.usage.completion_tokens < 40
+
+
+def test_stop_string_straddling_two_tokens(lm):
+  full, _ = run(lm, "Write a sentence about the sea.", max_tokens=20)
+  pieces = [lm.tokenizer.decode([t]) for t in full.token_ids]
+  # a stop string made of the end of one token and the start of the next
+  k = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+  stop = pieces[k][-2:] + pieces[k + 1][:2]
+  cut = full.text.index(stop)
+  done, deltas = run(lm, "Write a sentence about the sea.", max_tokens=20, stop=[stop, "never-seen-stop"])
+  assert done.finish_reason == "stop" and done.stop == stop
+  assert done.text == full.text[:cut] == "".join(d.text for d in deltas)
+
+
+def test_stop_string_inside_multibyte_text(lm):
+  prompt = "Translate to French: 'The coffee is very good and the summer is long.' Answer only with the French sentence."
+  full, _ = run(lm, prompt, max_tokens=30)
+  i = next((i for i, c in enumerate(full.text) if ord(c) > 127), None)
+  assert i is not None, f"the model wrote no non-ASCII text: {full.text!r}"
+  stop = full.text[i:i + 2]  # starts with a multi-byte character
+  done, deltas = run(lm, prompt, max_tokens=30, stop=stop)
+  assert done.text == full.text[:full.text.index(stop)]
+  assert all("\ufffd" not in d.text for d in deltas)
+
+
+def test_seeded_sampling_repeats(lm):
+  kw = dict(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234)
+  a, _ = run(lm, "Tell me a story about a cat.", **kw)
+  b, _ = run(lm, "Tell me a story about a cat.", **kw)
+  c, _ = run(lm, "Tell me a story about a cat.", **dict(kw, seed=99))
+  assert a.token_ids == b.token_ids
+  assert c.token_ids != a.token_ids
+
+
+def test_empty_prompt_and_context_errors(lm):
+  with pytest.raises(errors.EmptyPrompt) as e:
+    lm.generate("", raw=True)
+  assert e.value.field == "prompt"
+  with pytest.raises(errors.ContextLengthExceeded) as e:
+    lm.generate("word " * MAX_CONTEXT, raw=True)
+  assert e.value.context == MAX_CONTEXT and e.value.prompt_tokens >= MAX_CONTEXT
+  assert str(MAX_CONTEXT) in str(e.value) and str(e.value.prompt_tokens) in str(e.value)
+  with pytest.raises(errors.InvalidOption) as e:
+    lm.generate("hi", temperature=-1)
+  assert e.value.field == "temperature"
+  with pytest.raises(errors.UnsupportedFeature):
+    lm.generate("hi", logprobs=True)
+  done, _ = run(lm, "Say hi.", max_tokens=3)  # the launcher still serves after refusing bad requests
+  assert done.usage.completion_tokens >= 1
+
+
+def test_abandoned_generation_frees_its_stream(lm):
+  gen = lm.generate("Write a long poem about rivers.", max_tokens=50)
+  next(ev for ev in gen if isinstance(ev, Delta) and ev.text)
+  gen.close()
+  done, _ = run(lm, "What is the capital of France?", max_tokens=8)
+  assert done.usage.completion_tokens >= 1
+
+
+def test_kill_stage_mid_generation(smollm2_path):
+  lm = Launcher(smollm2_path, stages=2, max_context=MAX_CONTEXT).start()
+  pids = [h.proc.pid for h in lm.handles]
+  arena = "/dev/shm" + lm.arena.name
+  gen = lm.generate("Write a long story about a dragon.", max_tokens=200)
+  next(ev for ev in gen if isinstance(ev, Delta))
+  os.kill(pids[1], signal.SIGKILL)
+  t0 = time.monotonic()
+  with pytest.raises(errors.StageFailed) as e:
+    for _ in gen: pass
+  assert time.monotonic() - t0 < 2.0
+  assert e.value.stage == 1 and "signal 9" in str(e.value)
+  assert all(gone(p) for p in pids)
+  assert not os.path.exists(arena)
+
+
+CLI = [sys.executable, "-m", "pyruntime"]
+
+
+def test_cli_generate_json_equals_single_process(smollm2_path, reference):
+  out = subprocess.run([*CLI, "generate", "What is the capital of France?", "--json", "--max-tokens", "12",
+                        "--model", str(smollm2_path), "--max-context", str(MAX_CONTEXT)], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  res = json.loads(out.stdout)
+  assert set(res) >= {"model", "split", "prompt_token_ids", "token_ids", "text", "finish_reason", "usage", "timings"}
+  assert res["split"] == [[0, res["split"][0][1]], [res["split"][0][1], 30]]
+  assert "Paris" in res["text"]
+  assert res["token_ids"] == reference(res["prompt_token_ids"], len(res["token_ids"]))
+  assert res["usage"] == {"prompt_tokens": len(res["prompt_token_ids"]), "completion_tokens": len(res["token_ids"])}
+
+
+def test_sigterm_to_launcher_leaves_nothing(smollm2_path):
+  before = {p for p in os.listdir("/dev/shm") if p.startswith("pyruntime-")}
+  proc = subprocess.Popen([*CLI, "generate", "Write a long story about a dragon.", "--max-tokens", "300", "--model", str(smollm2_path),
+                           "--max-context", str(MAX_CONTEXT)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  assert proc.stdout.read(1)  # text is flowing, so every stage is up
+  stages = children_of(proc.pid)
+  assert len(stages) == 2
+  proc.send_signal(signal.SIGTERM)
+  proc.wait(timeout=10)
+  deadline = time.monotonic() + 5
+  while time.monotonic() < deadline and not all(gone(p) for p in stages): time.sleep(0.05)
+  assert all(gone(p) for p in stages)
+  assert {p for p in os.listdir("/dev/shm") if p.startswith("pyruntime-")} <= before

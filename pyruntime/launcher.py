@@ -338,9 +338,11 @@ class Launcher:
           self._write(object_id(stream, len(ids) + len(out) - 1), np.asarray([token], dtype="<u4"), 0)
           self.overhead["tokens"] += 1
           self.overhead["seconds"] += time.monotonic() - t_got
-        if stop_hit is None and (rest := stopper.flush(decoder.flush())):
-          text.append(rest)
-          yield Delta(rest, [])
+        if stop_hit is None:
+          if rest := stopper.flush(decoder.flush()):
+            text.append(rest)
+            yield Delta(rest, [])
+          if stopper.matched is not None: finish, stop_hit = "stop", stopper.matched  # the last bytes completed a stop string
         self._close_stream(stream)
         closed = True
         elapsed = time.monotonic() - t0

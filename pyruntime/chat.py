@@ -1,0 +1,184 @@
+"""Prompt rendering: the GGUF's own chat template, fallbacks by tokenizer family, raw mode (SPEC §4).
+
+Templates are rendered the way Hugging Face transformers renders them (sandboxed jinja2,
+trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII)
+because that is the environment model authors write them for.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pyruntime.errors import EmptyPrompt, InvalidOption, UnsupportedFeature
+from pyruntime.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant", "tool")
+_UNSUPPORTED_PARTS = ("image_url", "input_audio", "file", "image", "audio")
+
+
+# --- messages ---------------------------------------------------------------------------------
+def validate_messages(messages: Any) -> list[dict[str, str]]:
+  """OpenAI-style messages as plain {role, content[, name, tool_call_id]} dicts with str content.
+
+  Errors name the offending field, e.g. InvalidOption('messages[1].content')."""
+  if not isinstance(messages, (list, tuple)): raise InvalidOption("messages", "must be a list of messages")
+  if not messages: raise InvalidOption("messages", "at least one message is required")
+  out: list[dict[str, str]] = []
+  for i, m in enumerate(messages):
+    where = f"messages[{i}]"
+    if not isinstance(m, Mapping): raise InvalidOption(where, "must be an object with 'role' and 'content'")
+    role = m.get("role")
+    if role == "developer": role = "system"   # OpenAI's newer name for the system role
+    if role not in ROLES: raise InvalidOption(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+    if m.get("tool_calls"): raise UnsupportedFeature(f"{where}.tool_calls")
+    for key, value in m.items():
+      if key not in ("role", "content", "name", "tool_call_id", "tool_calls") and value is not None:
+        raise UnsupportedFeature(f"{where}.{key}")
+    msg = {"role": role, "content": _content(m.get("content"), f"{where}.content")}
+    for key in ("name", "tool_call_id"):
+      if (v := m.get(key)) is not None:
+        if not isinstance(v, str): raise InvalidOption(f"{where}.{key}", "must be a string")
+        msg[key] = v
+    out.append(msg)
+  return out
+
+
+def _content(content: Any, where: str) -> str:
+  if isinstance(content, str): return content
+  if content is None: raise InvalidOption(where, "is required")
+  if not isinstance(content, (list, tuple)): raise InvalidOption(where, "must be a string or a list of text parts")
+  texts = []
+  for j, part in enumerate(content):
+    if not isinstance(part, Mapping): raise InvalidOption(f"{where}[{j}]", "must be an object like {'type': 'text', 'text': ...}")
+    kind = part.get("type")
+    if kind in _UNSUPPORTED_PARTS: raise UnsupportedFeature(f"{where}[{j}].type={kind}", "pyruntime serves text-only models")
+    if kind != "text": raise InvalidOption(f"{where}[{j}].type", f"must be 'text', got {kind!r}")
+    if not isinstance(text := part.get("text"), str): raise InvalidOption(f"{where}[{j}].text", "must be a string")
+    texts.append(text)
+  # text parts are separate paragraphs of one message (llama.cpp's server joins them the same way)
+  return "\n".join(texts)
+
+
+# --- the jinja environment --------------------------------------------------------------------
+class _GenerationTag(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}` marks assistant spans for training masks; render the body."""
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+  env.filters["tojson"] = _tojson
+  env.globals["raise_exception"] = _raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  return env.from_string(template)
+
+
+# --- built-in formats for GGUFs without a template --------------------------------------------
+def _chatml(messages: list[dict[str, str]], add_generation_prompt: bool, bos: str) -> str:
+  text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+  return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _llama3(messages: list[dict[str, str]], add_generation_prompt: bool, bos: str) -> str:
+  text = bos + "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
+                       for m in messages)
+  return text + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
+
+
+FALLBACKS = {"chatml": ("<|im_start|>", _chatml), "llama3": ("<|start_header_id|>", _llama3)}
+
+
+def _source_info(source: Tokenizer | Mapping[str, Any]) -> tuple[str | None, str, str, Any]:
+  """(template, bos text, eos text, vocabulary membership test) from a Tokenizer or GGUF metadata."""
+  if isinstance(source, Tokenizer):
+    text = lambda i: source.token_text(i) if i is not None else ""
+    return source.chat_template, text(source.bos_id), text(source.eos_id), lambda t: source.token_id(t) is not None
+  tokens = source.get("tokenizer.ggml.tokens") or []
+  def text_of(key: str) -> str:
+    i = source.get(f"tokenizer.ggml.{key}_token_id")
+    return tokens[i] if i is not None and 0 <= i < len(tokens) else ""
+  vocab = set(tokens)
+  return source.get("tokenizer.chat_template"), text_of("bos"), text_of("eos"), vocab.__contains__
+
+
+def chat_format(source: Tokenizer | Mapping[str, Any]) -> str:
+  """'gguf' when the model has its own template, else the fallback its vocabulary implies."""
+  template, _, _, has = _source_info(source)
+  if template: return "gguf"
+  for name, (marker, _) in FALLBACKS.items():
+    if has(marker): return name
+  raise UnsupportedFeature("chat template", "the model has no tokenizer.chat_template and its vocabulary matches "
+                           "no known chat format (ChatML, Llama 3); send a raw prompt instead")
+
+
+def render_chat(source: Tokenizer | Mapping[str, Any], messages: Sequence[Mapping[str, Any]], *,
+                add_generation_prompt: bool = True, template: str | None = None, **extra: Any) -> str:
+  """The prompt text for `messages` in the model's chat format.
+
+  `source` is a Tokenizer or the GGUF metadata dict; `template` overrides the GGUF's own; `extra`
+  variables (e.g. tools, date_string) are passed to the template as Hugging Face does."""
+  msgs = validate_messages(messages)
+  own, bos, eos, _ = _source_info(source)
+  template = template or own
+  if not template:
+    return FALLBACKS[chat_format(source)][1](msgs, add_generation_prompt, bos)
+  try: compiled = _compile(template)
+  except jinja2.TemplateSyntaxError as e:
+    raise UnsupportedFeature("chat template", f"the model's chat template does not compile: {e}") from e
+  try:
+    # tools/documents are passed as None like transformers does: templates test `tools is not none`
+    return compiled.render(**{"messages": msgs, "add_generation_prompt": add_generation_prompt, "bos_token": bos,
+                              "eos_token": eos, "tools": None, "documents": None, **extra})
+  except jinja2.TemplateError as e:   # raise_exception(...) in the template, undefined names, sandbox
+    raise InvalidOption("messages", f"the chat template rejected the messages: {e}") from e
+  except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+    raise InvalidOption("messages", f"the chat template failed on the messages: {e!r}") from e
+
+
+def build_prompt_ids(tokenizer: Tokenizer, kv: Mapping[str, Any] | None = None, *, prompt: str | None = None,
+                     messages: Sequence[Mapping[str, Any]] | None = None, raw: bool = False,
+                     add_generation_prompt: bool = True) -> list[int]:
+  """Token ids of a request's prompt.
+
+  messages, or a prompt without raw, go through the chat template (a prompt as one user message);
+  raw encodes the prompt as is (special tokens in it parsed, BOS only where the GGUF asks for it).
+  BOS appears once: a template that writes it as text gets it stripped and added as the id.
+  Raises EmptyPrompt when nothing but BOS is left."""
+  if (prompt is None) == (messages is None): raise InvalidOption("prompt", "give exactly one of prompt and messages")
+  if prompt is not None and not isinstance(prompt, str): raise InvalidOption("prompt", "must be a string")
+  if raw:
+    if messages is not None: raise InvalidOption("raw", "raw applies to a prompt, not to messages")
+    assert prompt is not None
+    ids = tokenizer.encode(prompt, parse_special=True)
+  else:
+    if messages is None: messages = [{"role": "user", "content": prompt}]
+    text = render_chat(kv if kv is not None else tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    if tokenizer.add_bos and bos and text.startswith(bos): text = text[len(bos):]
+    ids = tokenizer.encode(text, parse_special=True)
+  if not ids: raise EmptyPrompt()
+  if tokenizer.add_bos and tokenizer.bos_id is not None: ids = [tokenizer.bos_id, *ids]
+  return ids

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import queue
 import signal
 import sys
 import threading
@@ -21,6 +22,8 @@ from typing import Any, Callable
 
 from pyruntime import errors
 from pyruntime.records import ABI_VERSION, FLAG_CLOSE, FLAG_END, FLAG_OPEN, decode_json, split_object_id
+
+COMMAND_POLL_S = 0.05  # while records flow, how often the data loop looks for a control command
 
 
 class Fatal(Exception):
@@ -75,7 +78,7 @@ class Stage:
     self.writer: Any = None
     self.streams: dict[int, Stream] = {}
     self.loaded: Any = None          # the record RingReadable loaded, in step mode
-    self.loop: threading.Thread | None = None
+    self.looping = False             # the data loop runs (InstallRing in mode "loop")
     self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "started": time.monotonic()}
     self.commands: dict[str, Callable[[dict], None]] = {
       "InitializeWorker": self.initialize, "ConfigureRole": self.configure, "LoadWeights": self.load_weights,
@@ -137,14 +140,11 @@ class Stage:
     self.reader, self.writer = self.arena.reader(int(cmd["ingress"])), self.arena.writer(int(cmd["egress"]))
     mode = cmd.get("mode", "loop")
     self.ch.emit("RingInstalled", stage=self.index, arena=cmd["arena"], ingress=cmd["ingress"], egress=cmd["egress"], mode=mode)
-    if mode == "loop":
-      self.loop = threading.Thread(target=self.data_loop, name="data-loop", daemon=True)
-      self.loop.start()
+    self.looping = mode == "loop"
 
   def uninstall_ring(self, cmd: dict) -> None:
     self.close_rings()
-    if self.loop is not None: self.loop.join(timeout=5)
-    self.loop = None
+    self.looping = False
     self.ch.emit("RingUninstalled", stage=self.index)
 
   def close_rings(self) -> None:
@@ -156,18 +156,20 @@ class Stage:
     self.reader = self.writer = self.arena = None
 
   # --- the data path ----------------------------------------------------------------------------
-  def data_loop(self) -> None:
-    try:
-      while (reader := self.reader) is not None:
-        t0 = time.monotonic()
-        try: rec = reader.read(timeout=None)
-        except errors.RingClosed: break
-        self.stats["wait_s"] += time.monotonic() - t0
-        self.process(rec)
-        reader.release()
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher as WorkerFatal
-      if self.reader is not None: self.die(fatal_from(e))
-    self.ch.emit("DataLoopStopped", stage=self.index)
+  def poll_ring(self) -> None:
+    """Process at most one ingress record, waiting up to COMMAND_POLL_S for it."""
+    t0 = time.monotonic()
+    try: rec = self.reader.read(timeout=COMMAND_POLL_S)
+    except errors.RingTimeout:
+      self.stats["wait_s"] += time.monotonic() - t0
+      return
+    except errors.RingClosed:  # upstream finished in order: pass the close on and stop looping
+      self.looping = False
+      self.writer.close()
+      return self.ch.emit("DataLoopStopped", stage=self.index)
+    self.stats["wait_s"] += time.monotonic() - t0
+    self.process(rec)
+    self.reader.release()
 
   def process(self, rec: Any) -> None:
     """Handle one ingress record and write what it produces; the caller releases it."""
@@ -223,7 +225,7 @@ class Stage:
   # --- step-by-step driving by an outside orchestrator -------------------------------------------
   def ring_readable(self, cmd: dict) -> None:
     if self.reader is None: raise Fatal("RingNotInstalled", "RingReadable before InstallRing")
-    if self.loop is not None: raise Fatal("InvalidCommand", "RingReadable needs InstallRing with mode 'step'")
+    if self.looping: raise Fatal("InvalidCommand", "RingReadable needs InstallRing with mode 'step'")
     if self.loaded is None:
       try: self.loaded = self.reader.read(timeout=float(cmd.get("timeout_s", 0)))
       except (errors.WouldBlock, errors.RingTimeout):
@@ -304,8 +306,18 @@ class Stage:
     self.close_rings()
     os._exit(code)
 
-  def serve(self, lines) -> None:
-    for line in lines:
+  def serve(self, commands: queue.Queue) -> None:
+    """Commands and records both run here, on the main thread: tinygrad's state (its kernel cache
+    database among it) belongs to the thread that created it. Between records we look for commands."""
+    while True:
+      if self.looping:
+        try: line = commands.get_nowait()
+        except queue.Empty:
+          try: self.poll_ring()
+          except Exception as e: self.die(fatal_from(e))  # noqa: BLE001 - every failure reaches the launcher
+          continue
+      else: line = commands.get()
+      if line is None: break  # stdin closed: the launcher is gone
       if not line.strip(): continue
       try:
         cmd = json.loads(line)
@@ -316,7 +328,6 @@ class Stage:
       try: handler(cmd)
       except Exception as e: self.die(fatal_from(e))  # noqa: BLE001
     self.close_rings()
-    if self.loop is not None: self.loop.join(timeout=5)
     self.ch.emit("WorkerStopped", stage=self.index)
 
 
@@ -344,7 +355,13 @@ def main() -> None:
   if os.environ.get("PYRUNTIME_PROFILE"):
     from pyruntime.profiler import start_profiler
     start_profiler(channel.emit)
-  stage.serve(sys.stdin)
+  commands: queue.Queue = queue.Queue()
+
+  def read_stdin() -> None:
+    for line in sys.stdin: commands.put(line)
+    commands.put(None)
+  threading.Thread(target=read_stdin, name="control-in", daemon=True).start()
+  stage.serve(commands)
 
 
 if __name__ == "__main__":

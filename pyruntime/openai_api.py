@@ -1,0 +1,297 @@
+"""OpenAI request parsing and response shaping: pure functions, no HTTP and no launcher.
+
+`parse_request` turns a decoded JSON body into the keyword arguments of `Launcher.generate`,
+raising `InvalidOption(field)` for a bad value and `UnsupportedFeature(field)` for anything we
+do not do (never silently ignored, SPEC §4). `error_body` maps every error to OpenAI's error
+shape and an HTTP status. `ChatShaper` / `CompletionShaper` build OpenAI's response objects and
+stream chunks from the launcher's `Delta` / `Done` events.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyruntime import errors
+
+CHAT, COMPLETION = "chat", "completion"
+
+# The launcher's sampling options (SPEC §4); the names are the request field names.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
+                   "repetition_penalty", "penalty_last_n")
+_COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", *SAMPLING_FIELDS}
+SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens"}, COMPLETION: _COMMON | {"prompt"}}
+
+# OpenAI features we refuse by name. A value that asks for nothing (the field's neutral value) is
+# accepted: a client that spells out a default is not asking for a feature.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+  "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+  "parallel_tool_calls": (), "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "best_of": (1,), "echo": (False,),
+  "suffix": ("",), "store": (False,), "metadata": (), "modalities": (["text"],), "audio": (), "prediction": (),
+  "reasoning_effort": (), "service_tier": ("auto", "default"), "web_search_options": (),
+}
+UNSUPPORTED_VALUE_FIELDS = {"n", "response_format", "stream_options"}
+
+
+class MalformedRequest(errors.PyruntimeError):
+  """The body is not a JSON object."""
+
+
+class QueueFull(errors.PyruntimeError):
+  def __init__(self, size: int):
+    super().__init__(f"the server is busy: {size} requests are already waiting; retry later")
+    self.size = size
+
+
+@dataclass
+class ParsedRequest:
+  kind: str                              # CHAT | COMPLETION
+  stream: bool = False
+  include_usage: bool = False
+  model: str | None = None               # what the client asked for (any name is accepted)
+  generate: dict[str, Any] = field(default_factory=dict)   # keyword arguments of Launcher.generate
+
+
+# --- parsing ------------------------------------------------------------------------------------
+def parse_json(raw: bytes) -> dict[str, Any]:
+  try: body = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise MalformedRequest(f"We could not parse the JSON body of your request ({e}). The body must be a JSON object.") from None
+  if not isinstance(body, dict): raise MalformedRequest(f"the request body must be a JSON object, not {type(body).__name__}")
+  return body
+
+
+def _is_int(v: Any) -> bool: return isinstance(v, int) and not isinstance(v, bool)
+def _is_number(v: Any) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(body: dict, name: str, lo: int | None = None) -> int | None:
+  v = body.get(name)
+  if v is None: return None
+  if not _is_int(v): raise errors.InvalidOption(name, f"must be an integer, got {v!r}")
+  if lo is not None and v < lo: raise errors.InvalidOption(name, f"must be at least {lo}, got {v}")
+  return v
+
+
+def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float | None:
+  v = body.get(name)
+  if v is None: return None
+  if not _is_number(v): raise errors.InvalidOption(name, f"must be a number, got {v!r}")
+  if lo is not None and (v < lo or (lo_open and v == lo)):
+    raise errors.InvalidOption(name, f"must be {'greater than' if lo_open else 'at least'} {lo}, got {v}")
+  if hi is not None and v > hi: raise errors.InvalidOption(name, f"must be at most {hi}, got {v}")
+  return v
+
+
+def _bool(body: dict, name: str) -> bool | None:
+  v = body.get(name)
+  if v is None: return None
+  if not isinstance(v, bool): raise errors.InvalidOption(name, f"must be true or false, got {v!r}")
+  return v
+
+
+def _check_unsupported(body: dict, kind: str) -> None:
+  for name, value in body.items():
+    if name in SUPPORTED[kind] or value is None: continue
+    if name in _NEUTRAL and any(type(value) is type(n) and value == n for n in _NEUTRAL[name]): continue
+    if name in _NEUTRAL: raise errors.UnsupportedFeature(name, f"pyruntime does not support {name}={json.dumps(value)[:80]}")
+    raise errors.UnsupportedFeature(name, f"unrecognized request argument for /v1/{'chat/completions' if kind == CHAT else 'completions'}")
+
+
+def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
+  """Validate an OpenAI request body; raise InvalidOption / UnsupportedFeature naming the field."""
+  _check_unsupported(body, kind)
+  req = ParsedRequest(kind)
+  model = body.get("model")
+  if model is not None and not isinstance(model, str): raise errors.InvalidOption("model", f"must be a string, got {model!r}")
+  req.model = model
+  if (user := body.get("user")) is not None and not isinstance(user, str): raise errors.InvalidOption("user", "must be a string")
+  n = _int(body, "n", lo=1)
+  if n is not None and n != 1: raise errors.UnsupportedFeature("n", f"only n=1 is supported, got n={n}")
+  req.stream = bool(_bool(body, "stream"))
+  opts = body.get("stream_options")
+  if opts is not None:
+    if not isinstance(opts, dict): raise errors.InvalidOption("stream_options", "must be an object like {'include_usage': true}")
+    if not req.stream: raise errors.InvalidOption("stream_options", "is only allowed when stream is true")
+    for key in opts:
+      if key != "include_usage": raise errors.UnsupportedFeature(f"stream_options.{key}", "only include_usage is supported")
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool): raise errors.InvalidOption("stream_options.include_usage", "must be true or false")
+    req.include_usage = bool(usage)
+
+  gen: dict[str, Any] = {}
+  max_tokens = _int(body, "max_tokens", lo=1)
+  if kind == CHAT:
+    mct = _int(body, "max_completion_tokens", lo=1)
+    if mct is not None and max_tokens is not None and mct != max_tokens:
+      raise errors.InvalidOption("max_completion_tokens", f"is {mct} but max_tokens is {max_tokens}: give one of them")
+    if mct is not None: max_tokens = mct
+    gen["max_tokens"] = max_tokens          # None: up to the context (OpenAI's default for chat)
+    if "messages" not in body or body["messages"] is None: raise errors.InvalidOption("messages", "is required")
+    from pyruntime.chat import validate_messages
+    validate_messages(body["messages"])     # fail fast, naming e.g. messages[1].role; the launcher renders them
+    gen["messages"] = body["messages"]
+  else:
+    gen["max_tokens"] = 16 if max_tokens is None else max_tokens   # OpenAI's default for /v1/completions
+    gen["prompt"], gen["raw"] = _prompt(body.get("prompt")), True
+
+  from pyruntime.textstream import validate_stop
+  stop = validate_stop(body.get("stop"))
+  if stop: gen["stop"] = stop
+  sampling = {
+    "temperature": _number(body, "temperature", lo=0.0),
+    "top_p": _number(body, "top_p", lo=0.0, hi=1.0, lo_open=True),
+    "top_k": _int(body, "top_k", lo=0),
+    "min_p": _number(body, "min_p", lo=0.0, hi=1.0),
+    "seed": _int(body, "seed"),
+    "frequency_penalty": _number(body, "frequency_penalty", lo=-2.0, hi=2.0),
+    "presence_penalty": _number(body, "presence_penalty", lo=-2.0, hi=2.0),
+    "repetition_penalty": _number(body, "repetition_penalty", lo=0.0, lo_open=True),
+    "penalty_last_n": _int(body, "penalty_last_n"),
+  }
+  gen.update({k: v for k, v in sampling.items() if v is not None})
+  req.generate = gen
+  return req
+
+
+def _prompt(prompt: Any) -> str:
+  if prompt is None: raise errors.InvalidOption("prompt", "is required")
+  if isinstance(prompt, list):
+    if prompt and (all(_is_int(t) for t in prompt) or all(isinstance(t, list) for t in prompt)):
+      raise errors.UnsupportedFeature("prompt", "token-id prompts are not supported; send the prompt as a string")
+    if len(prompt) != 1: raise errors.UnsupportedFeature("prompt", f"batched prompts are not supported (got {len(prompt)}); send one string")
+    prompt = prompt[0]
+  if not isinstance(prompt, str): raise errors.InvalidOption("prompt", f"must be a string, got {type(prompt).__name__}")
+  if not prompt: raise errors.EmptyPrompt("the prompt is empty")
+  return prompt
+
+
+# --- errors ---------------------------------------------------------------------------------------
+def error_body(exc: BaseException, kind: str | None = None) -> tuple[int, dict[str, Any]]:
+  """(HTTP status, OpenAI error object) for any exception raised while serving a request."""
+  def shape(status: int, message: str, type_: str, param: str | None, code: str | None) -> tuple[int, dict[str, Any]]:
+    return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
+  bad = "invalid_request_error"
+  if isinstance(exc, errors.ContextLengthExceeded):
+    message = (f"This model's maximum context length is {exc.context} tokens. However, your prompt has {exc.prompt_tokens} tokens; "
+               f"shorten it to at most {exc.context - 1} tokens.")
+    return shape(400, message, bad, "messages" if kind == CHAT else "prompt", "context_length_exceeded")
+  if isinstance(exc, errors.InvalidOption):
+    param = exc.field
+    if kind == CHAT and param == "prompt": param = "messages"   # the launcher's name for what the client sent as messages
+    return shape(400, str(exc), bad, param, "invalid_value")
+  if isinstance(exc, errors.UnsupportedFeature):
+    code = "unsupported_value" if exc.feature in UNSUPPORTED_VALUE_FIELDS or exc.feature == "prompt" else "unsupported_parameter"
+    return shape(400, str(exc), bad, exc.feature, code)
+  if isinstance(exc, MalformedRequest): return shape(400, str(exc), bad, None, "invalid_json")
+  if isinstance(exc, QueueFull): return shape(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
+  if isinstance(exc, errors.StageFailed): return shape(500, str(exc), "server_error", None, "stage_failed")
+  if isinstance(exc, errors.LauncherClosed):
+    return shape(503, f"the model is not running: {exc}", "server_error", None, "service_unavailable")
+  if isinstance(exc, errors.PyruntimeError): return shape(500, f"{exc.code}: {exc}", "server_error", None, exc.code)
+  return shape(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
+
+
+# --- responses --------------------------------------------------------------------------------------
+def usage_dict(done: Any) -> dict[str, Any]:
+  u = done.usage
+  return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+          "total_tokens": u.prompt_tokens + u.completion_tokens,
+          "prompt_tokens_details": {"cached_tokens": getattr(u, "cached_tokens", 0)}}
+
+
+def models_list(model_name: str, created: int, context_length: int | None = None) -> dict[str, Any]:
+  return {"object": "list", "data": [model_card(model_name, created, context_length)]}
+
+
+def model_card(model_name: str, created: int, context_length: int | None = None) -> dict[str, Any]:
+  card = {"id": model_name, "object": "model", "created": created, "owned_by": "pyruntime"}
+  if context_length is not None: card["context_length"] = context_length
+  return card
+
+
+class _Shaper:
+  """Builds one request's response (non-streamed) or chunks (streamed)."""
+  prefix = ""
+  object_full = object_chunk = ""
+
+  def __init__(self, model: str, fingerprint: str, include_usage: bool = False, created: int | None = None):
+    self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+    self.created = int(time.time()) if created is None else created
+    self.model, self.fingerprint, self.include_usage = model, fingerprint, include_usage
+
+  def _envelope(self, obj: str) -> dict[str, Any]:
+    return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
+
+  def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+    c = self._envelope(self.object_chunk)
+    c["choices"] = [choice]
+    if self.include_usage: c["usage"] = None   # OpenAI: null on every chunk but the last
+    return c
+
+  def usage_chunk(self, done: Any) -> dict[str, Any]:
+    c = self._envelope(self.object_chunk)
+    c["choices"], c["usage"] = [], usage_dict(done)
+    return c
+
+  def first_chunks(self) -> list[dict[str, Any]]: return []
+  def delta_chunk(self, text: str) -> dict[str, Any]: raise NotImplementedError
+  def final_chunk(self, done: Any) -> dict[str, Any]: raise NotImplementedError
+  def response(self, done: Any) -> dict[str, Any]: raise NotImplementedError
+
+  def end_chunks(self, done: Any) -> list[dict[str, Any]]:
+    out = [self.final_chunk(done)]
+    if self.include_usage: out.append(self.usage_chunk(done))
+    return out
+
+
+class ChatShaper(_Shaper):
+  prefix, object_full, object_chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+  def first_chunks(self) -> list[dict[str, Any]]:
+    return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
+
+  def delta_chunk(self, text: str) -> dict[str, Any]:
+    return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
+
+  def final_chunk(self, done: Any) -> dict[str, Any]:
+    return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": done.finish_reason})
+
+  def response(self, done: Any) -> dict[str, Any]:
+    r = self._envelope(self.object_full)
+    r["choices"] = [{"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
+                     "finish_reason": done.finish_reason}]
+    r["usage"] = usage_dict(done)
+    return r
+
+
+class CompletionShaper(_Shaper):
+  prefix, object_full, object_chunk = "cmpl", "text_completion", "text_completion"
+
+  def delta_chunk(self, text: str) -> dict[str, Any]:
+    return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+
+  def final_chunk(self, done: Any) -> dict[str, Any]:
+    return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": done.finish_reason})
+
+  def response(self, done: Any) -> dict[str, Any]:
+    r = self._envelope(self.object_full)
+    r["choices"] = [{"index": 0, "text": done.text, "logprobs": None, "finish_reason": done.finish_reason}]
+    r["usage"] = usage_dict(done)
+    return r
+
+
+def shaper_for(kind: str, model: str, fingerprint: str, include_usage: bool = False) -> _Shaper:
+  return (ChatShaper if kind == CHAT else CompletionShaper)(model, fingerprint, include_usage)
+
+
+def sse(obj: Any) -> bytes:
+  """One server-sent event: `data: <json>\\n\\n` (or `data: [DONE]\\n\\n`)."""
+  data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+  return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"

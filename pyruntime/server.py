@@ -1,0 +1,460 @@
+"""`pyruntime serve`: an OpenAI-compatible HTTP server over one `Launcher` (SPEC §4).
+
+    app = create_app(launcher, queue_size=16)     # a Starlette app; uvicorn runs it
+
+Requests are validated on arrival (`openai_api.parse_request`, then `launcher.generate`, which
+tokenizes and checks the context before anything runs), so a bad request is answered at once
+even while another one is generating. A valid request becomes a `Job` in a bounded FIFO queue
+(429 when full); one worker thread takes jobs in order and drives the launcher's blocking
+generator, handing each event to the request's asyncio queue with `loop.call_soon_threadsafe`.
+A client that goes away (streaming or not) cancels its job: the worker `close()`s the
+generator, which frees the launcher's stream, and the next job runs. An exception inside one job
+ends that request only (a 500, or an SSE error event once streaming has begun).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import socket
+import sys
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+import anyio
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pyruntime import errors
+from pyruntime import openai_api as api
+from pyruntime.launcher import Delta, Done
+from pyruntime.openai_api import CHAT, COMPLETION, SSE_DONE, MalformedRequest, QueueFull, error_body, parse_json, parse_request, sse
+
+CLIENT_CLOSED = 499   # nginx's status for "the client closed the request"; only ever seen in /metrics
+
+
+# --- metrics (Prometheus text exposition format 0.0.4) -----------------------------------------------
+class Histogram:
+  def __init__(self, buckets: tuple[float, ...]):
+    self.buckets = tuple(sorted(buckets))
+    self.counts = [0] * len(self.buckets)   # cumulative: counts[i] = observations <= buckets[i]
+    self.sum, self.count = 0.0, 0
+
+  def observe(self, v: float) -> None:
+    for i, b in enumerate(self.buckets):
+      if v <= b: self.counts[i] += 1
+    self.sum += v; self.count += 1
+
+  def lines(self, name: str) -> list[str]:
+    out = [f'{name}_bucket{{le="{_fmt(b)}"}} {c}' for b, c in zip(self.buckets, self.counts, strict=True)]
+    out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {_fmt(self.sum)}", f"{name}_count {self.count}"]
+    return out
+
+
+def _fmt(v: float) -> str:
+  f = float(v)
+  return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
+def _label(v: Any) -> str: return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Metrics:
+  """Counters and histograms of one server; written from the event loop and the worker thread."""
+  def __init__(self) -> None:
+    self.lock = threading.Lock()
+    self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
+    self.errors: collections.Counter[str] = collections.Counter()
+    self.cancelled = 0
+    self.prompt_tokens = self.completion_tokens = 0
+    self.ttft = Histogram((0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+    self.decode_rate = Histogram((0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
+
+  def request(self, route: str, status: int) -> None:
+    with self.lock: self.requests[(route, status)] += 1
+
+  def error(self, code: str) -> None:
+    with self.lock: self.errors[code] += 1
+
+  def render(self, *, queue_depth: int, running: int, occupancy: list[float], alive: list[bool]) -> str:
+    with self.lock:
+      out: list[str] = []
+      def head(name: str, kind: str, text: str) -> None: out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}"])
+      head("pyruntime_requests_total", "counter", "HTTP requests answered, by route and status (499: the client went away).")
+      for (route, status), n in sorted(self.requests.items()):
+        out.append(f'pyruntime_requests_total{{route="{_label(route)}",status="{status}"}} {n}')
+      head("pyruntime_request_errors_total", "counter", "Generation requests that ended with an error, by error code (mid-stream ones too).")
+      for code, n in sorted(self.errors.items()): out.append(f'pyruntime_request_errors_total{{code="{_label(code)}"}} {n}')
+      head("pyruntime_requests_cancelled_total", "counter", "Generations stopped because their client went away.")
+      out.append(f"pyruntime_requests_cancelled_total {self.cancelled}")
+      head("pyruntime_prompt_tokens_total", "counter", "Prompt tokens of finished generations.")
+      out.append(f"pyruntime_prompt_tokens_total {self.prompt_tokens}")
+      head("pyruntime_completion_tokens_total", "counter", "Tokens generated (cancelled and failed generations included).")
+      out.append(f"pyruntime_completion_tokens_total {self.completion_tokens}")
+      head("pyruntime_time_to_first_token_seconds", "histogram", "From a request's acceptance (queueing included) to its first token.")
+      out += self.ttft.lines("pyruntime_time_to_first_token_seconds")
+      head("pyruntime_decode_tokens_per_second", "histogram", "Decode rate of each finished generation after its first token.")
+      out += self.decode_rate.lines("pyruntime_decode_tokens_per_second")
+      head("pyruntime_queue_depth", "gauge", "Requests waiting for the generation worker.")
+      out.append(f"pyruntime_queue_depth {queue_depth}")
+      head("pyruntime_requests_running", "gauge", "Requests generating now (0 or 1).")
+      out.append(f"pyruntime_requests_running {running}")
+      head("pyruntime_ring_occupancy_ratio", "gauge", "Fill fraction of each ring (ring i feeds stage i; the last one carries tokens back).")
+      for i, v in enumerate(occupancy): out.append(f'pyruntime_ring_occupancy_ratio{{ring="{i}"}} {_fmt(v)}')
+      head("pyruntime_stage_up", "gauge", "1 while the stage process is alive.")
+      for i, a in enumerate(alive): out.append(f'pyruntime_stage_up{{stage="{i}"}} {int(a)}')
+      return "\n".join(out) + "\n"
+
+
+# --- the queue and its worker ------------------------------------------------------------------------
+class Job:
+  """One accepted generation: the launcher's (not yet started) generator and the request's event queue."""
+  def __init__(self, gen: Any, loop: asyncio.AbstractEventLoop):
+    self.gen, self.loop = gen, loop
+    self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    self.cancelled = threading.Event()
+    self.finished = threading.Event()
+    self.accepted = time.monotonic()
+
+  def emit(self, kind: str, payload: Any = None) -> None:
+    try: self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+    except RuntimeError: pass  # the event loop is gone (server shutting down)
+
+
+class Scheduler:
+  """A bounded FIFO of jobs served in order by one worker thread."""
+  def __init__(self, queue_size: int, metrics: Metrics, on_error: Callable[[BaseException], None] | None = None):
+    if queue_size < 0: raise errors.InvalidOption("queue_size", f"must be >= 0, got {queue_size}")
+    self.queue_size, self.metrics, self.on_error = queue_size, metrics, on_error
+    self.cv = threading.Condition()
+    self.waiting: collections.deque[Job] = collections.deque()
+    self.current: Job | None = None
+    self.stopping = False
+    self.thread = threading.Thread(target=self._work, name="pyruntime-generate", daemon=True)
+    self.thread.start()
+
+  def submit(self, job: Job) -> bool:
+    """Queue a job; False when `queue_size` jobs already wait (an idle worker takes one even with queue_size=0)."""
+    with self.cv:
+      if self.stopping: return False
+      if len(self.waiting) >= self.queue_size and not (self.current is None and not self.waiting): return False
+      self.waiting.append(job)
+      self.cv.notify()
+      return True
+
+  def cancel(self, job: Job) -> None:
+    """The request is over (answered or abandoned): drop the job if it still waits, stop it if it runs."""
+    job.cancelled.set()
+    with self.cv:
+      try: self.waiting.remove(job)
+      except ValueError: return
+    job.gen.close()   # never started: nothing to free
+    job.finished.set()
+
+  def depth(self) -> int:
+    with self.cv: return len(self.waiting)
+
+  def running(self) -> int:
+    with self.cv: return int(self.current is not None)
+
+  def stop(self, timeout: float = 10.0) -> None:
+    with self.cv:
+      self.stopping = True
+      left, self.waiting = list(self.waiting), collections.deque()
+      if self.current is not None: self.current.cancelled.set()
+      self.cv.notify_all()
+    for job in left:
+      job.gen.close(); job.finished.set()
+      job.emit("error", errors.LauncherClosed("the server is shutting down"))
+    if self.thread is not threading.current_thread(): self.thread.join(timeout)
+
+  def _work(self) -> None:
+    while True:
+      with self.cv:
+        while not self.waiting and not self.stopping: self.cv.wait()
+        if self.stopping: return
+        job = self.current = self.waiting.popleft()
+      try: self._run(job)
+      finally:
+        with self.cv: self.current = None
+
+  def _run(self, job: Job) -> None:
+    m = self.metrics
+    first = True
+    try:
+      if job.cancelled.is_set(): return
+      for ev in job.gen:
+        if isinstance(ev, Delta) and ev.token_ids:
+          with m.lock:
+            m.completion_tokens += len(ev.token_ids)
+            if first: m.ttft.observe(time.monotonic() - job.accepted); first = False
+        elif isinstance(ev, Done):
+          with m.lock:
+            m.prompt_tokens += ev.usage.prompt_tokens
+            if ev.timings.decode_tokens_per_s > 0: m.decode_rate.observe(ev.timings.decode_tokens_per_s)
+        if job.cancelled.is_set():
+          with m.lock: m.cancelled += 1
+          return
+        job.emit("event", ev)
+    except Exception as e:  # noqa: BLE001 - an error inside one request ends that request only
+      m.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
+      if self.on_error is not None: self.on_error(e)
+      job.emit("error", e)
+    finally:
+      try: job.gen.close()   # a consumer that walked away: the launcher frees the stream and drains it
+      except Exception as e:  # noqa: BLE001
+        if self.on_error is not None: self.on_error(e)
+      job.finished.set()
+
+
+# --- HTTP ------------------------------------------------------------------------------------------
+async def run_until_disconnect(receive: Callable[[], Awaitable[dict]], body: Callable[[], Awaitable[None]]) -> bool:
+  """Run `body` until it returns or the client disconnects (then it is cancelled); True when the client went away."""
+  gone = False
+  async with anyio.create_task_group() as tg:
+    async def watch() -> None:
+      nonlocal gone
+      while (await receive())["type"] != "http.disconnect": pass
+      gone = True
+      tg.cancel_scope.cancel()
+    tg.start_soon(watch)
+    await body()
+    tg.cancel_scope.cancel()
+  return gone
+
+
+class SSEResponse:
+  """A server-sent-events response fed by a job; always watches for the client going away."""
+  def __init__(self, state: "ServerState", job: Job, shaper: Any, kind: str):
+    self.state, self.job, self.shaper, self.kind = state, job, shaper, kind
+    self.status_code = 200
+
+  async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    closed = False
+
+    async def out(message: dict) -> None:
+      nonlocal closed
+      if closed: return
+      try: await send(message)
+      except OSError: closed = True   # a server that reports a closed connection by raising (ASGI spec >= 2.4)
+
+    async def chunk(data: bytes) -> None: await out({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def body() -> None:
+      await out({"type": "http.response.start", "status": 200,
+                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                             (b"x-accel-buffering", b"no")]})
+      for c in self.shaper.first_chunks(): await chunk(sse(c))
+      while not closed:
+        kind, ev = await self.job.events.get()
+        if kind == "error":
+          await chunk(sse(error_body(ev, self.kind)[1]))
+          break
+        if isinstance(ev, Delta) and ev.text: await chunk(sse(self.shaper.delta_chunk(ev.text)))
+        elif isinstance(ev, Done):
+          for c in self.shaper.end_chunks(ev): await chunk(sse(c))
+          await chunk(SSE_DONE)
+          break
+      await out({"type": "http.response.body", "body": b"", "more_body": False})
+
+    try: gone = await run_until_disconnect(receive, body) or closed
+    finally: self.state.scheduler.cancel(self.job)
+    if gone: scope.setdefault("state", {})["pyruntime_status"] = CLIENT_CLOSED
+
+
+class ServerState:
+  def __init__(self, launcher: Any, queue_size: int):
+    self.launcher, self.queue_size = launcher, queue_size
+    self.metrics = Metrics()
+    self.last_error: dict[str, Any] | None = None
+    self.scheduler = Scheduler(queue_size, self.metrics, on_error=self._note_error)
+    self.created = int(time.time())
+
+  def _note_error(self, e: BaseException) -> None:
+    info: dict[str, Any] = {"time": int(time.time()), "code": e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__,
+                            "message": str(e)}
+    if isinstance(e, errors.StageFailed): info.update(stage=e.stage, reason=e.reason)
+    self.last_error = info
+
+  def alive(self) -> list[bool]:
+    try: return [bool(a) for a in self.launcher.alive()]
+    except Exception: return []  # noqa: BLE001 - a launcher that cannot say is not healthy
+
+  def occupancy(self) -> list[float]:
+    try: return [float(v) for v in self.launcher.ring_occupancy()]
+    except Exception: return []  # noqa: BLE001 - the arena is gone once the launcher closed
+
+
+def _error(e: BaseException, kind: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+  status, body = error_body(e, kind)
+  return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_app(launcher: Any, *, queue_size: int = 16) -> Starlette:
+  """The OpenAI-compatible app over a started launcher (or anything with its interface)."""
+  state = ServerState(launcher, queue_size)
+
+  async def generate(request: Request, kind: str) -> Any:
+    try:
+      req = parse_request(parse_json(await request.body()), kind)
+      gen = await run_in_threadpool(launcher.generate, **req.generate)  # validates, tokenizes, checks the context
+    except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-shaped answer
+      if not isinstance(e, (errors.InvalidOption, errors.UnsupportedFeature, errors.ContextLengthExceeded, MalformedRequest)):
+        state.metrics.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
+      return _error(e, kind)
+    job = Job(gen, asyncio.get_running_loop())
+    if not state.scheduler.submit(job):
+      gen.close()
+      return _error(QueueFull(queue_size), kind, headers={"retry-after": "1"})
+    shaper = api.shaper_for(kind, launcher.model_name, launcher.recipe, req.include_usage)
+    if req.stream: return SSEResponse(state, job, shaper, kind)
+    result: dict[str, Any] = {}
+
+    async def collect() -> None:
+      while True:
+        what, ev = await job.events.get()
+        if what == "error": result["error"] = ev; return
+        if isinstance(ev, Done): result["done"] = ev; return
+
+    try: gone = await run_until_disconnect(request.receive, collect)
+    finally: state.scheduler.cancel(job)
+    if gone:
+      request.scope.setdefault("state", {})["pyruntime_status"] = CLIENT_CLOSED
+      return Response(status_code=CLIENT_CLOSED)
+    if "error" in result: return _error(result["error"], kind)
+    return JSONResponse(shaper.response(result["done"]))
+
+  async def chat_completions(request: Request) -> Any: return await generate(request, CHAT)
+  async def completions(request: Request) -> Any: return await generate(request, COMPLETION)
+
+  async def models(request: Request) -> JSONResponse:
+    return JSONResponse(api.models_list(launcher.model_name, state.created, launcher.context_length))
+
+  async def model(request: Request) -> JSONResponse:
+    name = request.path_params["model"]
+    if name != launcher.model_name:
+      return JSONResponse({"error": {"message": f"The model {name!r} does not exist; this server serves {launcher.model_name!r}",
+                                     "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}, status_code=404)
+    return JSONResponse(api.model_card(launcher.model_name, state.created, launcher.context_length))
+
+  async def health(request: Request) -> JSONResponse:
+    alive = state.alive()
+    ok = bool(alive) and all(alive)
+    split = list(getattr(launcher, "split", None) or [])
+    stages = [{"stage": i, "status": "alive" if a else "dead", "layers": list(split[i]) if i < len(split) else None}
+              for i, a in enumerate(alive)]
+    return JSONResponse({"status": "ok" if ok else "unavailable", "model": launcher.model_name, "stages": stages,
+                         "queue_depth": state.scheduler.depth(), "running": state.scheduler.running(), "last_error": state.last_error},
+                        status_code=200 if ok else 503)
+
+  async def metrics(request: Request) -> Response:
+    text = state.metrics.render(queue_depth=state.scheduler.depth(), running=state.scheduler.running(),
+                                occupancy=state.occupancy(), alive=state.alive())
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+  async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    message = f"Unknown request URL: {request.method} {request.url.path}" if exc.status_code == 404 else \
+              f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405 else str(exc.detail)
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+                        status_code=exc.status_code, headers=exc.headers)
+
+  async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    return _error(exc)
+
+  routes = [Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{model:path}", model, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])]
+  known = {r.path for r in routes if "{" not in r.path}
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app: Starlette) -> Any:
+    yield
+    await run_in_threadpool(state.scheduler.stop, 5.0)
+
+  app = Starlette(routes=routes, middleware=[Middleware(CountRequests, metrics=state.metrics, known=known)],
+                  exception_handlers={HTTPException: http_error, Exception: internal_error}, lifespan=lifespan)
+  app.state.pyruntime = state
+  return app
+
+
+class CountRequests:
+  """ASGI middleware: count each HTTP request by route and final status."""
+  def __init__(self, app: Any, metrics: Metrics, known: set[str]):
+    self.app, self.metrics, self.known = app, metrics, known
+
+  async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    if scope["type"] != "http": return await self.app(scope, receive, send)
+    path = scope.get("path", "")
+    route = path if path in self.known else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+    status = 500
+
+    async def send_status(message: dict) -> None:
+      nonlocal status
+      if message["type"] == "http.response.start": status = message["status"]
+      await send(message)
+    try: await self.app(scope, receive, send_status)
+    finally: self.metrics.request(route, scope.get("state", {}).get("pyruntime_status", status))
+
+
+# --- running it ------------------------------------------------------------------------------------
+class BackgroundServer:
+  """uvicorn serving `app` on a loopback port (0: an ephemeral one) in a thread; for tests and embedding.
+
+      with BackgroundServer(create_app(lm)) as srv: requests.get(srv.url + "/health")
+  """
+  def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    import uvicorn
+    self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    self.sock.bind((host, port))
+    self.host, self.port = host, self.sock.getsockname()[1]
+    self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=3))
+    self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="uvicorn", daemon=True)
+
+  @property
+  def url(self) -> str: return f"http://{self.host}:{self.port}"
+
+  def start(self, timeout: float = 30.0) -> "BackgroundServer":
+    self.thread.start()
+    deadline = time.monotonic() + timeout
+    while not self.server.started:
+      if not self.thread.is_alive() or time.monotonic() > deadline: raise RuntimeError("uvicorn did not start")
+      time.sleep(0.01)
+    return self
+
+  def stop(self, timeout: float = 15.0) -> None:
+    self.server.should_exit = True
+    self.thread.join(timeout)
+    self.sock.close()
+
+  def __enter__(self) -> "BackgroundServer": return self.start()
+  def __exit__(self, *exc: Any) -> None: self.stop()
+
+
+def serve(args: Any) -> int:
+  """`pyruntime serve`: load the stages (in this, the main thread: their parent-death signal follows the
+  spawning thread), then run uvicorn here until Ctrl-C / SIGTERM, then stop every stage."""
+  import uvicorn
+
+  from pyruntime.cli import _launcher
+  queue_size = getattr(args, "queue_size", 16)
+  if queue_size < 0: raise errors.InvalidOption("queue_size", f"must be >= 0, got {queue_size}")
+  lm = _launcher(args)
+  lm.start()
+  try:
+    app = create_app(lm, queue_size=queue_size)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+      sys.stderr.write(f"pyruntime: serving on {args.host}, beyond this host; there is no authentication\n")
+    sys.stderr.write(f"pyruntime: {lm.model_name} on {len(lm.split)} stages {json.dumps([list(r) for r in lm.split])}, "
+                     f"context {lm.context_length}: http://{args.host}:{args.port}/v1\n")
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="on", timeout_graceful_shutdown=5)).run()
+  finally:
+    lm.close()
+  return 0

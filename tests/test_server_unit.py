@@ -1,0 +1,499 @@
+"""The OpenAI-compatible server's HTTP behaviour, against a scripted stand-in for the launcher.
+
+`FakeLauncherForUnitTests` exists only here: it keeps `Launcher.generate`'s contract (validation
+before iteration, one generation at a time, its stream freed on `close()`) but "generates" by
+repeating the prompt's words, so these tests run in seconds and can hold, slow down or break a
+generation on purpose. The real model is exercised end to end in tests/test_server.py.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from pyruntime import errors
+from pyruntime import openai_api as api
+from pyruntime.launcher import Delta, Done, Timings, Usage
+from pyruntime.server import BackgroundServer, create_app
+
+SAMPLING = {"temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "penalty_last_n"}
+
+
+class FakeLauncherForUnitTests:
+  """A test double for pyruntime.launcher.Launcher (unit tests only). The completion of a prompt is
+  its own words, one per token, cycled: "a b c" → "a b c a b" for max_tokens=5."""
+  model_name = "fake-smol"
+  context_length = 1000
+  split = [(0, 15), (15, 30)]
+  recipe = "fakerecipe000001"
+
+  def __init__(self) -> None:
+    self.lock = threading.Lock()          # one generation at a time, like the launcher's
+    self.calls: list[dict[str, Any]] = []   # generate()'s arguments, per call
+    self.started: list[str] = []          # prompt texts, in the order their generation began
+    self.ended: list[tuple[str, int, bool]] = []   # (prompt text, tokens produced, reached Done)
+    self.ended_event = threading.Event()
+    self.running = threading.Event()
+    self.gate = threading.Event(); self.gate.set()  # clear it to hold every generation before its next token
+    self.token_delay = 0.0
+    self.fail: tuple[int, BaseException] | None = None   # raise this after that many tokens
+    self._alive = [True, True]
+    self._closed = False
+
+  def alive(self) -> list[bool]: return list(self._alive)
+
+  def ring_occupancy(self) -> list[float]:
+    if self._closed: raise errors.LauncherClosed("closed")
+    return [0.0, 0.25, 0.5]
+
+  def close(self) -> None:
+    self._closed, self._alive = True, [False, False]
+
+  def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *, raw: bool = False, max_tokens: int | None = 256,
+               stop: Any = None, **sampling: Any) -> Any:
+    if self._closed: raise errors.LauncherClosed("the launcher is not running")
+    if unknown := set(sampling) - SAMPLING: raise errors.UnsupportedFeature(sorted(unknown)[0])
+    self.calls.append(dict(prompt=prompt, messages=messages, raw=raw, max_tokens=max_tokens, stop=stop, **sampling))
+    if raw: text = prompt
+    else:
+      text = " ".join(m["content"] if isinstance(m["content"], str) else " ".join(p["text"] for p in m["content"]) for m in messages)
+    words = text.split()
+    if not words: raise errors.EmptyPrompt()
+    if len(words) >= self.context_length: raise errors.ContextLengthExceeded(len(words), self.context_length)
+    n = min(max_tokens or self.context_length, self.context_length - len(words))
+    return self._run(text, words, n)
+
+  def _run(self, text: str, words: list[str], n: int) -> Any:
+    with self.lock:
+      self.started.append(text)
+      self.running.set()
+      produced, finished, out = 0, False, []
+      try:
+        for i in range(n):
+          if not self.gate.wait(20): raise TimeoutError("the test never opened the gate")
+          if self.token_delay: time.sleep(self.token_delay)
+          if self.fail is not None and i == self.fail[0]:
+            if isinstance(self.fail[1], errors.StageFailed): self.close()
+            raise self.fail[1]
+          piece = (" " if i else "") + words[i % len(words)]
+          out.append(piece); produced += 1
+          yield Delta(piece, [i])
+        finished = True
+        yield Done("length", Usage(len(words), n), Timings(0.1, 0.01, 50.0, 0.2), list(range(len(words))), list(range(n)), "".join(out))
+      finally:
+        self.running.clear()
+        self.ended.append((text, produced, finished))
+        self.ended_event.set()
+
+
+def expected(prompt: str, n: int) -> str:
+  words = prompt.split()
+  return " ".join(words[i % len(words)] for i in range(n))
+
+
+@pytest.fixture
+def fake() -> FakeLauncherForUnitTests:
+  return FakeLauncherForUnitTests()
+
+
+@pytest.fixture
+def make_server(fake):
+  servers: list[BackgroundServer] = []
+
+  def make(queue_size: int = 16) -> tuple[BackgroundServer, httpx.Client]:
+    srv = BackgroundServer(create_app(fake, queue_size=queue_size)).start()
+    servers.append(srv)
+    return srv, httpx.Client(base_url=srv.url, timeout=20)
+  yield make
+  fake.gate.set()
+  for s in servers: s.stop()
+
+
+@pytest.fixture
+def server(make_server):
+  return make_server()
+
+
+@pytest.fixture(scope="module")
+def shared_server():
+  """One server for the many requests that must be refused before anything runs."""
+  fake = FakeLauncherForUnitTests()
+  srv = BackgroundServer(create_app(fake)).start()
+  try: yield fake, srv, httpx.Client(base_url=srv.url, timeout=20)
+  finally: srv.stop()
+
+
+def chat(content: str = "hello there world", **kw: Any) -> dict[str, Any]:
+  return {"model": "whatever", "messages": [{"role": "user", "content": content}], **kw}
+
+
+def sse_events(body: str) -> list[str]:
+  """The data of each server-sent event, insisting on exact `data: ...\\n\\n` framing."""
+  assert body.endswith("\n\n"), repr(body[-50:])
+  events = body[:-2].split("\n\n")
+  for e in events: assert re.fullmatch(r"data: [^\n]+", e), repr(e)
+  return [e[len("data: "):] for e in events]
+
+
+def wait_for(cond: Any, timeout: float = 10.0) -> None:
+  deadline = time.monotonic() + timeout
+  while not cond():
+    assert time.monotonic() < deadline, "timed out waiting"
+    time.sleep(0.01)
+
+
+def in_thread(fn: Any, *args: Any, **kw: Any) -> tuple[threading.Thread, dict[str, Any]]:
+  box: dict[str, Any] = {}
+  def run() -> None:
+    try: box["result"] = fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001
+      box["error"] = e
+  t = threading.Thread(target=run, daemon=True)
+  t.start()
+  return t, box
+
+
+# --- pure request parsing -------------------------------------------------------------------------
+def test_parse_chat_maps_fields():
+  r = api.parse_request(chat(max_completion_tokens=7, stop="x", temperature=0.5, seed=3, top_k=4, user="u", stream=True,
+                             stream_options={"include_usage": True}), api.CHAT)
+  assert r.stream and r.include_usage and r.model == "whatever"
+  assert r.generate == {"messages": [{"role": "user", "content": "hello there world"}], "max_tokens": 7, "stop": ["x"],
+                        "temperature": 0.5, "seed": 3, "top_k": 4}
+
+
+def test_parse_completion_defaults_and_prompt_list():
+  r = api.parse_request({"prompt": ["Once upon"]}, api.COMPLETION)
+  assert r.generate == {"prompt": "Once upon", "raw": True, "max_tokens": 16} and not r.stream
+  r = api.parse_request({"prompt": "x", "max_tokens": 3, "logprobs": None, "echo": False, "best_of": 1}, api.COMPLETION)
+  assert r.generate["max_tokens"] == 3
+
+
+def test_parse_chat_without_max_tokens_runs_to_the_context():
+  assert api.parse_request(chat(), api.CHAT).generate["max_tokens"] is None
+
+
+# --- shapes -----------------------------------------------------------------------------------------
+def test_models(server):
+  _, c = server
+  r = c.get("/v1/models")
+  assert r.status_code == 200
+  body = r.json()
+  assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["fake-smol"] and body["data"][0]["object"] == "model"
+  assert c.get("/v1/models/fake-smol").json()["id"] == "fake-smol"
+  assert c.get("/v1/models/other").json()["error"]["code"] == "model_not_found"
+
+
+def test_chat_completion_shape(server, fake):
+  _, c = server
+  r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+  assert r.status_code == 200, r.text
+  b = r.json()
+  assert b["id"].startswith("chatcmpl-") and b["object"] == "chat.completion" and isinstance(b["created"], int)
+  assert b["model"] == "fake-smol" and b["system_fingerprint"] == "fakerecipe000001"
+  assert b["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hello there world hello there"}, "logprobs": None,
+                           "finish_reason": "length"}]
+  assert b["usage"]["prompt_tokens"] == 3 and b["usage"]["completion_tokens"] == 5 and b["usage"]["total_tokens"] == 8
+  assert fake.calls[-1]["raw"] is False and fake.calls[-1]["messages"] == [{"role": "user", "content": "hello there world"}]
+
+
+def test_completion_shape_is_raw(server, fake):
+  _, c = server
+  r = c.post("/v1/completions", json={"model": "fake-smol", "prompt": ["one two"], "max_tokens": 3, "stop": ["zz", "yy"]})
+  assert r.status_code == 200, r.text
+  b = r.json()
+  assert b["id"].startswith("cmpl-") and b["object"] == "text_completion" and b["system_fingerprint"] == "fakerecipe000001"
+  assert b["choices"] == [{"index": 0, "text": "one two one", "logprobs": None, "finish_reason": "length"}]
+  assert fake.calls[-1]["raw"] is True and fake.calls[-1]["prompt"] == "one two" and fake.calls[-1]["stop"] == ["zz", "yy"]
+
+
+def test_chat_stream_framing_and_usage(server):
+  _, c = server
+  whole = c.post("/v1/chat/completions", json=chat(max_tokens=6)).json()["choices"][0]["message"]["content"]
+  r = c.post("/v1/chat/completions", json=chat(max_tokens=6, stream=True, stream_options={"include_usage": True}))
+  assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+  events = sse_events(r.text)
+  assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+  chunks = [json.loads(e) for e in events[:-1]]
+  assert len({ch["id"] for ch in chunks}) == 1 and all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+  assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+  assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"]) == whole
+  assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-2]["choices"][0]["delta"] == {}
+  assert all(ch["choices"][0]["finish_reason"] is None for ch in chunks[:-2])
+  assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6 and chunks[-1]["usage"]["total_tokens"] == 9
+  assert all(ch["usage"] is None for ch in chunks[:-1])
+
+
+def test_completion_stream_without_usage(server):
+  _, c = server
+  r = c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 4, "stream": True})
+  events = sse_events(r.text)
+  assert events[-1] == "[DONE]"
+  chunks = [json.loads(e) for e in events[:-1]]
+  assert all(ch["object"] == "text_completion" and "usage" not in ch for ch in chunks)
+  assert "".join(ch["choices"][0]["text"] for ch in chunks) == "a b c a" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_official_client_against_the_fake(server):
+  srv, _ = server
+  client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+  r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x y"}], max_tokens=3)
+  assert r.choices[0].message.content == "x y x" and r.usage.total_tokens == 5 and r.system_fingerprint == "fakerecipe000001"
+  s = client.completions.create(model="m", prompt="p q", max_tokens=3, stream=True, stream_options={"include_usage": True})
+  chunks = list(s)
+  assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "p q p" and chunks[-1].usage.completion_tokens == 3
+
+
+# --- errors -----------------------------------------------------------------------------------------
+LONG = "w " * 1200
+ERRORS = [  # (route, body, param, code)
+  ("chat", chat(LONG), "messages", "context_length_exceeded"),
+  ("completions", {"prompt": LONG}, "prompt", "context_length_exceeded"),
+  ("completions", {"prompt": ""}, "prompt", "invalid_value"),
+  ("completions", {"prompt": "   "}, "prompt", "invalid_value"),          # empty after tokenization (the launcher says so)
+  ("completions", {}, "prompt", "invalid_value"),
+  ("completions", {"prompt": [1, 2, 3]}, "prompt", "unsupported_value"),
+  ("completions", {"prompt": ["a", "b"]}, "prompt", "unsupported_value"),
+  ("chat", {"model": "m"}, "messages", "invalid_value"),
+  ("chat", {"messages": []}, "messages", "invalid_value"),
+  ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "invalid_value"),
+  ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_value"),
+  ("chat", chat(temperature="hot"), "temperature", "invalid_value"),
+  ("chat", chat(temperature=-1), "temperature", "invalid_value"),
+  ("chat", chat(top_p=1.5), "top_p", "invalid_value"),
+  ("chat", chat(top_k=-2), "top_k", "invalid_value"),
+  ("chat", chat(top_k=1.5), "top_k", "invalid_value"),
+  ("chat", chat(min_p=2), "min_p", "invalid_value"),
+  ("chat", chat(seed="s"), "seed", "invalid_value"),
+  ("chat", chat(max_tokens=0), "max_tokens", "invalid_value"),
+  ("chat", chat(max_tokens=True), "max_tokens", "invalid_value"),
+  ("chat", chat(max_completion_tokens=-3), "max_completion_tokens", "invalid_value"),
+  ("chat", chat(max_tokens=4, max_completion_tokens=5), "max_completion_tokens", "invalid_value"),
+  ("chat", chat(frequency_penalty=3), "frequency_penalty", "invalid_value"),
+  ("chat", chat(presence_penalty="x"), "presence_penalty", "invalid_value"),
+  ("chat", chat(repetition_penalty=0), "repetition_penalty", "invalid_value"),
+  ("chat", chat(stop=5), "stop", "invalid_value"),
+  ("chat", chat(stop=["ok", 1]), "stop", "invalid_value"),
+  ("chat", chat(stream="yes"), "stream", "invalid_value"),
+  ("chat", chat(stream_options={"include_usage": True}), "stream_options", "invalid_value"),
+  ("chat", chat(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation", "unsupported_parameter"),
+  ("chat", chat(model=7), "model", "invalid_value"),
+  ("chat", chat(n=2), "n", "unsupported_value"),
+  ("chat", chat(response_format={"type": "json_object"}), "response_format", "unsupported_value"),
+  ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported_parameter"),
+  ("chat", chat(tool_choice="auto"), "tool_choice", "unsupported_parameter"),
+  ("chat", chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
+  ("chat", chat(logprobs=True), "logprobs", "unsupported_parameter"),
+  ("chat", chat(top_logprobs=2), "top_logprobs", "unsupported_parameter"),
+  ("chat", chat(logit_bias={"42": 5}), "logit_bias", "unsupported_parameter"),
+  ("chat", chat(frobnicate=1), "frobnicate", "unsupported_parameter"),
+  ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+   "messages[0].content[0].type=image_url", "unsupported_parameter"),
+  ("completions", {"prompt": "x", "best_of": 2}, "best_of", "unsupported_parameter"),
+  ("completions", {"prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
+  ("completions", {"prompt": "x", "suffix": "end"}, "suffix", "unsupported_parameter"),
+  ("completions", {"prompt": "x", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+  ("completions", {"prompt": "x", "messages": []}, "messages", "unsupported_parameter"),
+  ("completions", {"prompt": "x", "max_completion_tokens": 3}, "max_completion_tokens", "unsupported_parameter"),
+]
+
+
+@pytest.mark.parametrize("route,body,param,code", ERRORS, ids=[f"{r}-{p}-{i}" for i, (r, _, p, _) in enumerate(ERRORS)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_invalid_requests_are_400_naming_the_field(shared_server, route, body, param, code, stream):
+  fake, _, c = shared_server
+  if stream and "stream" not in body and "stream_options" not in body: body = {**body, "stream": True}
+  r = c.post(f"/v1/{'chat/completions' if route == 'chat' else 'completions'}", json=body)
+  assert r.status_code == 400, r.text
+  err = r.json()["error"]
+  assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code, err
+  assert err["message"]
+  if code == "context_length_exceeded": assert "1000" in err["message"] and "1200" in err["message"]
+  assert fake.started == []   # nothing ran
+
+
+def test_neutral_values_of_unsupported_features_are_accepted(server):
+  _, c = server
+  r = c.post("/v1/chat/completions", json=chat(max_tokens=2, n=1, response_format={"type": "text"}, logprobs=False, tools=[],
+                                               tool_choice="none", logit_bias={}, user="someone", frequency_penalty=None))
+  assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+def test_malformed_json_is_400(shared_server, raw):
+  _, _, c = shared_server
+  r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+  assert r.status_code == 400
+  assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_unknown_route_and_method(server):
+  _, c = server
+  r = c.post("/v1/embeddings", json={})
+  assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url" and "/v1/embeddings" in r.json()["error"]["message"]
+  r = c.get("/v1/chat/completions")
+  assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_official_client_raises_bad_request(server):
+  srv, _ = server
+  client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": LONG}])
+  assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+
+
+# --- the queue --------------------------------------------------------------------------------------
+def test_queue_full_is_429_and_order_is_kept(make_server, fake):
+  srv, c = make_server(queue_size=1)
+  fake.gate.clear()
+  a, box_a = in_thread(c.post, "/v1/completions", json={"prompt": "first", "max_tokens": 2})
+  assert fake.running.wait(10)
+  b, box_b = in_thread(c.post, "/v1/completions", json={"prompt": "second", "max_tokens": 2})
+  state = srv.server.config.app.state.pyruntime
+  wait_for(lambda: state.scheduler.depth() == 1)
+  r = c.post("/v1/completions", json={"prompt": "third", "max_tokens": 2})
+  assert r.status_code == 429
+  assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["retry-after"]
+  with pytest.raises(openai.RateLimitError):
+    openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(model="m", prompt="x", max_tokens=1)
+  fake.gate.set()
+  a.join(10); b.join(10)
+  assert box_a["result"].json()["choices"][0]["text"] == "first first"
+  assert box_b["result"].json()["choices"][0]["text"] == "second second"
+  assert fake.started == ["first", "second"]
+  assert 'pyruntime_requests_total{route="/v1/completions",status="429"} 2' in c.get("/metrics").text
+
+
+def test_fifo_order(server, fake):
+  srv, c = server
+  state = srv.server.config.app.state.pyruntime
+  fake.gate.clear()
+  threads = []
+  for i, word in enumerate(["p0", "p1", "p2", "p3"]):
+    threads.append(in_thread(c.post, "/v1/completions", json={"prompt": word, "max_tokens": 1}))
+    if i == 0: assert fake.running.wait(10)
+    else: wait_for(lambda i=i: state.scheduler.depth() == i)
+  fake.gate.set()
+  for t, _ in threads: t.join(10)
+  assert [box["result"].json()["choices"][0]["text"] for _, box in threads] == ["p0", "p1", "p2", "p3"]
+  assert fake.started == ["p0", "p1", "p2", "p3"]
+
+
+# --- clients that go away ----------------------------------------------------------------------------
+def test_disconnect_mid_stream_closes_the_generator(server, fake):
+  srv, c = server
+  fake.token_delay = 0.02
+  with httpx.Client(base_url=srv.url, timeout=20) as own:
+    with own.stream("POST", "/v1/chat/completions", json=chat("one two three", max_tokens=900, stream=True)) as r:
+      assert r.status_code == 200
+      lines = r.iter_lines()
+      got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: ")]
+      assert len(got) >= 2
+    # leaving the block unread closes the connection
+  assert fake.ended_event.wait(5), "the generator was not closed after the client went away"
+  text, produced, finished = fake.ended[0]
+  assert text == "one two three" and not finished and produced < 200
+  fake.token_delay = 0.0
+  r = c.post("/v1/chat/completions", json=chat("next one", max_tokens=3))   # the slot is free: the next request runs
+  assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "next one next"
+  wait_for(lambda: 'status="499"' in c.get("/metrics").text)
+  assert "pyruntime_requests_cancelled_total 1" in c.get("/metrics").text
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer(server, fake):
+  srv, c = server
+  fake.token_delay = 0.02
+  with pytest.raises(httpx.ReadTimeout):
+    httpx.post(srv.url + "/v1/completions", json={"prompt": "slow answer", "max_tokens": 900}, timeout=0.5)
+  assert fake.ended_event.wait(5)
+  assert fake.ended[0][0] == "slow answer" and not fake.ended[0][2] and fake.ended[0][1] < 200
+  fake.token_delay = 0.0
+  assert c.post("/v1/completions", json={"prompt": "after", "max_tokens": 2}).json()["choices"][0]["text"] == "after after"
+
+
+def test_disconnect_while_queued_drops_the_job(server, fake):
+  srv, c = server
+  state = srv.server.config.app.state.pyruntime
+  fake.gate.clear()
+  a, box = in_thread(c.post, "/v1/completions", json={"prompt": "running", "max_tokens": 2})
+  assert fake.running.wait(10)
+  with pytest.raises(httpx.ReadTimeout):
+    httpx.post(srv.url + "/v1/completions", json={"prompt": "abandoned", "max_tokens": 2}, timeout=0.5)
+  wait_for(lambda: state.scheduler.depth() == 0)
+  fake.gate.set()
+  a.join(10)
+  assert box["result"].json()["choices"][0]["text"] == "running running"
+  assert c.post("/v1/completions", json={"prompt": "later", "max_tokens": 1}).status_code == 200
+  assert fake.started == ["running", "later"]   # the abandoned request never ran
+
+
+# --- failures ----------------------------------------------------------------------------------------
+def test_stage_failure_ends_the_request_and_health_reports_it(server, fake):
+  _, c = server
+  assert c.get("/health").status_code == 200
+  assert c.get("/health").json()["stages"] == [{"stage": 0, "status": "alive", "layers": [0, 15]},
+                                               {"stage": 1, "status": "alive", "layers": [15, 30]}]
+  fake.fail = (2, errors.StageFailed(1, "WorkerExited", "killed by signal 9"))
+  r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+  assert r.status_code == 500
+  err = r.json()["error"]
+  assert err["code"] == "stage_failed" and "stage 1" in err["message"] and "WorkerExited" in err["message"]
+  h = c.get("/health")
+  assert h.status_code == 503
+  assert h.json()["status"] == "unavailable" and {s["status"] for s in h.json()["stages"]} == {"dead"}
+  assert h.json()["last_error"]["reason"] == "WorkerExited" and h.json()["last_error"]["stage"] == 1
+  r = c.post("/v1/chat/completions", json=chat(max_tokens=5))   # the launcher closed itself: refused, not hung
+  assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+  m = c.get("/metrics").text
+  assert 'pyruntime_request_errors_total{code="StageFailed"} 1' in m and 'pyruntime_stage_up{stage="1"} 0' in m
+
+
+def test_stage_failure_mid_stream_is_an_sse_error_event(server, fake):
+  srv, c = server
+  fake.fail = (3, errors.StageFailed(0, "WorkerFatal", "boom"))
+  r = c.post("/v1/completions", json={"prompt": "a b", "max_tokens": 9, "stream": True})
+  assert r.status_code == 200
+  events = sse_events(r.text)
+  assert "[DONE]" not in events
+  assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "a b a"
+  assert json.loads(events[-1])["error"]["code"] == "stage_failed"
+  client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+  fake._closed, fake._alive, fake.fail = False, [True, True], (1, errors.StageFailed(0, "WorkerFatal", "boom"))
+  with pytest.raises(openai.APIError, match="stage 0 failed"):
+    for _ in client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True): pass
+
+
+def test_an_error_in_one_request_ends_that_request_only(server, fake):
+  _, c = server
+  fake.fail = (1, RuntimeError("something broke"))
+  r = c.post("/v1/completions", json={"prompt": "a b", "max_tokens": 5})
+  assert r.status_code == 500 and "something broke" in r.json()["error"]["message"]
+  fake.fail = None
+  assert c.post("/v1/completions", json={"prompt": "a b", "max_tokens": 3}).json()["choices"][0]["text"] == "a b a"
+  assert c.get("/health").status_code == 200
+
+
+# --- metrics -----------------------------------------------------------------------------------------
+def test_metrics(server):
+  _, c = server
+  for _ in range(2): c.post("/v1/chat/completions", json=chat(max_tokens=4))
+  c.post("/v1/chat/completions", json=chat(n=3))
+  m = c.get("/metrics")
+  assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+  t = m.text
+  assert 'pyruntime_requests_total{route="/v1/chat/completions",status="200"} 2' in t
+  assert 'pyruntime_requests_total{route="/v1/chat/completions",status="400"} 1' in t
+  assert "pyruntime_prompt_tokens_total 6" in t and "pyruntime_completion_tokens_total 8" in t
+  assert "pyruntime_time_to_first_token_seconds_count 2" in t and 'pyruntime_time_to_first_token_seconds_bucket{le="+Inf"} 2' in t
+  assert 'pyruntime_decode_tokens_per_second_bucket{le="50"} 2' in t and 'pyruntime_decode_tokens_per_second_bucket{le="20"} 0' in t
+  assert "pyruntime_queue_depth 0" in t and "pyruntime_requests_running 0" in t
+  assert 'pyruntime_ring_occupancy_ratio{ring="1"} 0.25' in t and 'pyruntime_ring_occupancy_ratio{ring="2"} 0.5' in t
+  for line in t.splitlines():   # every sample line is `name{labels} number`
+    if not line.startswith("#"): assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.]+(e[+-]?[0-9]+)?', line), line

@@ -1,0 +1,95 @@
+"""Build and run the C tests of native/ under sanitizers:
+native/tests/test_ring.c with AddressSanitizer + UndefinedBehaviorSanitizer, and the two-thread
+native/tests/stress_threads.c with ThreadSanitizer.  A test skips only when the compiler cannot
+build or run a program with that sanitizer."""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NATIVE = ROOT / "native"
+COMMON = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-warning-option", "-Wno-tsan",
+          "-fno-omit-frame-pointer", f"-I{NATIVE}"]
+ASAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+TSAN = ["-fsanitize=thread"]
+ENV = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1",
+           TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1")
+
+
+def compilers() -> list[str]:
+  found = [os.environ["CC"]] if os.environ.get("CC") else []
+  found += [c for c in ("gcc", "clang", "cc") if shutil.which(c)]
+  return list(dict.fromkeys(found))
+
+
+def _run(cmd, **kw) -> subprocess.CompletedProcess:
+  return subprocess.run(cmd, capture_output=True, text=True, env=ENV, **kw)
+
+
+def _no_aslr(cmd: list[str]) -> list[str]:
+  """TSan cannot run under the high-entropy ASLR of some kernels; setarch -R turns it off."""
+  setarch = shutil.which("setarch")
+  return [setarch, platform.machine(), "-R", *cmd] if setarch else cmd
+
+
+def build_with(flags: list[str], sources: list[Path], out: Path, probe_dir: Path, extra=()) -> tuple[list[str], str]:
+  """Compile with the first compiler that can build *and run* a program with `flags`; returns the
+  runner prefix (possibly setarch -R) and the compiler, or skips."""
+  probe_c = probe_dir / "probe.c"
+  probe_c.write_text("int main(void) { return 0; }\n")
+  reasons = []
+  for cc in compilers():
+    probe = probe_dir / f"probe-{Path(cc).name}"
+    r = _run([cc, *flags, str(probe_c), "-o", str(probe)])
+    if r.returncode != 0:
+      reasons.append(f"{cc}: cannot build with {' '.join(flags)}")
+      continue
+    prefix = None
+    for pre in ([], _no_aslr([])):
+      if _run([*pre, str(probe)]).returncode == 0:
+        prefix = pre
+        break
+    if prefix is None:
+      reasons.append(f"{cc}: a {' '.join(flags)} program does not run here")
+      continue
+    r = _run([cc, *COMMON, *flags, *map(str, sources), *extra, "-o", str(out)])
+    assert r.returncode == 0, f"{cc} failed to build {out.name}:\n{r.stderr}"
+    return prefix, cc
+  pytest.skip("; ".join(reasons) or "no C compiler")
+
+
+def test_ring_c_asan_ubsan(tmp_path):
+  exe = tmp_path / "test_ring"
+  prefix, cc = build_with(ASAN, [NATIVE / "tests" / "test_ring.c", NATIVE / "mo_ring.c"], exe, tmp_path)
+  r = _run([*prefix, str(exe)], timeout=120)
+  assert r.returncode == 0, f"[{cc}] test_ring failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+  assert "all checks passed" in r.stdout
+  assert "runtime error" not in r.stderr  # UBSan
+
+
+def test_two_thread_stress_tsan(tmp_path):
+  exe = tmp_path / "stress_threads"
+  prefix, cc = build_with(TSAN, [NATIVE / "tests" / "stress_threads.c", NATIVE / "mo_ring.c"], exe, tmp_path,
+                          extra=["-lpthread"])
+  r = _run([*prefix, str(exe), "30000"], timeout=180)
+  assert r.returncode == 0, f"[{cc}] stress_threads failed ({r.returncode}):\n{r.stdout}\n{r.stderr[-4000:]}"
+  assert "ThreadSanitizer" not in r.stderr
+  assert "delivered exactly once" in r.stdout
+
+
+def test_stress_optimised(tmp_path):
+  """The same stress at -O2 without sanitizers, more records (the TSan build is slow)."""
+  cc = next(iter(compilers()), None)
+  if cc is None: pytest.skip("no C compiler")
+  exe = tmp_path / "stress_o2"
+  r = _run([cc, "-std=gnu11", "-O2", "-Wall", f"-I{NATIVE}", str(NATIVE / "tests" / "stress_threads.c"),
+            str(NATIVE / "mo_ring.c"), "-lpthread", "-o", str(exe)])
+  assert r.returncode == 0, r.stderr
+  r = _run([str(exe), "300000"], timeout=120)
+  assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"

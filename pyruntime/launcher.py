@@ -254,8 +254,9 @@ class Launcher:
 
   def ring_occupancy(self) -> list[float]:
     """Fill fraction of each ring, head ingress first and the tail's egress last."""
-    if self.arena is None: return []
-    return [self.arena.occupancy(i) for i in range(len(self.split) + 1)]
+    if self.arena is None or self._closed: return []
+    states = [self.arena.state(i) for i in range(len(self.split) + 1)]
+    return [(st["head"] - st["tail"]) / spec.capacity for st, spec in zip(states, self.arena.specs, strict=True)]
 
   def stage_stats(self, timeout: float = 10.0) -> list[dict]:
     """Each stage's counters (records, tokens, compute_s, wait_s, wall_s), asked over the control channel."""

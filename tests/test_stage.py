@@ -39,3 +39,153 @@ def test_named_fatal_and_exit(stage, lines, reason):
   ev = stage.fatal()
   assert ev["reason"] == reason, ev
   assert ev["message"]
+
+
+# --- the data path on real rings, with a tiny model ---------------------------------------------
+import struct  # noqa: E402
+
+import numpy as np  # noqa: E402
+from tinymodels import write_tiny_gguf  # noqa: E402
+
+from pyruntime import errors  # noqa: E402
+from pyruntime.records import FLAG_OPEN, encode_json, object_id  # noqa: E402
+from pyruntime.ring import Arena, RingSpec  # noqa: E402
+
+DIM, BLOCKS = 64, 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  return str(write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", dim=DIM, n_blocks=BLOCKS))
+
+
+def wired(stage: StageProc, tiny: str, start: int, end: int, ingress_alignment: int = 4, **install) -> tuple[Arena, object, object]:
+  """A stage owning [start, end) between two rings of a fresh arena; returns (arena, writer into it, reader after it)."""
+  loaded = stage.setup(tiny, start, end, slots=2, max_context=64)
+  arena = Arena.create([RingSpec(1 << 16, 16384, ingress_alignment), RingSpec(1 << 16, 16384, 4)], prefix="pyruntime-test")
+  stage.send("InstallRing", arena=arena.name, ingress=0, egress=1, **install)
+  stage.expect("RingInstalled")
+  return arena, arena.writer(0), arena.reader(1), loaded
+
+
+def open_stream(w, stream: int = 1, slot: int = 0) -> None:
+  w.write(object_id(stream, 0), encode_json({"slot": slot, "identity": {"request": stream}, "sampling": {}, "end_ids": []}, 4), FLAG_OPEN)
+
+
+def header(magic=b"MO01", version=1, header_len=40, oid=0, seq=0, extent=8, flags=0, reserved=0) -> bytes:
+  return struct.pack("<4sHHQQQII", magic, version, header_len, oid, seq, extent, flags, reserved)
+
+
+@pytest.mark.parametrize("raw, reason", [
+  (header(magic=b"XX01") + bytes(8), "InvalidObjectMagic"),
+  (header(version=2) + bytes(8), "InvalidObjectHeader"),
+  (header(reserved=7) + bytes(8), "InvalidObjectHeader"),
+  (header(extent=1 << 20) + bytes(8), "ObjectExtentInvalid"),
+  (header(extent=6) + bytes(8), "ObjectExtentAlignmentViolation"),
+  (header(seq=5) + bytes(8), "SequenceViolation"),
+  (b"MO01" + bytes(12), "EofBeforeFullHeader"),
+])
+def test_bad_record_on_ingress_is_fatal_by_name(stage, tiny, raw, reason):
+  arena, w, r, _ = wired(stage, tiny, 0, 2)
+  try:
+    w._publish_raw(raw)
+    ev = stage.fatal()
+    assert ev["reason"] == reason, ev
+    if reason == "SequenceViolation": assert (ev["expected"], ev["actual"]) == (0, 5)
+    with pytest.raises(errors.RingClosed): r.read(timeout=2)  # the stage closed its egress on the way out
+  finally:
+    arena.close()
+
+
+@pytest.mark.parametrize("start, end, payload, reason", [
+  (0, 2, np.array([1, 2, 3], dtype="<u2").tobytes(), "PayloadNotU32Aligned"),
+  (0, 2, np.array([1, 10**6], dtype="<u4").tobytes(), "TokenIdInvalid"),
+  (2, 4, np.zeros(DIM + 1, dtype="<f4").tobytes(), "ActivationExtentInvalid"),
+])
+def test_bad_payload_is_fatal_by_name(stage, tiny, start, end, payload, reason):
+  arena, w, r, _ = wired(stage, tiny, start, end, ingress_alignment=2)
+  try:
+    open_stream(w)
+    w.write(object_id(1, 0), payload)
+    assert stage.fatal()["reason"] == reason
+  finally:
+    arena.close()
+
+
+def test_stream_rules(stage, tiny):
+  arena, w, r, _ = wired(stage, tiny, 0, 2)
+  try:
+    w.write(object_id(9, 0), np.array([1, 2], dtype="<u4"))  # never opened
+    assert stage.fatal()["reason"] == "StreamNotOpen"
+  finally:
+    arena.close()
+
+
+def test_position_must_follow_the_cache(stage, tiny):
+  arena, w, r, _ = wired(stage, tiny, 0, 2)
+  try:
+    open_stream(w)
+    w.write(object_id(1, 3), np.array([1, 2], dtype="<u4"))
+    assert stage.fatal()["reason"] == "StreamPositionInvalid"
+  finally:
+    arena.close()
+
+
+@pytest.mark.parametrize("upstream, reason", [
+  ({"arch": "qwen2", "ingress": {"arch": "qwen2", "point": 0, "tensors": {"token_ids": ["uint32", 1]}},
+    "egress": {"arch": "qwen2", "point": 2, "tensors": {"hidden_states": ["float32", DIM]}}}, "BoundaryArchitectureMismatch"),
+  ({"arch": "llama", "ingress": {"arch": "llama", "point": 0, "tensors": {"token_ids": ["uint32", 1]}},
+    "egress": {"arch": "llama", "point": 2, "tensors": {"hidden_states": ["float32", DIM * 2]}}}, "BoundarySchemaMismatch"),
+  ({"arch": "llama", "ingress": {"arch": "llama", "point": 0, "tensors": {"token_ids": ["uint32", 1]}},
+    "egress": {"arch": "llama", "point": 1, "tensors": {"hidden_states": ["float32", DIM]}}}, "BoundarySchemaMismatch"),
+])
+def test_boundary_of_another_schema_is_refused(stage, tiny, upstream, reason):
+  stage.setup(tiny, 2, 4)
+  arena = Arena.create([RingSpec(1 << 12, 1024), RingSpec(1 << 12, 1024)], prefix="pyruntime-test")
+  try:
+    stage.send("InstallRing", arena=arena.name, ingress=0, egress=1, ingress_boundary=upstream)
+    assert stage.fatal()["reason"] == reason
+  finally:
+    arena.close()
+
+
+def test_layer_range_outside_the_model(stage, tiny):
+  stage.send("InitializeWorker", device="CPU")
+  stage.send("ConfigureRole", stage=0, start=2, end=BLOCKS + 3)
+  stage.send("LoadWeights", model=tiny)
+  assert stage.fatal()["reason"] == "LayerRangeInvalid"
+
+
+def test_step_commands_drive_one_record_at_a_time(stage, tiny):
+  """RingReadable / ExecuteStep / ReleaseDeviceObject: an outside orchestrator's single steps."""
+  from tinygrad.llm.model import Transformer
+  arena, w, r, loaded = wired(stage, tiny, 0, BLOCKS, mode="step")
+  try:
+    assert loaded["is_head"] and loaded["is_tail"]
+    stage.send("ExecuteStep")
+    assert stage.fatal()["reason"] == "NoObjectLoaded"
+  finally:
+    arena.close()
+  stage.close()
+  stage.__init__()
+  arena, w, r, loaded = wired(stage, tiny, 0, BLOCKS, mode="step")
+  try:
+    stage.send("RingReadable", timeout_s=0)
+    stage.expect("RingIdle")
+    open_stream(w)
+    prompt = [5, 17, 42, 7]
+    w.write(object_id(1, 0), np.array(prompt, dtype="<u4"))
+    for expect_flags in (FLAG_OPEN, 0):
+      stage.send("RingReadable", timeout_s=5)
+      ev = stage.expect("ObjectLoaded")
+      assert ev["flags"] == expect_flags and ev["stream"] == 1 and ev["position"] == 0
+      stage.send("ExecuteStep"); stage.expect("StepExecuted")
+      stage.send("ReleaseDeviceObject"); stage.expect("ObjectReleased")
+    assert r.read(timeout=5).flags == FLAG_OPEN
+    r.release()
+    token = int(r.read(timeout=5).array("<u4")[0])
+    r.release()
+    model, _ = Transformer.from_gguf(tiny, max_context=64)
+    assert token == next(model.generate(list(prompt)))
+  finally:
+    arena.close()

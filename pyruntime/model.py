@@ -1,0 +1,463 @@
+"""The compute side of a stage: one contiguous block range of a GGUF model, run in tinygrad, exactly.
+
+Exactness is the design constraint: chaining the stages of any split (the residual crossing each cut as float32 bytes)
+gives the same tokens, and the tail the same logits bit for bit, as tinygrad's own single-process
+`Transformer.from_gguf(path).generate(...)` on the same file, device and dtype. So the stage reuses tinygrad's block
+class and mirrors `from_gguf` and `generate` step for step:
+- the same `TransformerConfig` derivation, the same fp16 cast of the dequantised weights (HALF=1), the same llama Q/K
+  rotary permutation, the same weights left lazy (dequantised inside the kernels, REALIZE=0) or realized (REALIZE=1);
+- x = embedding.float() on the head; output_norm + output (the embedding matrix when tied) on the tail;
+- chunked prefill (32 tokens) with the symbolic `start_pos` / `toks` variables, T=1 decode steps, both under TinyJit.
+
+What differs is what the stage holds. Each tensor it owns is read from its own byte range of the file (never the whole
+file), and the head keeps the token embedding on the host: the rows a step needs are gathered from an mmap of the
+file as raw GGML blocks and dequantised on the device by the same tinygrad code as the reference, so the values are
+identical while the device holds none of the table.
+
+KV caches are per slot (one stream each). One pair of JITs serves every slot: the slot's cache tensors are JIT
+inputs, swapped in on each call, so a new stream costs no new capture.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pathlib
+import threading
+
+import numpy as np
+from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, nn
+from tinygrad.device import Buffer
+from tinygrad.helpers import DEV, flat_mv, getenv, prod
+from tinygrad.llm.gguf import ggml_data_to_tensor
+from tinygrad.llm.model import TransformerBlock, TransformerConfig, precompute_freqs_cis
+from tinygrad.nn.state import get_state_dict
+from tinygrad.uop.ops import Ops
+
+from pyruntime import errors
+from pyruntime.boundary import DENSE_ARCHS, DTYPES, StageBoundary
+from pyruntime.gguf import GGUFHeader, TensorInfo, read_header
+
+PREFILL_CHUNK = 32  # Transformer.generate's chunk_size: the prefill must be cut at the same places to be exact
+BOUNDARY_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16}
+
+
+# --- model description from the header alone ---------------------------------------------------
+def check_architecture(header: GGUFHeader) -> None:
+  """Refuse, by name, everything but dense llama / qwen2 / qwen3."""
+  arch, kv = header.arch, header.kv
+  if arch not in DENSE_ARCHS:
+    raise errors.UnsupportedArchitecture(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(DENSE_ARCHS))} (dense)")
+  if kv.get(f"{arch}.expert_count", 0) or any(".ffn_gate_exps." in n for n in header.tensors):
+    raise errors.UnsupportedArchitecture(f"{arch!r} with mixture-of-experts layers is not supported (dense models only)")
+  if kv.get(f"{arch}.attention.kv_lora_rank", 0):
+    raise errors.UnsupportedArchitecture(f"{arch!r} with multi-head latent attention (MLA) is not supported")
+  if kv.get(f"{arch}.ssm.state_size", 0) or kv.get(f"{arch}.full_attention_interval", 0):
+    raise errors.UnsupportedArchitecture(f"{arch!r} with recurrent (SSM) layers is not supported")
+
+
+def num_blocks(header: GGUFHeader) -> int:
+  arch = header.arch
+  return header.kv[f"{arch}.block_count"] - header.kv.get(f"{arch}.nextn_predict_layers", 0)
+
+
+def model_config(header: GGUFHeader, max_context: int | None = None) -> TransformerConfig:
+  """The TransformerConfig `Transformer.from_gguf` derives, from the header only (dense architectures)."""
+  kv, arch, tensors = header.kv, header.arch, header.tensors
+  try:
+    max_context = min(max_context, kv[f"{arch}.context_length"]) if max_context is not None else kv[f"{arch}.context_length"]
+    n_heads, n_kv_heads = kv[f"{arch}.attention.head_count"], kv[f"{arch}.attention.head_count_kv"]
+    head_dim = kv.get(f"{arch}.attention.key_length_mla", kv.get(f"{arch}.attention.key_length", kv[f"{arch}.embedding_length"] // n_heads))
+    rope_dim = kv.get(f"{arch}.rope.dimension_count", head_dim)
+    qn = tensors.get("blk.0.attn_q_norm.weight")
+    return TransformerConfig(
+      num_blocks=num_blocks(header), dim=kv[f"{arch}.embedding_length"],
+      hidden_dim=kv.get(f"{arch}.expert_feed_forward_length", kv.get(f"{arch}.feed_forward_length", 0)),
+      n_heads=n_heads, n_kv_heads=n_kv_heads, norm_eps=kv[f"{arch}.attention.layer_norm_rms_epsilon"],
+      vocab_size=len(kv["tokenizer.ggml.tokens"]), head_dim=head_dim, rope_theta=kv[f"{arch}.rope.freq_base"], rope_dim=rope_dim,
+      v_head_dim=kv.get(f"{arch}.attention.value_length_mla", kv.get(f"{arch}.attention.value_length", head_dim)),
+      max_context=max_context, qk_norm=int(qn.shape[0]) if qn is not None else 0, qkv_bias="blk.0.attn_q.bias" in tensors)
+  except KeyError as e:
+    raise errors.ModelLoadFailed(f"{header.path}: GGUF metadata lacks {e.args[0]!r}") from e
+
+
+def output_tensor_name(header: GGUFHeader) -> str:
+  """Models with tied embeddings use the embedding matrix as the output projection."""
+  return "output.weight" if "output.weight" in header.tensors else "token_embd.weight"
+
+
+def block_tensor_names(header: GGUFHeader, i: int) -> list[str]:
+  return [n for n in header.tensors if n.startswith(f"blk.{i}.")]
+
+
+def stage_tensor_names(header: GGUFHeader, start: int, end: int) -> list[str]:
+  """The tensors a stage holds on its device (the head's embedding stays on the host)."""
+  names = [n for i in range(start, end) for n in block_tensor_names(header, i)]
+  if end == num_blocks(header): names += ["output_norm.weight", output_tensor_name(header)]
+  return names
+
+
+def stage_weight_bytes(header: GGUFHeader, start: int, end: int) -> int:
+  return sum(header.tensors[n].nbytes for n in dict.fromkeys(stage_tensor_names(header, start, end)))
+
+
+def model_weight_bytes(header: GGUFHeader) -> int:
+  return sum(t.nbytes for t in header.tensors.values())
+
+
+def suggest_split(header: GGUFHeader, n_stages: int, by: str = "memory") -> list[tuple[int, int]]:
+  """Contiguous [start, end) ranges covering every block once, balancing the stages' on-device weight bytes
+  (by="memory": the tail also holds output_norm + output, the head nothing extra) or their compute
+  (by="compute": parameters touched per token, so the output projection counts on the tail)."""
+  L = num_blocks(header)
+  if not isinstance(n_stages, int) or not 1 <= n_stages <= L:
+    raise errors.LayerRangeInvalid(f"cannot cut {L} blocks into {n_stages} non-empty stages")
+  if by not in ("memory", "compute"): raise ValueError(f"by must be 'memory' or 'compute', not {by!r}")
+  def cost(name: str) -> int:
+    t = header.tensors[name]
+    return t.nbytes if by == "memory" else prod(t.dims)
+  blk = [sum(cost(n) for n in block_tensor_names(header, i)) for i in range(L)]
+  tail_extra = sum(cost(n) for n in ("output_norm.weight", output_tensor_name(header)))
+  prefix = [0]
+  for c in blk: prefix.append(prefix[-1] + c)
+  def stage_cost(s: int, e: int) -> int: return prefix[e] - prefix[s] + (tail_extra if e == L else 0)
+  # best[k][e]: the smallest possible max stage cost cutting blocks [0, e) into k stages; ties prefer earlier cuts
+  INF = float("inf")
+  best = [[INF] * (L + 1) for _ in range(n_stages + 1)]
+  cut = [[0] * (L + 1) for _ in range(n_stages + 1)]
+  best[0][0] = 0
+  for k in range(1, n_stages + 1):
+    for e in range(k, L + 1):
+      for s in range(k - 1, e):
+        if (v := max(best[k - 1][s], stage_cost(s, e))) < best[k][e]: best[k][e], cut[k][e] = v, s
+  ranges, e = [], L
+  for k in range(n_stages, 0, -1):
+    s = cut[k][e]
+    ranges.append((s, e))
+    e = s
+  return ranges[::-1]
+
+
+def resolve_device(device: str | None) -> str:
+  """None -> tinygrad's default; "CPU", "CUDA:1" as tinygrad names them; "CPU:X86" / "CUDA:PTX" name a renderer too
+  (DEV's target syntax), which only takes effect if that device was not opened yet in this process."""
+  if device is None: return Device.DEFAULT
+  base, _, rest = device.partition(":")
+  if rest and not rest.isdigit():
+    if base.upper() not in Device._opened_devices: DEV.value = device
+    return Device.canonicalize(base)
+  return Device.canonicalize(device)
+
+
+def _host_mv(arr: np.ndarray) -> memoryview:
+  """A byte memoryview of a C-contiguous array for Buffer.copyin, without copying it: tinygrad's host copies take
+  the source's address through ctypes, which refuses read-only memory (a ring payload, an mmap of the file), so a
+  read-only array is viewed through a ctypes array at its address (the copy only reads it)."""
+  if not arr.flags.c_contiguous: arr = np.ascontiguousarray(arr)
+  if arr.flags.writeable or arr.nbytes == 0: return memoryview(arr).cast("B")
+  return memoryview((ctypes.c_char * arr.nbytes).from_address(arr.ctypes.data)).cast("B")
+
+
+_TRACE_REUSE = bool(getenv("PYRUNTIME_TRACE_REUSE", 1))
+
+
+def _buffers(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.BUFFER]
+
+
+_init_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_random_init():
+  """Build tinygrad modules without their random initial weights (every one is replaced from the file anyway):
+  nn.Linear's lazy Tensor.uniform graphs cost ~0.2 s of Python per block."""
+  with _init_lock:
+    orig = Tensor.__dict__["uniform"]  # restored exactly as it was defined
+    def empty(*shape, low=0.0, high=1.0, dtype=None, device=None, **kwargs): return Tensor.empty(*shape, dtype=dtype, device=device)
+    Tensor.uniform = staticmethod(empty)  # type: ignore[assignment]
+    try: yield
+    finally: Tensor.uniform = orig
+
+
+# --- the stage ----------------------------------------------------------------------------------
+class StageModel:
+  """Blocks [start, end) of a GGUF model on one device, with `slots` independent KV caches."""
+
+  @classmethod
+  def load(cls, path: str | os.PathLike, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
+           slots: int = 4, boundary_dtype: str = "float32") -> StageModel:
+    path = pathlib.Path(path)
+    if not path.is_file(): raise errors.GgufLocalPathMissing(f"no GGUF file at {path}")
+    try: header = read_header(path)
+    except (OSError, ValueError, KeyError, UnicodeDecodeError) as e: raise errors.ModelLoadFailed(f"{path}: {e}") from e
+    return cls(header, start, end, device=device, max_context=max_context, slots=slots, boundary_dtype=boundary_dtype)
+
+  def __init__(self, header: GGUFHeader, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
+               slots: int = 4, boundary_dtype: str = "float32"):
+    check_architecture(header)
+    L = num_blocks(header)
+    if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool) or isinstance(end, bool) \
+       or not 0 <= start < end <= L:
+      raise errors.LayerRangeInvalid(f"layer range [{start}, {end}) is empty or outside the model's blocks [0, {L})")
+    if boundary_dtype not in BOUNDARY_DTYPES:
+      raise errors.BoundarySchemaMismatch(f"boundary dtype must be one of {sorted(BOUNDARY_DTYPES)}, not {boundary_dtype!r}")
+    if not isinstance(slots, int) or slots < 1: raise errors.SlotInvalid(f"a stage needs at least one KV slot, got {slots!r}")
+    if max_context is not None and (not isinstance(max_context, int) or max_context < 2):
+      raise errors.InvalidOption("max_context", f"must be an integer >= 2, got {max_context!r}")
+
+    self.header, self.path, self.kv, self.arch = header, header.path, header.kv, header.arch
+    self.config = cfg = model_config(header, max_context)
+    self.num_blocks, self.start, self.end = L, start, end
+    self.is_head, self.is_tail = start == 0, end == L
+    self.dim, self.vocab_size, self.context_length, self.slots = cfg.dim, cfg.vocab_size, cfg.max_context, slots
+    self.device = resolve_device(device)
+    self.boundary_dtype = boundary_dtype
+    self._bdtype = BOUNDARY_DTYPES[boundary_dtype]
+    self.boundary = StageBoundary.for_range(self.arch, start, end, L, cfg.dim, boundary_dtype)
+    self.half = bool(getenv("HALF", 1))  # the reference casts every weight to float16 unless HALF=0
+
+    try: self._load_weights(bool(getenv("REALIZE", 0)))
+    except errors.PyruntimeError: raise
+    except Exception as e: raise errors.ModelLoadFailed(f"{self.path}: loading blocks [{start}, {end}) failed: {type(e).__name__}: {e}") from e
+
+    self._caches: list[list[Tensor] | None] = [None] * slots
+    self._pos = [0] * slots
+    self._v_start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
+    self._v_toks = UOp.variable("toks", 1, PREFILL_CHUNK)
+    self._prefill_jit, self._decode_jit = TinyJit(self._run), TinyJit(self._run)
+    # every lazy one-time value (rope table, weights) is realized already, so the JITs capture on their first call
+    # (the reference runs once eagerly, then captures): same kernels, half the warm-up
+    self._prefill_jit.cnt = self._decode_jit.cnt = 1
+    # host -> device staging: one prefill chunk of ingress (raw embedding rows on the head, hidden states elsewhere)
+    if self.is_head:
+      self._stage_in = self._empty((PREFILL_CHUNK, self._embd_row_bytes), dtypes.uint8)
+    else:
+      self._stage_in = self._empty((1, PREFILL_CHUNK, cfg.dim), self._bdtype)
+
+  # --- loading ----------------------------------------------------------------------------------
+  def _empty(self, shape: tuple[int, ...], dtype) -> Tensor:
+    t = Tensor.empty(*shape, dtype=dtype, device=self.device)
+    t.uop.buffer.ensure_allocated()
+    return t
+
+  def _load_weights(self, realize: bool) -> None:
+    cfg, header = self.config, self.header
+    names = list(dict.fromkeys(stage_tensor_names(header, self.start, self.end)))
+    if missing := [n for n in names if n not in header.tensors]: raise errors.ModelLoadFailed(f"{self.path}: missing tensors {missing}")
+    # each owned tensor's own byte range, straight from (an mmap of) the file into a device buffer: one copy each,
+    # nothing else of the file is read, and no tinygrad scheduling is involved
+    mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+    raws: dict[str, Tensor] = {}
+    for n in names:
+      ti = header.tensors[n]
+      if ti.offset + ti.nbytes > mm.shape[0]: raise errors.ModelLoadFailed(f"{self.path}: tensor {n!r} runs past the end of the file")
+      buf = Buffer(self.device, ti.nbytes, dtypes.uint8).allocate()
+      buf.copyin(_host_mv(mm[ti.offset:ti.offset + ti.nbytes]))
+      raws[n] = Tensor(UOp.from_buffer(buf))
+    del mm
+    self.resident_bytes = sum(r.nbytes() for r in raws.values())
+    self.tensor_names = names
+
+    with _no_random_init(): self.blk = [TransformerBlock(cfg) for _ in range(self.start, self.end)]
+    self._block_sigs = [tuple(sorted((n.split(".", 2)[2], header.tensors[n].ggml_type, header.tensors[n].dims)
+                                     for n in block_tensor_names(header, i))) for i in range(self.start, self.end)]
+    freqs_cis = precompute_freqs_cis(cfg.rope_dim, cfg.max_context, cfg.rope_theta, device=self.device).realize()
+    for i, b in zip(range(self.start, self.end), self.blk, strict=True):
+      self._assign(b, {k: self._weight(raws, f"blk.{i}.{k}") for k in get_state_dict(b)}, f"blk.{i}")
+      b.freqs_cis = freqs_cis  # set here, not by the block's _init_state, which only runs without a cache_kv
+    if self.is_tail:
+      with _no_random_init(): self.output_norm, self.output = nn.RMSNorm(cfg.dim, cfg.norm_eps), nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+      self._assign(self.output_norm, {"weight": self._weight(raws, "output_norm.weight")}, "output_norm")
+      self._assign(self.output, {"weight": self._weight(raws, output_tensor_name(header))}, "output")
+    if self.is_head:
+      ti = header.tensors["token_embd.weight"]
+      if ti.shape[0] != cfg.vocab_size or ti.nbytes % cfg.vocab_size:
+        raise errors.ModelLoadFailed(f"token_embd.weight {ti.shape} does not match the vocabulary of {cfg.vocab_size}")
+      self._embd_info: TensorInfo = ti
+      self._embd_row_bytes = ti.nbytes // cfg.vocab_size
+      self._embd_rows = np.memmap(self.path, dtype=np.uint8, mode="r", offset=ti.offset, shape=(cfg.vocab_size, self._embd_row_bytes))
+    if realize:  # REALIZE=1 in the reference: weights dequantised once into float16 buffers
+      params = [p for b in self.blk for p in get_state_dict(b).values()]
+      if self.is_tail: params += [self.output_norm.weight, self.output.weight]
+      for p in params: p.replace(p.contiguous())
+      Tensor.realize(*params)
+      self.resident_bytes = sum(p.nbytes() for p in params)
+
+  def _weight(self, raws: dict[str, Tensor], name: str) -> Tensor:
+    """The reference's state_dict entry for `name`: dequantised (lazily), cast to float16, Q/K permuted for llama."""
+    if name not in raws: raise errors.ModelLoadFailed(f"{self.path}: tensor {name!r} is missing")
+    ti, cfg = self.header.tensors[name], self.config
+    w = ggml_data_to_tensor(raws[name], prod(ti.dims), ti.ggml_type).reshape(*ti.shape)
+    if self.half: w = w.cast("float16")
+    if self.arch == "llama" and name.endswith("attn_q.weight"):
+      w = w.reshape(cfg.n_heads, w.shape[0] // cfg.n_heads, -1)
+      prefix = cfg.head_dim - cfg.rope_dim
+      w = w[:, :prefix].cat(w[:, prefix:].rearrange("n (h two) d -> n (two h) d", two=2), dim=1).reshape(-1, w.shape[-1])
+    elif self.arch == "llama" and name.endswith("attn_k.weight"):
+      w = w.reshape(cfg.n_kv_heads, w.shape[0] // cfg.n_kv_heads, -1)
+      w = w.rearrange("n (h two) d -> n (two h) d", two=2).reshape(-1, w.shape[-1])
+    return w
+
+  def _assign(self, module, weights: dict[str, Tensor], where: str) -> None:
+    for k, v in get_state_dict(module).items():
+      w = weights[k]
+      if v.shape != w.shape: raise errors.ModelLoadFailed(f"{where}.{k}: expected shape {v.shape}, the file has {w.shape}")
+      v.replace(w)
+
+  # --- running ----------------------------------------------------------------------------------
+  def _run(self, inp: Tensor, start_pos: int | UOp, toks: int | UOp, caches: list[Tensor]) -> Tensor:
+    for b, c in zip(self.blk, caches, strict=True): b.cache_kv = c
+    if self.is_head:
+      x = self._embed(inp, toks)
+    else:
+      x = inp.float() if self._bdtype != dtypes.float32 else inp
+    x = self._blocks(x, start_pos)
+    # .contiguous(): the JIT's output must be a buffer of its own (not a view into the (T, vocab) logits or a function call)
+    if self.is_tail: return self.output(self.output_norm(x))[:, -1, :].contiguous()
+    return (x.cast(self._bdtype) if self._bdtype != dtypes.float32 else x).contiguous()
+
+  def _blocks(self, x: Tensor, start_pos: int | UOp) -> Tensor:
+    """x through this stage's blocks. Tracing a block into its tinygrad function costs ~0.5 s of Python; blocks with
+    the same tensor types and shapes trace to the same function body, so the first one of each kind is traced and
+    the others call that body with their own weights and cache (PYRUNTIME_TRACE_REUSE=0 traces every block)."""
+    traced: dict[tuple, tuple[UOp, TransformerBlock]] = {}
+    for b, sig in zip(self.blk, self._block_sigs, strict=True):
+      if _TRACE_REUSE and (t := traced.get(sig)) is not None:
+        fn, a = t
+        sa, sb = get_state_dict(a), get_state_dict(b)
+        bufmap = {ua: ub for k in sa for ua, ub in zip(_buffers(sa[k].uop), _buffers(sb[k].uop), strict=True) if ua is not ub}
+        x = Tensor(fn.replace(src=(fn.src[0], x.uop, *(u.substitute(bufmap) for u in fn.src[2:]))).gettuple(0))
+        continue
+      out = b(x, start_pos)
+      fn = out.uop.src[0] if out.uop.op is Ops.GETTUPLE else None
+      # reuse only what has the layout we rely on: FUNCTION(body, x, *inputs)
+      if fn is not None and fn.op is Ops.FUNCTION and len(fn.src) > 2 and fn.src[1] is x.uop: traced[sig] = (fn, b)
+      x = out
+    return x
+
+  def _embed(self, raw: Tensor, toks: int | UOp) -> Tensor:
+    """Rows of the token embedding from their raw GGML bytes, with the reference's arithmetic: dequantise, cast to float16,
+    then .float(). (nn.Embedding's one-hot masked sum is rewritten by tinygrad into a plain load: values, -0.0 included,
+    come through unchanged, which the tests check bit for bit.)"""
+    n = PREFILL_CHUNK * self.dim
+    w = ggml_data_to_tensor(raw.flatten(), n, self._embd_info.ggml_type).reshape(PREFILL_CHUNK, self.dim)
+    if self.half: w = w.cast("float16")
+    return w[:toks].reshape(1, toks, self.dim).float()
+
+  def _slot_caches(self, slot: int) -> list[Tensor]:
+    if (c := self._caches[slot]) is None:
+      cfg = self.config
+      # the reference's cache: Tensor.empty(2, B, n_kv_heads, max_context, head_dim) in the default float dtype
+      c = self._caches[slot] = [self._empty((2, 1, cfg.n_kv_heads, cfg.max_context, cfg.head_dim), dtypes.default_float) for _ in self.blk]
+    return c
+
+  @property
+  def kv_bytes(self) -> int:
+    """Device bytes of the KV caches allocated so far (slots are allocated on first use)."""
+    return sum(t.nbytes() for c in self._caches if c is not None for t in c)
+
+  def reset_slot(self, slot: int) -> None:
+    """Forget a stream: the slot's next record must start at position 0 (its cache is kept allocated and overwritten)."""
+    self._check_slot(slot)
+    self._pos[slot] = 0
+
+  def free_slot(self, slot: int) -> None:
+    """Forget a stream and give its KV cache memory back (the slot allocates a fresh cache on its next use)."""
+    self._check_slot(slot)
+    self._caches[slot], self._pos[slot] = None, 0
+
+  def position(self, slot: int) -> int:
+    self._check_slot(slot)
+    return self._pos[slot]
+
+  def _check_slot(self, slot: int) -> None:
+    if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self.slots:
+      raise errors.SlotInvalid(f"KV slot {slot!r} is not one of this stage's {self.slots} slots")
+
+  def _validate(self, slot: int, inp: np.ndarray, start_pos: int) -> np.ndarray:
+    self._check_slot(slot)
+    if not isinstance(inp, np.ndarray): raise errors.BoundarySchemaMismatch(f"ingress must be a numpy array, got {type(inp).__name__}")
+    if self.is_head:
+      if inp.dtype != np.uint32: raise errors.BoundarySchemaMismatch(f"the head takes uint32 token ids, got {inp.dtype}")
+      if inp.ndim != 1 or inp.shape[0] == 0:
+        raise errors.ActivationExtentInvalid(f"the head takes a non-empty (T,) array of token ids, got shape {inp.shape}")
+      if (bad := int(inp.max())) >= self.vocab_size:
+        raise errors.TokenIdInvalid(f"token id {bad} is outside the vocabulary of {self.vocab_size}")
+    else:
+      if inp.dtype != DTYPES[self.boundary_dtype]:
+        raise errors.BoundarySchemaMismatch(f"this stage takes {self.boundary_dtype} hidden states, got {inp.dtype}")
+      if inp.ndim != 2 or inp.shape[0] == 0 or inp.shape[1] != self.dim:
+        raise errors.ActivationExtentInvalid(f"this stage takes (T, {self.dim}) hidden states, got shape {inp.shape}")
+    if not isinstance(start_pos, (int, np.integer)) or start_pos < 0 or start_pos > self._pos[slot]:
+      raise errors.StreamPositionInvalid(f"slot {slot} holds {self._pos[slot]} positions; a record cannot start at {start_pos!r}")
+    if start_pos + inp.shape[0] > self.context_length:
+      raise errors.ContextLengthExceeded(int(start_pos + inp.shape[0]), self.context_length)
+    return np.ascontiguousarray(inp)
+
+  def _stage_chunk(self, inp: np.ndarray, s: int, nt: int) -> None:
+    """One host->device copy of a chunk of the ingress into the staging buffer."""
+    buf = self._stage_in.uop.buffer
+    if self.is_head:
+      rows = self._embd_rows[inp[s:s + nt]]  # gather the raw GGML rows from the mmap'd file
+      buf.view(nt * self._embd_row_bytes, dtypes.uint8, 0).ensure_allocated().copyin(_host_mv(rows))
+    else:
+      buf.view(nt * self.dim, self._bdtype, 0).ensure_allocated().copyin(_host_mv(inp[s:s + nt]))
+
+  def forward(self, slot: int, inp: np.ndarray, start_pos: int, *, prefill: bool | None = None) -> Tensor:
+    """Run this stage's blocks over `inp` at positions [start_pos, start_pos+T) of the slot's stream.
+
+    head: `inp` is (T,) uint32 token ids; otherwise (T, dim) hidden states in the boundary dtype (a view of shared memory
+    is fine: it is copied to the device once and not kept). Returns, realized: the residual (1, T, dim) in the boundary
+    dtype, or on the tail the last position's logits (vocab,) float32. The returned tensor may alias this stage's
+    output buffer: consume it (output_into / sample) before the next forward call.
+
+    `prefill` picks the reference's path: the chunked prefill JIT (symbolic T, a causal mask) or the T=1 decode JIT.
+    By default a record of more than one token, or one at position 0, is a prefill, as in `Transformer.generate`."""
+    inp = self._validate(slot, inp, start_pos)
+    T, caches = inp.shape[0], self._slot_caches(slot)
+    if prefill is None: prefill = T > 1 or start_pos == 0
+    if not prefill and T != 1: raise errors.ActivationExtentInvalid(f"a decode step takes one token, got {T}")
+    multi = T > PREFILL_CHUNK and not self.is_tail
+    res = self._empty((1, T, self.dim), self._bdtype) if multi else None
+    for s in range(0, T, PREFILL_CHUNK):
+      nt = min(PREFILL_CHUNK, T - s)
+      self._stage_chunk(inp, s, nt)
+      sp = self._v_start_pos.bind(int(start_pos + s))
+      if prefill:
+        toks = self._v_toks.bind(nt)
+        ret = self._prefill_jit(self._stage_in if self.is_head else self._stage_in[:, :toks], sp, toks, caches)
+      else:
+        ret = self._decode_jit(self._stage_in if self.is_head else self._stage_in[:, :1], sp, 1, caches)
+      self._pos[slot] = int(start_pos + s + nt)
+      out = ret.uop.buf_uop.buffer
+      if res is not None:
+        # a prompt longer than one chunk: the JIT reuses its output buffer, so move each chunk's residual out now
+        n, isz = nt * self.dim, self._bdtype.itemsize
+        res.uop.buffer.view(n, self._bdtype, s * self.dim * isz).ensure_allocated().copyin(
+          out.view(n, self._bdtype, 0).ensure_allocated().as_memoryview())
+    if res is not None: return res
+    return self._wrap(out, (self.vocab_size,) if self.is_tail else (1, T, self.dim))
+
+  def _wrap(self, buf: Buffer, shape: tuple[int, ...]) -> Tensor:
+    n = prod(shape)
+    view = buf if buf.size == n else buf.view(n, buf.dtype, 0).ensure_allocated()
+    return Tensor(UOp.from_buffer(view)).reshape(shape)
+
+  def output_into(self, t: Tensor, dst: memoryview) -> int:
+    """Copy a realized tensor's bytes into a writable buffer (a ring span) with no intermediate host copy.
+    Returns the number of bytes written (dst may be larger)."""
+    if not t.uop.is_realized: t = t.contiguous().realize()
+    buf = t.uop.buffer
+    mv = flat_mv(memoryview(dst))
+    if mv.readonly: raise ValueError("output_into needs a writable buffer")
+    if len(mv) < buf.nbytes: raise errors.OutputExtentInvalid(f"{buf.nbytes} bytes do not fit in a span of {len(mv)}")
+    buf.copyout(mv[:buf.nbytes])
+    return buf.nbytes
+
+  def __repr__(self) -> str:
+    return (f"StageModel({self.arch}, blocks [{self.start}, {self.end}) of {self.num_blocks}, device={self.device}, "
+            f"resident={self.resident_bytes / 1e6:.1f} MB, boundary={self.boundary_dtype})")
+
+
+__all__ = ["StageModel", "suggest_split", "model_config", "check_architecture", "stage_weight_bytes", "model_weight_bytes",
+           "stage_tensor_names", "PREFILL_CHUNK"]

@@ -1,0 +1,174 @@
+"""Tiny GGUF files for tests, written with the `gguf` package.
+
+Each model is random (seeded) but complete: a valid byte-level BPE tokenizer (gpt2-style token list built from the
+GPT-2 byte alphabet, merges trained on a small corpus, token types, specials), the architecture's metadata, and
+tensors in a mix of GGML types (F32 norms, F16, Q8_0, Q4_0, Q4_1) so the loader's dequantisation paths are exercised.
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", **TINY_MODELS["llama_tied"])
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import pathlib
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+VOCAB_SIZE = 300
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CORPUS = """The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs into the
+forest. A tiny model has tiny weights, but the tokenizer is real: it merges the most frequent pairs of bytes.
+Hello world! Hello there, how are you? I am fine, thank you. What is the answer to the question? The answer is 42.
+In the beginning there was the word, and the word was with the model. Stages pass the residual stream along."""
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@functools.cache
+def bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's reversible byte -> printable unicode character map."""
+  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+  cs, n = bs[:], 0
+  for b in range(256):
+    if b not in bs: bs.append(b); cs.append(256 + n); n += 1
+  return dict(zip(bs, map(chr, cs), strict=True))
+
+
+@functools.cache
+def tiny_vocab(vocab_size: int = VOCAB_SIZE) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+  """(tokens, merges, token_types): 256 byte tokens, BPE merges trained on CORPUS, then the special tokens."""
+  b2u = bytes_to_unicode()
+  tokens = [b2u[b] for b in range(256)]
+  n_merges = vocab_size - 256 - len(SPECIALS)
+  # pre-tokenise like GPT-2 (roughly): words with their leading space
+  words = collections.Counter()
+  for i, w in enumerate(CORPUS.replace("\n", " ").split(" ")):
+    if w: words[("Ġ" if i else "") + "".join(b2u[b] for b in w.encode())] += 1
+  seqs = {w: list(w) for w in words}
+  merges: list[str] = []
+  while len(merges) < n_merges:
+    pairs = collections.Counter()
+    for w, n in words.items():
+      s = seqs[w]
+      for a, b in zip(s, s[1:], strict=False): pairs[(a, b)] += n
+    if not pairs: break
+    (a, b), _ = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+    merges.append(f"{a} {b}"); tokens.append(a + b)
+    for w in seqs:
+      s, out, i = seqs[w], [], 0
+      while i < len(s):
+        if i + 1 < len(s) and s[i] == a and s[i + 1] == b: out.append(a + b); i += 2
+        else: out.append(s[i]); i += 1
+      seqs[w] = out
+  assert len(merges) == n_merges, "corpus too small for the requested vocabulary"
+  tokens += SPECIALS
+  types = [1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS)  # NORMAL, CONTROL
+  return tuple(tokens), tuple(merges), tuple(types)
+
+
+# name -> keyword arguments of write_tiny_gguf
+TINY_MODELS: dict[str, dict] = {
+  # llama, tied output (the embedding is the output projection), grouped-query attention 4/2, Q8_0 embedding
+  "llama_tied": dict(arch="llama", n_blocks=5, n_heads=4, n_kv_heads=2, tied=True,
+                     types={"token_embd": Q.Q8_0, "attn": Q.Q4_1, "ffn": Q.Q4_0}),
+  # llama, untied output, plain multi-head attention, Q4_0 embedding (negative scales -> -0.0 entries), F16 blocks
+  "llama_untied": dict(arch="llama", n_blocks=4, n_heads=4, n_kv_heads=4, tied=False,
+                       types={"token_embd": Q.Q4_0, "output": Q.Q8_0, "attn": Q.F16, "ffn": Q.F16}),
+  # llama, GQA 8 heads / 2 kv heads (head_dim 8), Q4_1 embedding, tied
+  "llama_gqa": dict(arch="llama", n_blocks=6, n_heads=8, n_kv_heads=2, tied=True,
+                    types={"token_embd": Q.Q4_1, "attn": Q.Q8_0, "ffn": Q.Q4_1}),
+  # qwen2: q/k/v biases, no rope permutation, tied
+  "qwen2": dict(arch="qwen2", n_blocks=4, n_heads=4, n_kv_heads=2, tied=True, qkv_bias=True, rope_theta=1e6,
+                types={"token_embd": Q.F16, "attn": Q.Q8_0, "ffn": Q.Q4_0}),
+  # qwen3 dense: per-head q/k RMSNorm, head_dim 32 != dim / n_heads (attention.key_length), untied
+  "qwen3": dict(arch="qwen3", n_blocks=5, n_heads=4, n_kv_heads=2, tied=False, qk_norm=True, head_dim=32, rope_theta=1e6,
+                types={"token_embd": Q.Q8_0, "output": Q.F16, "attn": Q.Q4_0, "ffn": Q.Q8_0}),
+}
+
+
+def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int = 64, n_blocks: int = 4, n_heads: int = 4,
+                    n_kv_heads: int = 2, hidden: int = 128, context: int = 256, tied: bool = True, qkv_bias: bool = False,
+                    qk_norm: bool = False, head_dim: int | None = None, rope_theta: float = 10000.0, seed: int = 0,
+                    types: dict | None = None, expert_count: int = 0, pre: str | None = None,
+                    chat_template: str | None = CHATML, vocab_size: int = VOCAB_SIZE) -> pathlib.Path:
+  """Write a random model of `arch` to `path` and return the path."""
+  path = pathlib.Path(path)
+  types = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0, **(types or {})}
+  rng = np.random.default_rng(seed)
+  hd = head_dim or dim // n_heads
+  tokens, merges, token_types = tiny_vocab(vocab_size)
+
+  w = gguf.GGUFWriter(str(path), arch)
+  w.add_uint32(f"{arch}.block_count", n_blocks)
+  w.add_uint32(f"{arch}.context_length", context)
+  w.add_uint32(f"{arch}.embedding_length", dim)
+  w.add_uint32(f"{arch}.feed_forward_length", hidden)
+  w.add_uint32(f"{arch}.attention.head_count", n_heads)
+  w.add_uint32(f"{arch}.attention.head_count_kv", n_kv_heads)
+  w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+  w.add_float32(f"{arch}.rope.freq_base", rope_theta)
+  if head_dim is not None:
+    w.add_uint32(f"{arch}.attention.key_length", hd)
+    w.add_uint32(f"{arch}.attention.value_length", hd)
+  else: w.add_uint32(f"{arch}.rope.dimension_count", hd)
+  if expert_count:
+    w.add_uint32(f"{arch}.expert_count", expert_count)
+    w.add_uint32(f"{arch}.expert_used_count", min(2, expert_count))
+  w.add_uint32(f"{arch}.vocab_size", len(tokens))
+  w.add_uint32("general.file_type", 1)
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre(pre or ("llama-bpe" if arch == "llama" else "qwen2"))
+  w.add_token_list(list(tokens))
+  w.add_token_types(list(token_types))
+  w.add_token_merges(list(merges))
+  w.add_bos_token_id(tokens.index("<|im_start|>") if arch != "llama" else tokens.index("<|endoftext|>"))
+  w.add_eos_token_id(tokens.index("<|im_end|>"))
+  w.add_uint32("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"))
+  if chat_template: w.add_chat_template(chat_template)
+
+  def add(name: str, arr: np.ndarray, qtype) -> None:
+    arr = arr.astype(np.float32)
+    if qtype == Q.F32: w.add_tensor(name, arr)
+    elif qtype == Q.F16: w.add_tensor(name, arr.astype(np.float16))
+    else: w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+  def lin(out_f: int, in_f: int, scale: float = 1.0) -> np.ndarray:
+    return rng.standard_normal((out_f, in_f)).astype(np.float32) * (scale / np.sqrt(in_f))
+  def norm(n: int) -> np.ndarray: return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+  # tied: a small embedding so the blocks, not the input token, dominate the residual (else greedy repeats the input)
+  add("token_embd.weight", rng.standard_normal((len(tokens), dim)).astype(np.float32) * (0.1 if tied else 1.0), types["token_embd"])
+  for i in range(n_blocks):
+    p = f"blk.{i}."
+    add(p + "attn_norm.weight", norm(dim), Q.F32)
+    add(p + "attn_q.weight", lin(n_heads * hd, dim), types["attn"])
+    add(p + "attn_k.weight", lin(n_kv_heads * hd, dim), types["attn"])
+    add(p + "attn_v.weight", lin(n_kv_heads * hd, dim), types["attn"])
+    if qkv_bias:
+      for n, k in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
+        add(p + f"attn_{n}.bias", 0.1 * rng.standard_normal(k * hd), Q.F32)
+    if qk_norm:
+      add(p + "attn_q_norm.weight", norm(hd), Q.F32)
+      add(p + "attn_k_norm.weight", norm(hd), Q.F32)
+    add(p + "attn_output.weight", lin(dim, n_heads * hd, scale=2.0), types["attn"])
+    add(p + "ffn_norm.weight", norm(dim), Q.F32)
+    add(p + "ffn_gate.weight", lin(hidden, dim), types["ffn"])
+    add(p + "ffn_up.weight", lin(hidden, dim), types["ffn"])
+    add(p + "ffn_down.weight", lin(dim, hidden, scale=2.0), types["ffn"])
+  add("output_norm.weight", norm(dim), Q.F32)
+  if not tied: add("output.weight", lin(len(tokens), dim, scale=4.0), types["output"])
+
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path
+
+
+def write_unsupported_gguf(path: str | pathlib.Path, arch: str = "qwen3moe") -> pathlib.Path:
+  """A small model of an architecture we refuse (e.g. qwen3moe, deepseek2): header + a few tensors."""
+  path = pathlib.Path(path)
+  if arch == "llama_moe":  # llama metadata with experts (Mixtral-style): refused too
+    return write_tiny_gguf(path, arch="llama", n_blocks=2, expert_count=4)
+  return write_tiny_gguf(path, arch=arch, n_blocks=2, expert_count=4 if "moe" in arch or arch == "deepseek2" else 0)

@@ -46,23 +46,29 @@ def bench_pipeline(path: str, n_stages: int, prompt: str, n_tokens: int, max_con
     for _ in range(2):
       before = lm.stage_stats()
       oh0 = dict(lm.overhead)
-      done = next(ev for ev in lm.generate(prompt, raw=True, max_tokens=n_tokens) if isinstance(ev, Done))
+      done = next(ev for ev in lm.generate(prompt, raw=True, max_tokens=n_tokens, ignore_eos=True) if isinstance(ev, Done))
       after = lm.stage_stats()
       runs.append((done, before, after, oh0, dict(lm.overhead)))
     done, before, after, oh0, oh1 = runs[1]
     decoded = done.usage.completion_tokens - 1
     wall_per_token = 1.0 / done.timings.decode_tokens_per_s if done.timings.decode_tokens_per_s else float("nan")
     # compute per decoded token, summed over stages (prefill record excluded: one record per stage per token after it)
-    compute = sum((a["compute_s"] - b["compute_s"]) for a, b in zip(after, before, strict=True))
-    prefill_share = sum(a.get("prefill_s", 0.0) - b.get("prefill_s", 0.0) for a, b in zip(after, before, strict=True))
-    per_token_compute = (compute - prefill_share) / max(1, decoded)  # each decoded token is one record per stage
+    def delta(key: str) -> float: return sum(a[key] - b[key] for a, b in zip(after, before, strict=True))
+    # per decoded token (one record per stage each), the stages' own work: compute, and sampling/egress write
+    busy = (delta("compute_s") + delta("emit_s") - delta("prefill_s")) / max(1, decoded)
+    emit = delta("emit_s") / max(1, done.usage.completion_tokens)
     hops = n_stages + 1
-    launcher_per_token = (oh1["seconds"] - oh0["seconds"]) / max(1, oh1["tokens"] - oh0["tokens"])
-    ring_per_hop = max(0.0, wall_per_token - per_token_compute - launcher_per_token) / hops
+    n_oh = max(1, oh1["tokens"] - oh0["tokens"])
+    launcher_wall = (oh1["seconds"] - oh0["seconds"]) / n_oh
+    launcher_cpu = (oh1["cpu_seconds"] - oh0["cpu_seconds"]) / n_oh
+    # what is left of a token's wall time once every stage's work and the launcher's own CPU are taken out:
+    # the ring writes' wake-ups and the reads' wake-up latency (a waiting stage is parked on its futex)
+    ring_per_hop = max(0.0, wall_per_token - busy - launcher_cpu) / hops
     return {"system": "pyruntime", "stages": n_stages, "split": [list(r) for r in lm.split], "load_s": round(lm.load_s, 3),
             "ttft_s_cold": runs[0][0].timings.ttft_s, "ttft_s": done.timings.ttft_s,
             "decode_tokens_per_s": done.timings.decode_tokens_per_s, "decoded_tokens": decoded,
-            "ring_us_per_hop_per_token": round(ring_per_hop * 1e6, 1), "launcher_us_per_token": round(launcher_per_token * 1e6, 1),
+            "ring_us_per_hop_per_token": round(ring_per_hop * 1e6, 1), "launcher_us_per_token": round(launcher_cpu * 1e6, 1),
+            "launcher_wall_us_per_token": round(launcher_wall * 1e6, 1), "stage_emit_us_per_record": round(emit * 1e6, 1),
             "token_ids": done.token_ids}
 
 
@@ -91,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
   else:
     print(f"model {os.path.basename(path)}, {a.tokens} tokens, device {os.environ.get('DEV', 'auto')}")
     for r in rows:
-      extra = f"  ring {r['ring_us_per_hop_per_token']} us/hop/token, launcher {r['launcher_us_per_token']} us/token" if "split" in r else ""
+      extra = (f"  ring {r['ring_us_per_hop_per_token']} us/hop/token, launcher {r['launcher_us_per_token']} us CPU "
+               f"({r['launcher_wall_us_per_token']} us wall)/token" if "split" in r else "")
       print(f"{r['system']:>24} x{r['stages']}: decode {r['decode_tokens_per_s']:7.2f} tok/s ({r['decode_vs_reference']:.0%} of reference), "
             f"ttft {r['ttft_s']:.3f} s (cold {r['ttft_s_cold']:.2f} s), load {r['load_s']:.1f} s{extra}")
     same = all(r.get("token_ids") == rows[1].get("token_ids") for r in rows[1:])

@@ -134,7 +134,9 @@ class Launcher:
     self._streams = itertools.count(1)
     self._closed = False
     self._old_sigterm: Any = None
-    self.overhead = {"tokens": 0, "seconds": 0.0}  # launcher time per token, between a token's arrival and the next write
+    # launcher time per token, between a token's arrival and the next write: wall, and this thread's CPU
+    # (on a loaded machine the wall time includes being preempted by the stage we just woke)
+    self.overhead = {"tokens": 0, "seconds": 0.0, "cpu_seconds": 0.0}
 
   # --- start -------------------------------------------------------------------------------------
   def __enter__(self) -> "Launcher":
@@ -270,12 +272,13 @@ class Launcher:
 
   def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *, raw: bool = False,
                max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,
-               **sampling: Any) -> Iterator[Delta | Logits | Done]:
+               ignore_eos: bool = False, **sampling: Any) -> Iterator[Delta | Logits | Done]:
     """Stream a completion: `Delta`s as text becomes final, then one `Done`.
 
     Options (SPEC §4): max_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty,
     frequency_penalty, presence_penalty, penalty_last_n, stop. Bad values raise `InvalidOption`
-    naming the field before anything runs; `raw=True` skips the chat template.
+    naming the field before anything runs; `raw=True` skips the chat template; `ignore_eos=True`
+    generates through end tokens (benchmarks: a fixed number of tokens).
     """
     from pyruntime.sampling import SamplingParams
     from pyruntime.textstream import StopStream, budget
@@ -289,9 +292,11 @@ class Launcher:
     stopper = StopStream(stops)
     ids = self.prompt_ids(prompt, messages, raw)
     n_max = budget(max_tokens if max_tokens is not None else self.context_length, self.context_length, len(ids))
-    return self._run(ids, n_max, params, stopper, logits)
+    end_ids = frozenset() if ignore_eos else self.tokenizer.end_ids
+    return self._run(ids, n_max, params, stopper, logits, end_ids)
 
-  def _run(self, ids: list[int], n_max: int, params: Any, stopper: Any, want_logits: bool) -> Iterator[Delta | Logits | Done]:
+  def _run(self, ids: list[int], n_max: int, params: Any, stopper: Any, want_logits: bool,
+           end_ids: frozenset[int]) -> Iterator[Delta | Logits | Done]:
     from pyruntime.tokenizer import IncrementalDecoder
     with self._lock:
       t0 = time.monotonic()
@@ -302,7 +307,7 @@ class Launcher:
       finish, stop_hit, t_first, t_last = "length", None, None, None
       try:
         info = {"slot": 0, "identity": {"request": stream, "recipe": self.recipe}, "sampling": params.to_dict(),
-                "history": ids, "end_ids": sorted(self.tokenizer.end_ids), "logits": want_logits}
+                "history": ids, "end_ids": sorted(end_ids), "logits": want_logits}
         self._write(object_id(stream, 0), encode_json(info, 4), FLAG_OPEN)
         opened = True
         self._write(object_id(stream, 0), np.asarray(ids, dtype="<u4"), 0)
@@ -313,14 +318,15 @@ class Launcher:
         decoder = IncrementalDecoder(self.tokenizer)
         while True:
           rec = self._read()
-          t_got = time.monotonic()
+          t_got, cpu_got = time.monotonic(), time.thread_time()
           sid, pos = split_object_id(rec.object_id)
           if sid != stream or rec.flags & (FLAG_OPEN | FLAG_CLOSE):
             raise errors.ResultIdentityMissing(f"result {rec.object_id:#x} (flags {rec.flags}) does not belong to stream {stream}")
           if want_logits:
             values = rec.array("<f4").copy()
             yield Logits(pos, values)
-            token, end = int(np.argmax(values)), int(np.argmax(values)) in self.tokenizer.end_ids
+            token = int(np.argmax(values))
+            end = token in end_ids
           else:
             token, end = int(rec.array("<u4")[0]), bool(rec.flags & FLAG_END)
           self.tail.release()
@@ -339,6 +345,7 @@ class Launcher:
           self._write(object_id(stream, len(ids) + len(out) - 1), np.asarray([token], dtype="<u4"), 0)
           self.overhead["tokens"] += 1
           self.overhead["seconds"] += time.monotonic() - t_got
+          self.overhead["cpu_seconds"] += time.thread_time() - cpu_got
         if stop_hit is None:
           if rest := stopper.flush(decoder.flush()):
             text.append(rest)

@@ -89,6 +89,15 @@ def test_end_token_gives_stop(lm):
   assert done.usage.completion_tokens < 40
 
 
+def test_ignore_eos_generates_through_end_tokens(lm):
+  ended, _ = run(lm, "Reply with the single word: yes", max_tokens=40)
+  assert ended.finish_reason == "stop"
+  done, _ = run(lm, "Reply with the single word: yes", max_tokens=ended.usage.completion_tokens + 2, ignore_eos=True)
+  assert done.finish_reason == "length" and done.usage.completion_tokens == ended.usage.completion_tokens + 2
+  assert done.token_ids[:len(ended.token_ids)] == ended.token_ids
+  assert done.token_ids[len(ended.token_ids)] in lm.tokenizer.end_ids
+
+
 def test_stop_string_straddling_two_tokens(lm):
   full, _ = run(lm, "Write a sentence about the sea.", max_tokens=20)
   pieces = [lm.tokenizer.decode([t]) for t in full.token_ids]

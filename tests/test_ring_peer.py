@@ -12,27 +12,13 @@ import time
 
 import pytest
 
-from pyruntime import errors, shm
+from pyruntime import errors
 from pyruntime.ring import Arena, RingSpec
 
 PREFIX = "pyruntime-test"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def our_segments() -> list[str]:
-  try:
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("pyruntime") and f"-{os.getpid()}-" in n)
-  except FileNotFoundError:
-    return []
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments():
-  before = set(our_segments())
-  yield
-  leaked = [n for n in our_segments() if n not in before]
-  for n in leaked: shm.unlink_quietly("/" + n)
-  assert not leaked, f"segments left in /dev/shm: {leaked}"
 
 
 def peer(code: str) -> subprocess.Popen:

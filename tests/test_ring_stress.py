@@ -14,7 +14,6 @@ reserve/commit, deferred commits, write_many); the consumer is this process usin
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import time
 import traceback
 import zlib
@@ -22,7 +21,7 @@ import zlib
 import numpy as np
 import pytest
 
-from pyruntime import errors, shm
+from pyruntime import errors
 from pyruntime.ring import Arena, RingSpec
 
 PREFIX = "pyruntime-test"
@@ -34,20 +33,6 @@ CHUNK = 1 << 14         # records per plan chunk (and per API mode switch on bot
 CTX = mp.get_context("fork")
 
 
-def our_segments() -> list[str]:
-  try:
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("pyruntime") and f"-{os.getpid()}-" in n)
-  except FileNotFoundError:
-    return []
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments():
-  before = set(our_segments())
-  yield
-  leaked = [n for n in our_segments() if n not in before]
-  for n in leaked: shm.unlink_quietly("/" + n)
-  assert not leaked, f"segments left in /dev/shm: {leaked}"
 
 
 # --- the deterministic plan ------------------------------------------------------------------------

@@ -263,25 +263,9 @@ def produce_c(name, barrier, P: Payloads, dur: float, batch: int) -> dict:
   return {"t0": t0, "count": int(done[0]), "sample_sum": None}
 
 
-def produce_queue(q, barrier, P: Payloads, dur: float) -> dict:
-  barrier.wait()
-  put, bufs, sh, ch = q.put, P.bufs, P.shift, chunk_records(P.size, 1024)
-  i = 0
-  t0 = mono()
-  end = t0 + dur
-  while True:
-    for j in range(i, i + ch): put(bufs[(j >> sh) & 3])
-    i += ch
-    if mono() >= end: break
-  put(None)
-  q.close()
-  q.join_thread()
-  return {"t0": t0, "count": i, "sample_sum": P.sample_sum(i)}
-
-
-def produce_pipe(conn, barrier, P: Payloads, dur: float) -> dict:
-  barrier.wait()
-  send, bufs, sh, ch = conn.send_bytes, P.bufs, P.shift, chunk_records(P.size, 1024)
+def send_for(send, P: Payloads, dur: float) -> tuple[float, int]:
+  """Send P's payloads for `dur` seconds, checking the clock once per chunk; returns (start, count)."""
+  bufs, sh, ch = P.bufs, P.shift, chunk_records(P.size, 1024)
   i = 0
   t0 = mono()
   end = t0 + dur
@@ -289,7 +273,22 @@ def produce_pipe(conn, barrier, P: Payloads, dur: float) -> dict:
     for j in range(i, i + ch): send(bufs[(j >> sh) & 3])
     i += ch
     if mono() >= end: break
-  send(b"")  # end marker (no payload here is empty)
+  return t0, i
+
+
+def produce_queue(q, barrier, P: Payloads, dur: float) -> dict:
+  barrier.wait()
+  t0, i = send_for(q.put, P, dur)
+  q.put(None)
+  q.close()
+  q.join_thread()
+  return {"t0": t0, "count": i, "sample_sum": P.sample_sum(i)}
+
+
+def produce_pipe(conn, barrier, P: Payloads, dur: float) -> dict:
+  barrier.wait()
+  t0, i = send_for(conn.send_bytes, P, dur)
+  conn.send_bytes(b"")  # end marker (no payload here is empty)
   conn.close()
   return {"t0": t0, "count": i, "sample_sum": P.sample_sum(i)}
 

@@ -17,7 +17,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--split", default=None, help="explicit half-open block ranges, e.g. 0:15,15:30")
   p.add_argument("--device", default=None, help="auto (default), one device for all stages, or one per stage: CUDA:0,CUDA:1")
   p.add_argument("--boundary-dtype", default="float32", choices=["float32", "float16"])
-  p.add_argument("--kv-slots", type=int, default=4)
+  p.add_argument("--max-streams", type=int, default=8, help="streams run through the pipeline at once; the rest wait (default 8)")
+  p.add_argument("--decode", choices=("batched", "reference"), default="batched",
+                 help="batched: many streams per step, batch-invariant tokens; reference: tinygrad's own decode kernels, "
+                 "one stream at a time, its exact tokens (default batched)")
   p.add_argument("--max-context", type=int, default=None)
 
 
@@ -66,7 +69,8 @@ class LoadProgress:
 def _launcher(a: argparse.Namespace, quiet: bool = False) -> Any:
   from pyruntime.launcher import Launcher, parse_split
   return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
-                  boundary_dtype=a.boundary_dtype, kv_slots=a.kv_slots, max_context=a.max_context, on_event=LoadProgress(quiet))
+                  boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, max_context=a.max_context,
+                  on_event=LoadProgress(quiet))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -62,7 +62,7 @@ class TokenIdInvalid(BoundaryError):
 class UnsupportedArchitecture(BoundaryError): pass
 
 
-# --- streams on the rings (pyruntime/records.py) ----------------------------------------------
+# --- streams on the rings (pyruntime/protocol.py) ----------------------------------------------
 class StreamError(PyruntimeError): pass
 class StreamNotOpen(StreamError):
   """A data record names a stream that no OPEN record announced."""
@@ -112,6 +112,12 @@ class StageFailed(GenerationError):
     self.stage, self.reason, self.detail = stage, reason, detail
 
 class LauncherClosed(GenerationError): pass
+
+class StreamFailed(GenerationError):
+  """A stage could not compute one stream's record (an ERROR record): that stream alone ends. `reason` is the stage's code."""
+  def __init__(self, stage: int | None, reason: str, detail: str = ""):
+    super().__init__(f"stage {stage} refused the stream: {reason}" + (f": {detail}" if detail else ""))
+    self.stage, self.reason, self.detail = stage, reason, detail
 
 
 # --- the stage worker's control channel (SPEC §3 WorkerFatal reasons) ---------------------------

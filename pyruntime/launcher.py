@@ -10,6 +10,7 @@ stop strings), so the head never waits on a token the launcher would have to can
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -27,10 +28,25 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from pyruntime import errors
-from pyruntime.records import ABI_VERSION, FLAG_CLOSE, FLAG_END, FLAG_OPEN, encode_json, object_id, split_object_id
+from pyruntime.protocol import (
+  ABI_VERSION,
+  FLAG_CLOSE,
+  FLAG_END,
+  FLAG_ERROR,
+  FLAG_MORE,
+  FLAG_OPEN,
+  Command,
+  Event,
+  OpenInfo,
+  decode_json,
+  object_id,
+  ring_bytes,
+  split_object_id,
+)
 
 POLL_S = 0.05          # how often a waiting launcher looks at its stages' health
 STOP_GRACE_S = 5.0     # how long a stage gets to stop in order before it is killed
+RATE_WINDOW_S = 5.0    # tokens/s in scheduler_stats is measured over this window
 FAIL_GRACE_S = 0.5     # after a failure the survivors get SIGTERM and this long before SIGKILL
 
 
@@ -60,9 +76,10 @@ class Usage:
 @dataclass
 class Timings:
   load_s: float
-  ttft_s: float
+  ttft_s: float                      # from the call, waiting for a slot included
   decode_tokens_per_s: float
   elapsed_s: float
+  queue_s: float = 0.0               # waiting for a free stream slot
 
 
 @dataclass
@@ -102,11 +119,74 @@ class StageHandle:
 
   def failure(self) -> errors.StageFailed | None:
     if self.fatal is not None:
-      return errors.StageFailed(self.index, self.fatal.get("reason", "WorkerFatal"), self.fatal.get("message", ""))
+      return errors.StageFailed(self.index, self.fatal.get("reason", Event.WORKER_FATAL), self.fatal.get("message", ""))
     if (rc := self.proc.poll()) is not None:
       how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
       return errors.StageFailed(self.index, "WorkerExited", f"{how}; stderr tail: {self.stderr_tail(600).strip()}")
     return None
+
+
+class StreamHandle:
+  """One stream of a launcher: its request, its text state and where its events go. Its methods but `cancel` run
+  under the launcher's lock, on the driver thread."""
+
+  def __init__(self, launcher: Launcher, sid: int, ids: list[int], n_max: int, params: Any, stopper: Any, want_logits: bool,
+               end_ids: frozenset[int], sink: Callable[[Any], None]):
+    from pyruntime.tokenizer import IncrementalDecoder
+    self.launcher, self.id, self.ids, self.n_max, self.params = launcher, sid, ids, n_max, params
+    self.stopper, self.want_logits, self.end_ids, self.sink = stopper, want_logits, end_ids, sink
+    self.decoder = IncrementalDecoder(launcher.tokenizer)
+    self.slot, self.state, self.ended = -1, "waiting", False   # state: waiting -> open -> closing -> done
+    self.out: list[int] = []
+    self.text: list[str] = []
+    self.t_submit = time.monotonic()
+    self.t_admitted: float | None = None
+    self.t_first: float | None = None
+    self.t_last: float | None = None
+
+  def cancel(self) -> None:
+    """Stop this stream: a waiting one leaves the queue, a running one is closed in every stage. Idempotent."""
+    self.launcher._cancel(self)
+
+  def emit(self, ev: Any) -> None:
+    try: self.sink(ev)
+    except Exception: pass  # noqa: BLE001 - a consumer's bug must not stop the driver
+
+  def push(self, token: int, end: bool) -> bool:
+    """One sampled token; True when the stream is finished (its Done went out)."""
+    self.t_last = time.monotonic()
+    if self.t_first is None: self.t_first = self.t_last
+    if end: return self.finish("stop", None)
+    self.out.append(token)
+    safe, stop_hit = self.stopper.push(self.decoder.push(token))
+    if safe: self.text.append(safe)
+    self.emit(Delta(safe, [token]))  # "" while held back (a possible stop string, or half a UTF-8 character)
+    if stop_hit is not None: return self.finish("stop", stop_hit)
+    if len(self.out) >= self.n_max: return self.finish("length", None)
+    return False
+
+  def finish(self, reason: str, stop_hit: str | None) -> bool:
+    if stop_hit is None:
+      if rest := self.stopper.flush(self.decoder.flush()):
+        self.text.append(rest)
+        self.emit(Delta(rest, []))
+      if self.stopper.matched is not None: reason, stop_hit = "stop", self.stopper.matched  # the last bytes completed a stop string
+    now, out = time.monotonic(), self.out
+    t0, t_first, t_last = self.t_submit, self.t_first or now, self.t_last or now
+    decode = (len(out) - 1) / (t_last - t_first) if len(out) > 1 and t_last > t_first else 0.0
+    timings = Timings(round(self.launcher.load_s, 4), round(t_first - t0, 4), round(decode, 3), round(now - t0, 4),
+                      round((self.t_admitted or t0) - t0, 4))
+    self.ended = True
+    self.emit(Done(reason, Usage(len(self.ids), len(out)), timings, self.ids, out, "".join(self.text), stop_hit))
+    return True
+
+  def fail(self, e: BaseException) -> None:
+    if not self.ended:
+      self.ended = True
+      self.emit(e)
+    if self.state != "closing": self.state = "done"
+
+  def closed(self) -> None: self.state = "done"
 
 
 def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, template: str) -> str:
@@ -116,13 +196,15 @@ def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, temp
 
 class Launcher:
   def __init__(self, model: str | os.PathLike | None = None, *, stages: int = 2, split: Sequence[tuple[int, int]] | None = None,
-               devices: str | Sequence[str] | None = None, boundary_dtype: str = "float32", kv_slots: int = 4,
-               max_context: int | None = None, on_event: Callable[[dict], None] | None = None,
+               devices: str | Sequence[str] | None = None, boundary_dtype: str = "float32", max_streams: int = 8,
+               decode: str = "batched", max_context: int | None = None, on_event: Callable[[dict], None] | None = None,
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0):
     if boundary_dtype not in ("float32", "float16"): raise errors.InvalidOption("boundary_dtype", "float32 or float16")
-    if kv_slots < 1: raise errors.InvalidOption("kv_slots", "at least 1")
+    if not isinstance(max_streams, int) or isinstance(max_streams, bool) or not 1 <= max_streams <= 256:
+      raise errors.InvalidOption("max_streams", f"must be an integer in [1, 256], got {max_streams!r}")
+    if decode not in ("batched", "reference"): raise errors.InvalidOption("decode", f"'batched' or 'reference', not {decode!r}")
     self.model_source, self.stages_wanted, self.split_wanted = model, stages, split
-    self.devices_wanted, self.boundary_dtype, self.kv_slots = devices, boundary_dtype, kv_slots
+    self.devices_wanted, self.boundary_dtype, self.max_streams, self.decode = devices, boundary_dtype, max_streams, decode
     self.max_context_wanted, self.on_event, self.cache_dir = max_context, on_event, cache_dir
     self.stage_env, self.load_timeout_s = dict(stage_env or {}), load_timeout_s
     self.events: list[dict] = []          # every event seen, in order: the plain way to look at them
@@ -130,8 +212,15 @@ class Launcher:
     self.arena: Any = None
     self.head: Any = None                 # writer of the head ring
     self.tail: Any = None                 # reader of the tail's egress ring
-    self._lock = threading.Lock()         # one generation at a time on the rings
-    self._streams = itertools.count(1)
+    self._lock = threading.Lock()         # the head ring's producer side, the slots and the queue (see _admit)
+    self._stream_ids = itertools.count(1)
+    self._free_slots = list(range(max_streams))
+    self._waiting: collections.deque[StreamHandle] = collections.deque()
+    self._active: dict[int, StreamHandle] = {}
+    self._driver: threading.Thread | None = None
+    self.tokens_out = self.steps = self.step_rows = self.last_batch = 0
+    self._group = 0                       # token records seen of the tail's current step
+    self._token_times: collections.deque[float] = collections.deque(maxlen=4096)
     self._closed = False
     self._old_sigterm: Any = None
     # launcher time per token, between a token's arrival and the next write: wall, and this thread's CPU
@@ -156,7 +245,7 @@ class Launcher:
     self._install_sigterm()
     try:
       self.path = resolve_model(None if self.model_source is None else str(self.model_source), cache_dir=self.cache_dir,
-                                on_progress=lambda done, total: self._event({"event": "DownloadProgress", "bytes": done, "total": total}))
+                                on_progress=lambda done, total: self._event({"event": Event.DOWNLOAD_PROGRESS, "bytes": done, "total": total}))
       self.header = read_header(self.path)
       self.model_name = self.header.kv.get("general.name") or self.path.stem
       self.num_blocks = int(self.header.get("block_count"))
@@ -168,32 +257,31 @@ class Launcher:
       self.dim = int(self.header.get("embedding_length"))
       self.vocab_size = self.tokenizer.vocab_size
       itemsize = 2 if self.boundary_dtype == "float16" else 4
-      # ring i feeds stage i; ring n carries the tail's tokens back. A record must fit the whole prompt.
-      ids_bytes, act_bytes = self.context_length * 4, self.context_length * self.dim * itemsize
-      open_bytes = 64 + 16 * self.context_length + 4096  # the OPEN record carries the prompt ids as history
-      specs = [RingSpec(capacity=_pow2(2 * (max(ids_bytes, open_bytes) + 64)), max_extent=max(ids_bytes, open_bytes), alignment=4)]
-      specs += [RingSpec(capacity=_pow2(2 * (max(act_bytes, open_bytes) + 64)), max_extent=max(act_bytes, open_bytes), alignment=itemsize)
-                for _ in self.split[1:]]
-      tail_bytes = max(self.vocab_size * 4, open_bytes)
-      specs.append(RingSpec(capacity=_pow2(4 * (tail_bytes + 64)), max_extent=tail_bytes, alignment=4))
+      # ring i feeds stage i; ring n carries the tail's tokens back (sizes: protocol.ring_bytes)
+      rb = ring_bytes(self.context_length, self.dim, itemsize, self.vocab_size, self.max_streams)
+      specs = [RingSpec(capacity=_pow2(rb["head_capacity"]), max_extent=rb["head"], alignment=4)]
+      specs += [RingSpec(capacity=_pow2(rb["mid_capacity"]), max_extent=rb["mid"], alignment=itemsize) for _ in self.split[1:]]
+      specs.append(RingSpec(capacity=_pow2(rb["tail_capacity"]), max_extent=rb["tail"], alignment=4))
       self.arena = Arena.create(specs)
       self._event({"event": "ArenaCreated", "name": self.arena.name, "rings": len(specs)})
       self.handles = [self._spawn(i) for i in range(len(self.split))]
       for h, (start, end), dev in zip(self.handles, self.split, self.devices, strict=True):
-        h.send("InitializeWorker", device=dev, abi_version=ABI_VERSION)
-        h.send("ConfigureRole", stage=h.index, start=start, end=end, slots=self.kv_slots, boundary_dtype=self.boundary_dtype,
-               max_context=self.context_length)
-        h.send("LoadWeights", model=str(self.path))
+        h.send(Command.INITIALIZE_WORKER, device=dev, abi_version=ABI_VERSION)
+        h.send(Command.CONFIGURE_ROLE, stage=h.index, start=start, end=end, slots=self.max_streams, boundary_dtype=self.boundary_dtype,
+               max_context=self.context_length, decode=self.decode)
+        h.send(Command.LOAD_WEIGHTS, model=str(self.path))
       for h in self.handles:  # the stages load in parallel; we just collect
-        h.info = self._expect(h, "WeightsLoaded", self.load_timeout_s)
+        h.info = self._expect(h, Event.WEIGHTS_LOADED, self.load_timeout_s)
       for h in self.handles:
         upstream = self.handles[h.index - 1].info["boundary"] if h.index > 0 else None
-        h.send("InstallRing", arena=self.arena.name, ingress=h.index, egress=h.index + 1, ingress_boundary=upstream)
-      for h in self.handles: self._expect(h, "RingInstalled", 30)
+        h.send(Command.INSTALL_RING, arena=self.arena.name, ingress=h.index, egress=h.index + 1, ingress_boundary=upstream)
+      for h in self.handles: self._expect(h, Event.RING_INSTALLED, 30)
       self.head, self.tail = self.arena.writer(0), self.arena.reader(len(self.split))
       self.template = self.header.kv.get("tokenizer.chat_template") or ""
       self.recipe = recipe_digest(self.model_name, self.split, self.boundary_dtype, self.template)
       self.load_s = time.monotonic() - t0
+      self._driver = threading.Thread(target=self._drive, name="launcher-driver", daemon=True)
+      self._driver.start()
       self._event({"event": "LauncherReady", "load_s": round(self.load_s, 3), "split": [list(r) for r in self.split],
                    "devices": self.devices})
     except BaseException:
@@ -216,7 +304,7 @@ class Launcher:
       try: ev = json.loads(line)
       except json.JSONDecodeError: continue
       ev.setdefault("stage", h.index)
-      if ev.get("event") == "WorkerFatal": h.fatal = ev
+      if ev.get("event") == Event.WORKER_FATAL: h.fatal = ev
       self._event(ev)
       h.events.put(ev)
     h.proc.wait()
@@ -233,7 +321,7 @@ class Launcher:
     while True:
       try: ev = h.events.get(timeout=min(POLL_S * 4, max(0.0, deadline - time.monotonic())))
       except queue.Empty: ev = {}
-      if ev is None or (ev and ev.get("event") == "WorkerFatal"):
+      if ev is None or (ev and ev.get("event") == Event.WORKER_FATAL):
         raise self._fail(h.failure() or errors.StageFailed(h.index, "WorkerExited"))
       if ev and ev.get("event") == name: return ev
       if (f := self._first_failure()) is not None: raise self._fail(f)
@@ -262,8 +350,8 @@ class Launcher:
 
   def stage_stats(self, timeout: float = 10.0) -> list[dict]:
     """Each stage's counters (records, tokens, compute_s, wait_s, wall_s), asked over the control channel."""
-    for h in self.handles: h.send("QueryStats")
-    return [self._expect(h, "StageStats", timeout) for h in self.handles]
+    for h in self.handles: h.send(Command.QUERY_STATS)
+    return [self._expect(h, Event.STAGE_STATS, timeout) for h in self.handles]
 
   # --- generation --------------------------------------------------------------------------------
   def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:
@@ -273,13 +361,26 @@ class Launcher:
   def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *, raw: bool = False,
                max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,
                ignore_eos: bool = False, **sampling: Any) -> Iterator[Delta | Logits | Done]:
-    """Stream a completion: `Delta`s as text becomes final, then one `Done`.
+    """Stream a completion: `Delta`s as text becomes final, then one `Done`. Thread-safe: every call is one stream,
+    and up to `max_streams` of them run through the pipeline together (the rest wait, first come first served).
 
-    Options (SPEC §4): max_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty,
-    frequency_penalty, presence_penalty, penalty_last_n, stop. Bad values raise `InvalidOption`
-    naming the field before anything runs; `raw=True` skips the chat template; `ignore_eos=True`
-    generates through end tokens (benchmarks: a fixed number of tokens).
+    Options (docs/serving.md): max_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty,
+    frequency_penalty, presence_penalty, penalty_last_n, stop. Bad values raise `InvalidOption` naming the field
+    before anything runs; `raw=True` skips the chat template; `ignore_eos=True` generates through end tokens
+    (benchmarks: a fixed number of tokens). Closing the iterator early cancels the stream and frees its slot.
     """
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    st = self.submit(prompt, messages, raw=raw, max_tokens=max_tokens, stop=stop, logits=logits, ignore_eos=ignore_eos,
+                     on_event=events.put, **sampling)
+    return self._iterate(st, events)
+
+  def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, raw: bool = False,
+             max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,
+             ignore_eos: bool = False, on_event: Callable[[Any], None], **sampling: Any) -> StreamHandle:
+    """Start one stream without a thread of its own: `on_event` is called from the launcher's driver thread with each
+    `Delta` / `Logits`, then exactly one final `Done` or exception instance (a `PyruntimeError`). It must not block
+    (an asyncio caller hands events over with `loop.call_soon_threadsafe`). Validation and tokenisation run here, in
+    the caller's thread, and raise before anything is queued."""
     from pyruntime.sampling import SamplingParams
     from pyruntime.textstream import StopStream, budget
     if self._closed or self.head is None: raise errors.LauncherClosed("the launcher is not running")
@@ -292,99 +393,137 @@ class Launcher:
     stopper = StopStream(stops)
     ids = self.prompt_ids(prompt, messages, raw)
     n_max = budget(max_tokens if max_tokens is not None else self.context_length, self.context_length, len(ids))
-    end_ids = frozenset() if ignore_eos else self.tokenizer.end_ids
-    return self._run(ids, n_max, params, stopper, logits, end_ids)
-
-  def _run(self, ids: list[int], n_max: int, params: Any, stopper: Any, want_logits: bool,
-           end_ids: frozenset[int]) -> Iterator[Delta | Logits | Done]:
-    from pyruntime.tokenizer import IncrementalDecoder
+    st = StreamHandle(self, next(self._stream_ids), ids, n_max, params, stopper, logits, frozenset() if ignore_eos else self.tokenizer.end_ids,
+                      on_event)
     with self._lock:
-      t0 = time.monotonic()
-      stream = next(self._streams)
-      opened = closed = False
-      out: list[int] = []
-      text: list[str] = []
-      finish, stop_hit, t_first, t_last = "length", None, None, None
-      try:
-        info = {"slot": 0, "identity": {"request": stream, "recipe": self.recipe}, "sampling": params.to_dict(),
-                "history": ids, "end_ids": sorted(end_ids), "logits": want_logits}
-        self._write(object_id(stream, 0), encode_json(info, 4), FLAG_OPEN)
-        opened = True
-        self._write(object_id(stream, 0), np.asarray(ids, dtype="<u4"), 0)
-        ack = self._read()
-        if not (ack.flags & FLAG_OPEN) or split_object_id(ack.object_id)[0] != stream:
-          raise errors.ResultIdentityMissing(f"the tail answered {ack.object_id:#x} before acknowledging stream {stream}")
-        self.tail.release()
-        decoder = IncrementalDecoder(self.tokenizer)
-        while True:
-          rec = self._read()
-          t_got, cpu_got = time.monotonic(), time.thread_time()
-          sid, pos = split_object_id(rec.object_id)
-          if sid != stream or rec.flags & (FLAG_OPEN | FLAG_CLOSE):
-            raise errors.ResultIdentityMissing(f"result {rec.object_id:#x} (flags {rec.flags}) does not belong to stream {stream}")
-          if want_logits:
-            values = rec.array("<f4").copy()
-            yield Logits(pos, values)
-            token = int(np.argmax(values))
-            end = token in end_ids
-          else:
-            token, end = int(rec.array("<u4")[0]), bool(rec.flags & FLAG_END)
-          self.tail.release()
-          t_last = time.monotonic()
-          if t_first is None: t_first = t_last
-          if end: finish = "stop"; break
-          out.append(token)
-          safe, stop_hit = stopper.push(decoder.push(token))
-          if safe:
-            text.append(safe)
-            yield Delta(safe, [token])
-          else:
-            yield Delta("", [token])  # held back (a possible stop string, or half a UTF-8 character)
-          if stop_hit is not None: finish = "stop"; break
-          if len(out) >= n_max: break
-          self._write(object_id(stream, len(ids) + len(out) - 1), np.asarray([token], dtype="<u4"), 0)
-          self.overhead["tokens"] += 1
-          self.overhead["seconds"] += time.monotonic() - t_got
-          self.overhead["cpu_seconds"] += time.thread_time() - cpu_got
-        if stop_hit is None:
-          if rest := stopper.flush(decoder.flush()):
-            text.append(rest)
-            yield Delta(rest, [])
-          if stopper.matched is not None: finish, stop_hit = "stop", stopper.matched  # the last bytes completed a stop string
-        self._close_stream(stream)
-        closed = True
-        elapsed = time.monotonic() - t0
-        decode = (len(out) - 1) / (t_last - t_first) if len(out) > 1 and t_last > t_first else 0.0
-        yield Done(finish, Usage(len(ids), len(out)), Timings(round(self.load_s, 4), round((t_first or t0) - t0, 4),
-                   round(decode, 3), round(elapsed, 4)), ids, out, "".join(text), stop_hit)
-      finally:
-        if opened and not closed and not self._closed:
-          try: self._close_stream(stream)  # a consumer that walked away: free the slot, drain what is in flight
-          except errors.PyruntimeError: pass
+      if self._closed: raise errors.LauncherClosed("the launcher is not running")
+      self._waiting.append(st)
+      self._admit()
+    return st
 
-  def _close_stream(self, stream: int) -> None:
-    self._write(object_id(stream, 0), b"", FLAG_CLOSE)
-    while True:  # everything of this stream still in flight arrives before the CLOSE ack
-      rec = self._read()
-      done = bool(rec.flags & FLAG_CLOSE) and split_object_id(rec.object_id)[0] == stream
-      self.tail.release()
-      if done: return
+  def _iterate(self, st: StreamHandle, events: queue.SimpleQueue) -> Iterator[Delta | Logits | Done]:
+    try:
+      while True:
+        ev = events.get()
+        if isinstance(ev, BaseException): raise ev
+        yield ev
+        if isinstance(ev, Done): return
+    finally:
+      st.cancel()  # a consumer that walked away (or an error): free the slot; a no-op once the stream ended
+
+  # The driver: one thread reads the tail's ring and closes every stream's loop (text, stop strings, budget, next
+  # token), so a stream never waits on its consumer's thread being scheduled. Head writes come from the driver and
+  # from submit/cancel, under self._lock, which also guards the slots and the queue: per stream the head ring sees
+  # OPEN, data..., CLOSE in that order. No write can wait on the driver: the rings hold every record that all
+  # streams can have in flight at once (protocol.ring_bytes).
+  def _admit(self) -> None:
+    while self._waiting and self._free_slots:
+      st = self._waiting.popleft()
+      st.slot = self._free_slots.pop(0)  # the lowest free slot: a batch spans rows 0..highest slot in use
+      st.state = "open"
+      self._active[st.id] = st
+      info = OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
+                      sorted(st.end_ids), st.want_logits)
+      st.t_admitted = time.monotonic()
+      self._write(object_id(st.id, 0), info.encode(4), FLAG_OPEN)
+      self._write(object_id(st.id, 0), np.asarray(st.ids, dtype="<u4"), 0)
+
+  def _cancel(self, st: StreamHandle) -> None:
+    with self._lock:
+      if st.state == "waiting":
+        self._waiting.remove(st)
+        st.state = "done"
+      elif st.state == "open" and not self._closed:
+        self._close_stream(st)
+
+  def _close_stream(self, st: StreamHandle) -> None:
+    """Under self._lock: the CLOSE goes out; the slot is free when its echo comes back (nothing of it is in flight then)."""
+    st.state = "closing"
+    self._write(object_id(st.id, 0), b"", FLAG_CLOSE)
+
+  def _drive(self) -> None:
+    try:
+      while not self._closed:
+        try: rec = self.tail.read(timeout=POLL_S)
+        except errors.RingTimeout:
+          if (f := self._first_failure()) is not None: raise f from None
+          continue
+        t_got, cpu_got = time.monotonic(), time.thread_time()
+        sid, pos = split_object_id(rec.object_id)
+        with self._lock:
+          st = self._active.get(sid)
+          if st is None: raise errors.ResultIdentityMissing(f"the tail answered {rec.object_id:#x} (flags {rec.flags}), a stream not open")
+          if rec.flags & FLAG_CLOSE:
+            del self._active[sid]
+            self._free_slots.append(st.slot); self._free_slots.sort()
+            self._admit()
+            st.closed()
+          elif rec.flags & FLAG_OPEN: pass  # the tail bound the stream: nothing to do, its token follows
+          elif rec.flags & FLAG_ERROR:
+            info = decode_json(rec.payload)
+            if st.state == "open":
+              st.fail(errors.StreamFailed(info.get("stage"), str(info.get("reason")), str(info.get("message"))))
+              self._close_stream(st)
+          else:
+            self._count_step(rec.flags)
+            if st.state == "open": self._step(st, rec, pos)
+            self.overhead["tokens"] += 1
+            self.overhead["seconds"] += time.monotonic() - t_got
+            self.overhead["cpu_seconds"] += time.thread_time() - cpu_got
+        self.tail.release()
+    except errors.PyruntimeError as e:
+      if not self._closed:
+        f = self._first_failure() or (e if isinstance(e, errors.StageFailed) else errors.StageFailed(len(self.handles) - 1, e.code, str(e)))
+        self._fail_all(f)  # every stream learns which stage failed, then the pipeline goes down
+        self._fail(f)
+    finally:
+      self._fail_all(errors.LauncherClosed("the launcher closed while the stream ran"))
+
+  def _step(self, st: StreamHandle, rec: Any, pos: int) -> None:
+    """A token (or logits) for a running stream: text out, and either the next token in or the stream's end."""
+    if st.want_logits:
+      values = rec.array("<f4").copy()
+      st.emit(Logits(pos, values))
+      token = int(np.argmax(values))
+      end = token in st.end_ids
+    else:
+      token, end = int(rec.array("<u4")[0]), bool(rec.flags & FLAG_END)
+    self.tokens_out += 1
+    self._token_times.append(time.monotonic())
+    if st.push(token, end): self._close_stream(st)  # finished: Done went out; free the slot
+    else: self._write(object_id(st.id, len(st.ids) + len(st.out) - 1), np.asarray([token], dtype="<u4"), 0)
+
+  def _count_step(self, flags: int) -> None:
+    self._group += 1
+    if not flags & FLAG_MORE:  # the last record of the tail's step
+      self.steps, self.step_rows, self.last_batch, self._group = self.steps + 1, self.step_rows + self._group, self._group, 0
+
+  def _fail_all(self, e: errors.PyruntimeError) -> None:
+    with self._lock:
+      streams = list(self._waiting) + list(self._active.values())
+      self._waiting.clear(); self._active.clear()
+    for st in streams: st.fail(e)
+
+  def scheduler_stats(self) -> dict:
+    """Streams running (in the pipeline) and waiting (for a slot); tokens out; the tail's steps (a group of records
+    chained by MORE is one step) and their sizes; output tokens per second over the last RATE_WINDOW_S."""
+    with self._lock:
+      now = time.monotonic()
+      recent = [t for t in self._token_times if now - t <= RATE_WINDOW_S]
+      span = now - recent[0] if len(recent) > 1 else 0.0
+      return {"running": len(self._active), "waiting": len(self._waiting), "max_streams": self.max_streams, "tokens": self.tokens_out,
+              "steps": self.steps, "last_batch": self.last_batch, "mean_batch": self.step_rows / self.steps if self.steps else 0.0,
+              "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0}
 
   def _write(self, oid: int, payload: Any, flags: int) -> None:
+    """Into the head ring, under self._lock. A failed stage raises here; the driver (which polls the stages' health)
+    ends every stream and the pipeline, so no thread but the driver ever closes the launcher."""
     while True:
       try: return self.head.write(oid, payload, flags, timeout=POLL_S)
       except errors.RingTimeout: pass
-      except (errors.PeerDead, errors.RingClosed) as e:
-        raise self._fail(self._first_failure() or errors.StageFailed(0, e.code)) from None
-      if (f := self._first_failure()) is not None: raise self._fail(f)
-
-  def _read(self) -> Any:
-    while True:
-      try: return self.tail.read(timeout=POLL_S)
-      except errors.RingTimeout: pass
-      except (errors.PeerDead, errors.RingClosed) as e:
-        raise self._fail(self._first_failure() or errors.StageFailed(len(self.handles) - 1, e.code)) from None
-      if (f := self._first_failure()) is not None: raise self._fail(f)
+      except (errors.PeerDead, errors.RingClosed) as e: raise self._first_failure() or errors.StageFailed(0, e.code) from None
+      if (f := self._first_failure()) is not None: raise f
+      if self._closed: raise errors.LauncherClosed("the launcher is closed")
 
   # --- stop --------------------------------------------------------------------------------------
   def close(self, grace_s: float = STOP_GRACE_S) -> None:
@@ -395,13 +534,15 @@ class Launcher:
     """
     if self._closed: return
     self._closed = True
+    if self._driver is not None and self._driver is not threading.current_thread(): self._driver.join()
+    self._fail_all(errors.LauncherClosed("the launcher closed while the stream ran"))
     for side in (self.head, self.tail):
       if side is not None:
         try: side.close()
         except errors.PyruntimeError: pass
     failed = grace_s < STOP_GRACE_S
     for h in self.handles:
-      if not failed: h.send("ShutdownWorker")
+      if not failed: h.send(Command.SHUTDOWN_WORKER)
       elif h.proc.poll() is None: h.proc.terminate()
     deadline = time.monotonic() + grace_s
     for h in self.handles:

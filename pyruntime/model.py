@@ -220,7 +220,7 @@ class StageModel:
     except errors.PyruntimeError: raise
     except Exception as e: raise errors.ModelLoadFailed(f"{self.path}: loading blocks [{start}, {end}) failed: {type(e).__name__}: {e}") from e
 
-    self._caches: list[list[Tensor] | None] = [None] * slots
+    self._kv: list[Tensor] | None = None  # per block: (slots, 2, n_kv_heads, max_context, head_dim), allocated on first use
     self._pos = [0] * slots
     self._v_start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
     self._v_toks = UOp.variable("toks", 1, PREFILL_CHUNK)
@@ -233,6 +233,7 @@ class StageModel:
       self._stage_in = self._empty((PREFILL_CHUNK, self._embd_row_bytes), dtypes.uint8)
     else:
       self._stage_in = self._empty((1, PREFILL_CHUNK, cfg.dim), self._bdtype)
+    self._init_batched_decode()
 
   # --- loading ----------------------------------------------------------------------------------
   def _empty(self, shape: tuple[int, ...], dtype) -> Tensor:
@@ -335,6 +336,104 @@ class StageModel:
       x = out
     return x
 
+  # --- batched decode: one token for each of several streams, each at its own position -------------
+  def _init_batched_decode(self) -> None:
+    """Decode rows of many streams in one forward. Row r is KV slot r; every row has its own position (a tensor input,
+    not a shape), and the row count and the attended length are symbolic, so one captured JIT serves every mix of
+    streams and positions with the same kernels. Rows never mix in any kernel (norms, projections and attention
+    reduce within a row), so a stream's numbers are the same whichever other rows run beside it: batch invariance by
+    construction, which the tests check bit for bit."""
+    cfg, S = self.config, self.slots
+    self._v_kv_len = UOp.variable("kv_len", 1, cfg.max_context)
+    self._batch_jits: dict[int, TinyJit] = {}
+    self._batch_pos = self._empty((S,), dtypes.int32)
+    self._batch_rope = self._empty((S, cfg.rope_dim), dtypes.float32)
+    self._arange = Tensor.arange(cfg.max_context, dtype=dtypes.int32, device=self.device).contiguous().realize()
+    self._rope_host = self.blk[0].freqs_cis.numpy()  # the reference's table: each row's cos|sin, gathered on the host
+    if self.is_head: self._batch_in = self._empty((S, self._embd_row_bytes), dtypes.uint8)
+    else: self._batch_in = self._empty((S, 1, cfg.dim), self._bdtype)
+
+  def batch_rows(self, n: int) -> int:
+    """The batch shape that holds n rows: a power of two (at most the slot count)."""
+    return min(self.slots, 1 << (n - 1).bit_length())
+
+  def _run_batch(self, inp: Tensor, positions: Tensor, rope: Tensor, rows: int, kv_len: UOp, kvs: list[Tensor]) -> Tensor:
+    cfg = self.config
+    if self.is_head:
+      n = self.slots * self.dim
+      w = ggml_data_to_tensor(inp.flatten(), n, self._embd_info.ggml_type).reshape(self.slots, self.dim)
+      if self.half: w = w.cast("float16")
+      x = w[:rows].reshape(rows, 1, self.dim).float()
+    else:
+      x = inp[:rows]
+      if self._bdtype != dtypes.float32: x = x.float()
+    pos = positions[:rows].reshape(rows, 1, 1, 1)
+    cos, sin = rope[:rows].reshape(rows, 1, 1, cfg.rope_dim).chunk(2, dim=-1)
+    # row r may see keys 0..pos[r]; a row with pos -1 (a filler for an idle slot) writes nothing and sees nothing
+    seen = self._arange[:kv_len].reshape(1, 1, 1, kv_len)
+    mask = (seen > pos).where(float("-inf"), 0.0).cast(x.dtype)
+    here = (seen == pos).reshape(rows, 1, 1, kv_len, 1)
+    for b, kv in zip(self.blk, kvs, strict=True):
+      h = x + self._batch_attention(b, b.attn_norm(x), cos, sin, mask, here, kv[:rows], kv_len)
+      x = (h + b._feed_forward(b.ffn_norm(h))).contiguous()
+    if self.is_tail: return self.output(self.output_norm(x))[:, -1, :].contiguous()
+    return (x.cast(self._bdtype) if self._bdtype != dtypes.float32 else x).contiguous()
+
+  def _batch_attention(self, b: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, here: Tensor, kv: Tensor,
+                       kv_len: UOp) -> Tensor:
+    """TransformerBlock._attention for T=1 rows at per-row positions: same projections, norms, rope formula and
+    scaled_dot_product_attention; the new key and value are written into each row's slot at its own position."""
+    cfg = b.config
+    B = x.shape[0]
+    q, k, v = b.attn_q(x), b.attn_k(x), b.attn_v(x)
+    if cfg.qk_norm and cfg.qk_norm != cfg.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
+    q = q.reshape(B, 1, cfg.n_heads, cfg.head_dim).transpose(1, 2)     # (B,H,1,Hd)
+    k = k.reshape(B, 1, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B,KvH,1,Hd)
+    v = v.reshape(B, 1, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+    if cfg.qk_norm == cfg.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
+    def rope(t: Tensor) -> Tensor:
+      t1, t2 = t[..., :cfg.rope_dim].chunk(2, dim=-1)
+      return (t1 * cos - t2 * sin).cat(t2 * cos + t1 * sin, dim=-1).cat(t[..., cfg.rope_dim:], dim=-1)
+    q, k = rope(q), rope(k)
+    old = kv[:, :, :, :kv_len, :]
+    new = here.where(Tensor.stack(k, v, dim=1).cast(kv.dtype), old)  # (B,2,KvH,L,Hd): the new column at pos, the rest as it was
+    kv_all = Tensor(kv.uop.after(old.uop.store(new.uop)))
+    keys, values = kv_all[:, 0, :, :kv_len, :], kv_all[:, 1, :, :kv_len, :]
+    attn = q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)  # (B,H,1,Hd)
+    return b.attn_output(attn.transpose(1, 2).reshape(B, 1, -1))
+
+  def forward_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> Tensor:
+    """One decode step for several streams at once: row i of `inp` (a token id on the head, else a (dim,) hidden state)
+    is the next token of the stream in KV slot `slots[i]`, at position `positions[i]`. Returns, realized, the residual
+    (rows, 1, dim) or on the tail the logits (rows, vocab) float32, where row r belongs to slot r (rows = max(slots)+1;
+    the rows of slots not named are fillers). Like forward, the result may alias an internal buffer."""
+    if not slots: raise errors.ActivationExtentInvalid("a batch needs at least one row")
+    if len(set(slots)) != len(slots): raise errors.SlotInvalid(f"a batch names a KV slot twice: {slots}")
+    n = len(slots)
+    for i, (slot, p) in enumerate(zip(slots, positions, strict=True)):
+      self._validate(slot, inp[i:i + 1] if self.is_head else inp[i:i + 1].reshape(1, -1), p)
+      if p == 0: raise errors.StreamPositionInvalid(f"slot {slot}: position 0 is a prefill, not a decode step")
+    rows = self.batch_rows(max(slots) + 1)
+    pos = np.full(self.slots, -1, dtype=np.int32)
+    pos[list(slots)] = positions
+    rope = np.zeros((self.slots, self.config.rope_dim), dtype=np.float32)
+    rope[list(slots)] = self._rope_host[list(positions)]
+    self._batch_pos.uop.buffer.copyin(_host_mv(pos))
+    self._batch_rope.uop.buffer.copyin(_host_mv(rope))
+    if self.is_head:
+      staged = np.zeros((self.slots, self._embd_row_bytes), dtype=np.uint8)
+      staged[list(slots)] = self._embd_rows[np.asarray(inp, dtype=np.uint32).reshape(n)]
+    else:
+      staged = np.zeros((self.slots, 1, self.dim), dtype=DTYPES[self.boundary_dtype])
+      staged[list(slots), 0] = np.asarray(inp).reshape(n, self.dim)
+    self._batch_in.uop.buffer.copyin(_host_mv(staged))
+    if (jit := self._batch_jits.get(rows)) is None:
+      jit = self._batch_jits[rows] = TinyJit(self._run_batch)
+      jit.cnt = 1
+    ret = jit(self._batch_in, self._batch_pos, self._batch_rope, rows, self._v_kv_len.bind(int(max(positions)) + 1), self._kv_caches())
+    for slot, p in zip(slots, positions, strict=True): self._pos[slot] = int(p) + 1
+    return self._wrap(ret.uop.buf_uop.buffer, (rows, self.vocab_size) if self.is_tail else (rows, 1, self.dim))
+
   def _embed(self, raw: Tensor, toks: int | UOp) -> Tensor:
     """Rows of the token embedding from their raw GGML bytes, with the reference's arithmetic: dequantise, cast to float16,
     then .float(). (nn.Embedding's one-hot masked sum is rewritten by tinygrad into a plain load: values, -0.0 included,
@@ -344,27 +443,30 @@ class StageModel:
     if self.half: w = w.cast("float16")
     return w[:toks].reshape(1, toks, self.dim).float()
 
-  def _slot_caches(self, slot: int) -> list[Tensor]:
-    if (c := self._caches[slot]) is None:
+  # --- KV caches: one batched tensor per block, a contiguous region per slot -----------------------
+  def _kv_caches(self) -> list[Tensor]:
+    if self._kv is None:
       cfg = self.config
-      # the reference's cache: Tensor.empty(2, B, n_kv_heads, max_context, head_dim) in the default float dtype
-      c = self._caches[slot] = [self._empty((2, 1, cfg.n_kv_heads, cfg.max_context, cfg.head_dim), dtypes.default_float) for _ in self.blk]
-    return c
+      # the reference's cache is Tensor.empty(2, B, n_kv_heads, max_context, head_dim) in the default float dtype; with the
+      # slot first, each slot's region is exactly that tensor for B=1, so the prefill JIT runs on a view of it unchanged
+      self._kv = [self._empty((self.slots, 2, cfg.n_kv_heads, cfg.max_context, cfg.head_dim), dtypes.default_float) for _ in self.blk]
+    return self._kv
+
+  def _slot_caches(self, slot: int) -> list[Tensor]:
+    cfg = self.config
+    n = 2 * cfg.n_kv_heads * cfg.max_context * cfg.head_dim
+    return [Tensor(UOp.from_buffer(kv.uop.buffer.view(n, kv.dtype, slot * n * kv.dtype.itemsize).ensure_allocated()))
+            .reshape(2, 1, cfg.n_kv_heads, cfg.max_context, cfg.head_dim) for kv in self._kv_caches()]
 
   @property
   def kv_bytes(self) -> int:
-    """Device bytes of the KV caches allocated so far (slots are allocated on first use)."""
-    return sum(t.nbytes() for c in self._caches if c is not None for t in c)
+    """Device bytes of the KV caches (every slot's, allocated together on first use)."""
+    return sum(t.nbytes() for t in self._kv or [])
 
   def reset_slot(self, slot: int) -> None:
-    """Forget a stream: the slot's next record must start at position 0 (its cache is kept allocated and overwritten)."""
+    """Forget a stream: the slot's next record must start at position 0 (its cache is overwritten, never read stale)."""
     self._check_slot(slot)
     self._pos[slot] = 0
-
-  def free_slot(self, slot: int) -> None:
-    """Forget a stream and give its KV cache memory back (the slot allocates a fresh cache on its next use)."""
-    self._check_slot(slot)
-    self._caches[slot], self._pos[slot] = None, 0
 
   def position(self, slot: int) -> int:
     self._check_slot(slot)
@@ -374,8 +476,8 @@ class StageModel:
     if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self.slots:
       raise errors.SlotInvalid(f"KV slot {slot!r} is not one of this stage's {self.slots} slots")
 
-  def _validate(self, slot: int, inp: np.ndarray, start_pos: int) -> np.ndarray:
-    self._check_slot(slot)
+  def check_rows(self, inp: np.ndarray) -> None:
+    """Refuse, by name, ingress this stage cannot compute: the wrong dtype or shape, token ids outside the vocabulary."""
     if not isinstance(inp, np.ndarray): raise errors.BoundarySchemaMismatch(f"ingress must be a numpy array, got {type(inp).__name__}")
     if self.is_head:
       if inp.dtype != np.uint32: raise errors.BoundarySchemaMismatch(f"the head takes uint32 token ids, got {inp.dtype}")
@@ -388,6 +490,10 @@ class StageModel:
         raise errors.BoundarySchemaMismatch(f"this stage takes {self.boundary_dtype} hidden states, got {inp.dtype}")
       if inp.ndim != 2 or inp.shape[0] == 0 or inp.shape[1] != self.dim:
         raise errors.ActivationExtentInvalid(f"this stage takes (T, {self.dim}) hidden states, got shape {inp.shape}")
+
+  def _validate(self, slot: int, inp: np.ndarray, start_pos: int) -> np.ndarray:
+    self._check_slot(slot)
+    self.check_rows(inp)
     if not isinstance(start_pos, (int, np.integer)) or start_pos < 0 or start_pos > self._pos[slot]:
       raise errors.StreamPositionInvalid(f"slot {slot} holds {self._pos[slot]} positions; a record cannot start at {start_pos!r}")
     if start_pos + inp.shape[0] > self.context_length:
@@ -442,6 +548,17 @@ class StageModel:
     n = prod(shape)
     view = buf if buf.size == n else buf.view(n, buf.dtype, 0).ensure_allocated()
     return Tensor(UOp.from_buffer(view)).reshape(shape)
+
+  def rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
+    """The rows of a forward_batch result that belong to `slots`, each a realized view of its own (no copy)."""
+    buf, row = batch.uop.buffer, prod(batch.shape[1:])
+    return [Tensor(UOp.from_buffer(buf.view(row, buf.dtype, s * row * buf.dtype.itemsize).ensure_allocated())).reshape(batch.shape[1:])
+            for s in slots]
+
+  @property
+  def row_bytes(self) -> int:
+    """Bytes of one token's egress residual (the boundary dtype)."""
+    return self.dim * self._bdtype.itemsize
 
   def output_into(self, t: Tensor, dst: memoryview) -> int:
     """Copy a realized tensor's bytes into a writable buffer (a ring span) with no intermediate host copy.

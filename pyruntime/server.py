@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import anyio
 from starlette.applications import Starlette
@@ -65,7 +65,7 @@ def _label(v: Any) -> str: return str(v).replace("\\", "\\\\").replace('"', '\\"
 
 
 class Metrics:
-  """Counters and histograms of one server; written from the event loop and the worker thread."""
+  """Counters and histograms of one server; written from the event loop and the launcher's driver thread."""
   def __init__(self) -> None:
     self.lock = threading.Lock()
     self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
@@ -81,7 +81,7 @@ class Metrics:
   def error(self, code: str) -> None:
     with self.lock: self.errors[code] += 1
 
-  def render(self, *, queue_depth: int, running: int, occupancy: list[float], alive: list[bool]) -> str:
+  def render(self, *, stats: dict, occupancy: list[float], alive: list[bool]) -> str:
     with self.lock:
       out: list[str] = []
       def head(name: str, kind: str, text: str) -> None: out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}"])
@@ -100,10 +100,18 @@ class Metrics:
       out += self.ttft.lines("pyruntime_time_to_first_token_seconds")
       head("pyruntime_decode_tokens_per_second", "histogram", "Decode rate of each finished generation after its first token.")
       out += self.decode_rate.lines("pyruntime_decode_tokens_per_second")
-      head("pyruntime_queue_depth", "gauge", "Requests waiting for the generation worker.")
-      out.append(f"pyruntime_queue_depth {queue_depth}")
-      head("pyruntime_requests_running", "gauge", "Requests generating now (0 or 1).")
-      out.append(f"pyruntime_requests_running {running}")
+      head("pyruntime_queue_depth", "gauge", "Streams waiting for a free stream slot.")
+      out.append(f"pyruntime_queue_depth {stats.get('waiting', 0)}")
+      head("pyruntime_requests_running", "gauge", "Streams running in the pipeline now.")
+      out.append(f"pyruntime_requests_running {stats.get('running', 0)}")
+      head("pyruntime_max_streams", "gauge", "Streams the pipeline runs at once.")
+      out.append(f"pyruntime_max_streams {stats.get('max_streams', 0)}")
+      head("pyruntime_batch_size", "gauge", "Streams in the tail's last step (decode rows computed together).")
+      out.append(f"pyruntime_batch_size {stats.get('last_batch', 0)}")
+      head("pyruntime_batch_size_mean", "gauge", "Mean streams per tail step since the start.")
+      out.append(f"pyruntime_batch_size_mean {_fmt(stats.get('mean_batch', 0.0))}")
+      head("pyruntime_output_tokens_per_second", "gauge", "Tokens generated per second over the last few seconds, all streams.")
+      out.append(f"pyruntime_output_tokens_per_second {_fmt(stats.get('tokens_per_s', 0.0))}")
       head("pyruntime_ring_occupancy_ratio", "gauge", "Fill fraction of each ring (ring i feeds stage i; the last one carries tokens back).")
       for i, v in enumerate(occupancy): out.append(f'pyruntime_ring_occupancy_ratio{{ring="{i}"}} {_fmt(v)}')
       head("pyruntime_stage_up", "gauge", "1 while the stage process is alive.")
@@ -111,105 +119,86 @@ class Metrics:
       return "\n".join(out) + "\n"
 
 
-# --- the queue and its worker ------------------------------------------------------------------------
-class Job:
-  """One accepted generation: the launcher's (not yet started) generator and the request's event queue."""
-  def __init__(self, gen: Any, loop: asyncio.AbstractEventLoop):
-    self.gen, self.loop = gen, loop
-    self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    self.cancelled = threading.Event()
-    self.finished = threading.Event()
-    self.accepted = time.monotonic()
+# --- admission and streams ----------------------------------------------------------------------------
+class LauncherLike(Protocol):
+  """What the server needs of a launcher (pyruntime.launcher.Launcher; the unit tests' FakeLauncherForUnitTests)."""
+  model_name: str
+  recipe: str
+  context_length: int
+  max_streams: int
 
-  def emit(self, kind: str, payload: Any = None) -> None:
-    try: self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+  def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, on_event: Callable[[Any], None],
+             **options: Any) -> Any: ...
+  def scheduler_stats(self) -> dict: ...
+  def alive(self) -> list[bool]: ...
+  def ring_occupancy(self) -> list[float]: ...
+
+
+class Job:
+  """One accepted request: its stream's events, handed from the launcher's driver thread to the request's asyncio queue."""
+  def __init__(self, loop: asyncio.AbstractEventLoop, admission: Admission):
+    self.loop, self.admission = loop, admission
+    self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    self.stream: Any = None
+    self.accepted = time.monotonic()
+    self.first = True
+    self.ended = False
+
+  def on_event(self, ev: Any) -> None:
+    """Called by the launcher (its driver thread): metrics, then the request's queue. Never blocks."""
+    m = self.admission.metrics
+    if isinstance(ev, Delta) and ev.token_ids:
+      with m.lock:
+        m.completion_tokens += len(ev.token_ids)
+        if self.first: m.ttft.observe(time.monotonic() - self.accepted); self.first = False
+    elif isinstance(ev, Done):
+      with m.lock:
+        m.prompt_tokens += ev.usage.prompt_tokens
+        if ev.timings.decode_tokens_per_s > 0: m.decode_rate.observe(ev.timings.decode_tokens_per_s)
+    elif isinstance(ev, BaseException):
+      m.error(ev.code if isinstance(ev, errors.PyruntimeError) else type(ev).__name__)
+      self.admission.note_error(ev)
+    if isinstance(ev, (Done, BaseException)): self.end()
+    try: self.loop.call_soon_threadsafe(self.events.put_nowait, ("error" if isinstance(ev, BaseException) else "event", ev))
     except RuntimeError: pass  # the event loop is gone (server shutting down)
 
+  def end(self) -> None:
+    """The request is over (answered, failed or abandoned): its place is free. Idempotent."""
+    if not self.ended:
+      self.ended = True
+      self.admission.release()
 
-class Scheduler:
-  """A bounded FIFO of jobs served in order by one worker thread."""
-  def __init__(self, queue_size: int, metrics: Metrics, on_error: Callable[[BaseException], None] | None = None):
+  def cancel(self) -> None:
+    if not self.ended and self.stream is not None:
+      with self.admission.metrics.lock: self.admission.metrics.cancelled += 1
+    if self.stream is not None: self.stream.cancel()  # frees the stream's slot in every stage; a no-op once it ended
+    self.end()
+
+
+class Admission:
+  """Requests in flight: up to the launcher's `max_streams` run, `queue_size` more wait (the launcher serves them first
+  come first served); past that a request is refused with 429 at once."""
+  def __init__(self, launcher: LauncherLike, queue_size: int, metrics: Metrics, on_error: Callable[[BaseException], None]):
     if queue_size < 0: raise errors.InvalidOption("queue_size", f"must be >= 0, got {queue_size}")
-    self.queue_size, self.metrics, self.on_error = queue_size, metrics, on_error
-    self.cv = threading.Condition()
-    self.waiting: collections.deque[Job] = collections.deque()
-    self.current: Job | None = None
-    self.stopping = False
-    self.thread = threading.Thread(target=self._work, name="pyruntime-generate", daemon=True)
-    self.thread.start()
+    self.launcher, self.queue_size, self.metrics, self.note_error = launcher, queue_size, metrics, on_error
+    self.limit = int(getattr(launcher, "max_streams", 1)) + queue_size
+    self.lock = threading.Lock()
+    self.in_flight = 0
 
-  def submit(self, job: Job) -> bool:
-    """Queue a job; False when `queue_size` jobs already wait (an idle worker takes one even with queue_size=0)."""
-    with self.cv:
-      if self.stopping: return False
-      if len(self.waiting) >= self.queue_size and not (self.current is None and not self.waiting): return False
-      self.waiting.append(job)
-      self.cv.notify()
+  def try_acquire(self) -> bool:
+    with self.lock:
+      if self.in_flight >= self.limit: return False
+      self.in_flight += 1
       return True
 
-  def cancel(self, job: Job) -> None:
-    """The request is over (answered or abandoned): drop the job if it still waits, stop it if it runs."""
-    job.cancelled.set()
-    with self.cv:
-      try: self.waiting.remove(job)
-      except ValueError: return
-    job.gen.close()   # never started: nothing to free
-    job.finished.set()
+  def release(self) -> None:
+    with self.lock: self.in_flight -= 1
 
-  def depth(self) -> int:
-    with self.cv: return len(self.waiting)
-
-  def running(self) -> int:
-    with self.cv: return int(self.current is not None)
-
-  def stop(self, timeout: float = 10.0) -> None:
-    with self.cv:
-      self.stopping = True
-      left, self.waiting = list(self.waiting), collections.deque()
-      if self.current is not None: self.current.cancelled.set()
-      self.cv.notify_all()
-    for job in left:
-      job.gen.close(); job.finished.set()
-      job.emit("error", errors.LauncherClosed("the server is shutting down"))
-    if self.thread is not threading.current_thread(): self.thread.join(timeout)
-
-  def _work(self) -> None:
-    while True:
-      with self.cv:
-        while not self.waiting and not self.stopping: self.cv.wait()
-        if self.stopping: return
-        job = self.current = self.waiting.popleft()
-      try: self._run(job)
-      finally:
-        with self.cv: self.current = None
-
-  def _run(self, job: Job) -> None:
-    m = self.metrics
-    first = True
-    try:
-      if job.cancelled.is_set(): return
-      for ev in job.gen:
-        if isinstance(ev, Delta) and ev.token_ids:
-          with m.lock:
-            m.completion_tokens += len(ev.token_ids)
-            if first: m.ttft.observe(time.monotonic() - job.accepted); first = False
-        elif isinstance(ev, Done):
-          with m.lock:
-            m.prompt_tokens += ev.usage.prompt_tokens
-            if ev.timings.decode_tokens_per_s > 0: m.decode_rate.observe(ev.timings.decode_tokens_per_s)
-        if job.cancelled.is_set():
-          with m.lock: m.cancelled += 1
-          return
-        job.emit("event", ev)
-    except Exception as e:  # noqa: BLE001 - an error inside one request ends that request only
-      m.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
-      if self.on_error is not None: self.on_error(e)
-      job.emit("error", e)
-    finally:
-      try: job.gen.close()   # a consumer that walked away: the launcher frees the stream and drains it
-      except Exception as e:  # noqa: BLE001
-        if self.on_error is not None: self.on_error(e)
-      job.finished.set()
+  def counts(self) -> dict[str, int]:
+    """Streams running in the pipeline and waiting for a slot (the launcher's view)."""
+    try: st = self.launcher.scheduler_stats()
+    except Exception: return {"running": 0, "waiting": 0}  # noqa: BLE001 - a closed launcher runs nothing
+    return {"running": int(st.get("running", 0)), "waiting": int(st.get("waiting", 0))}
 
 
 # --- HTTP ------------------------------------------------------------------------------------------
@@ -263,16 +252,16 @@ class SSEResponse:
       await out({"type": "http.response.body", "body": b"", "more_body": False})
 
     try: gone = await run_until_disconnect(receive, body) or closed
-    finally: self.state.scheduler.cancel(self.job)
+    finally: self.job.cancel()
     if gone: scope.setdefault("state", {})["pyruntime_status"] = CLIENT_CLOSED
 
 
 class ServerState:
-  def __init__(self, launcher: Any, queue_size: int):
+  def __init__(self, launcher: LauncherLike, queue_size: int):
     self.launcher, self.queue_size = launcher, queue_size
     self.metrics = Metrics()
     self.last_error: dict[str, Any] | None = None
-    self.scheduler = Scheduler(queue_size, self.metrics, on_error=self._note_error)
+    self.admission = Admission(launcher, queue_size, self.metrics, on_error=self._note_error)
     self.created = int(time.time())
 
   def _note_error(self, e: BaseException) -> None:
@@ -284,6 +273,10 @@ class ServerState:
   def alive(self) -> list[bool]:
     try: return [bool(a) for a in self.launcher.alive()]
     except Exception: return []  # noqa: BLE001 - a launcher that cannot say is not healthy
+
+  def scheduler_stats(self) -> dict:
+    try: return dict(self.launcher.scheduler_stats())
+    except Exception: return {}  # noqa: BLE001 - a closed launcher runs nothing
 
   def occupancy(self) -> list[float]:
     try: return [float(v) for v in self.launcher.ring_occupancy()]
@@ -300,17 +293,18 @@ def create_app(launcher: Any, *, queue_size: int = 16) -> Starlette:
   state = ServerState(launcher, queue_size)
 
   async def generate(request: Request, kind: str) -> Any:
-    try:
-      req = parse_request(parse_json(await request.body()), kind)
-      gen = await run_in_threadpool(launcher.generate, **req.generate)  # validates, tokenizes, checks the context
+    try: req = parse_request(parse_json(await request.body()), kind)
     except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-shaped answer
+      return _error(e, kind)
+    job = Job(asyncio.get_running_loop(), state.admission)
+    if not state.admission.try_acquire(): return _error(QueueFull(queue_size), kind, headers={"retry-after": "1"})
+    try:  # validation, tokenisation and the context check run off the event loop: one request never stalls the others
+      job.stream = await run_in_threadpool(lambda: launcher.submit(**req.generate, on_event=job.on_event))
+    except Exception as e:  # noqa: BLE001
+      job.end()
       if not isinstance(e, (errors.InvalidOption, errors.UnsupportedFeature, errors.ContextLengthExceeded, MalformedRequest)):
         state.metrics.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
       return _error(e, kind)
-    job = Job(gen, asyncio.get_running_loop())
-    if not state.scheduler.submit(job):
-      gen.close()
-      return _error(QueueFull(queue_size), kind, headers={"retry-after": "1"})
     shaper = api.shaper_for(kind, launcher.model_name, launcher.recipe, req.include_usage)
     if req.stream: return SSEResponse(state, job, shaper, kind)
     result: dict[str, Any] = {}
@@ -322,7 +316,7 @@ def create_app(launcher: Any, *, queue_size: int = 16) -> Starlette:
         if isinstance(ev, Done): result["done"] = ev; return
 
     try: gone = await run_until_disconnect(request.receive, collect)
-    finally: state.scheduler.cancel(job)
+    finally: job.cancel()
     if gone:
       request.scope.setdefault("state", {})["pyruntime_status"] = CLIENT_CLOSED
       return Response(status_code=CLIENT_CLOSED)
@@ -348,13 +342,13 @@ def create_app(launcher: Any, *, queue_size: int = 16) -> Starlette:
     split = list(getattr(launcher, "split", None) or [])
     stages = [{"stage": i, "status": "alive" if a else "dead", "layers": list(split[i]) if i < len(split) else None}
               for i, a in enumerate(alive)]
+    counts = state.admission.counts()
     return JSONResponse({"status": "ok" if ok else "unavailable", "model": launcher.model_name, "stages": stages,
-                         "queue_depth": state.scheduler.depth(), "running": state.scheduler.running(), "last_error": state.last_error},
-                        status_code=200 if ok else 503)
+                         "queue_depth": counts["waiting"], "running": counts["running"], "max_streams": state.admission.limit - queue_size,
+                         "last_error": state.last_error}, status_code=200 if ok else 503)
 
   async def metrics(request: Request) -> Response:
-    text = state.metrics.render(queue_depth=state.scheduler.depth(), running=state.scheduler.running(),
-                                occupancy=state.occupancy(), alive=state.alive())
+    text = state.metrics.render(stats=state.scheduler_stats(), occupancy=state.occupancy(), alive=state.alive())
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
   async def http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -376,7 +370,6 @@ def create_app(launcher: Any, *, queue_size: int = 16) -> Starlette:
   @contextlib.asynccontextmanager
   async def lifespan(app: Starlette) -> Any:
     yield
-    await run_in_threadpool(state.scheduler.stop, 5.0)
 
   app = Starlette(routes=routes, middleware=[Middleware(CountRequests, metrics=state.metrics, known=known)],
                   exception_handlers={HTTPException: http_error, Exception: internal_error}, lifespan=lifespan)

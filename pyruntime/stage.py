@@ -8,6 +8,7 @@ after closing its ring sides so its neighbours stop waiting at once.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import os
@@ -20,10 +21,29 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from pyruntime import errors
-from pyruntime.records import ABI_VERSION, FLAG_CLOSE, FLAG_END, FLAG_OPEN, decode_json, split_object_id
+from pyruntime.protocol import (
+  ABI_VERSION,
+  FLAG_CLOSE,
+  FLAG_END,
+  FLAG_ERROR,
+  FLAG_MORE,
+  FLAG_OPEN,
+  PREFILL_CHUNK,
+  Command,
+  Event,
+  decode_json,
+  error_payload,
+  object_id,
+  split_object_id,
+)
 
 COMMAND_POLL_S = 0.05  # while records flow, how often the data loop looks for a control command
+GROUP_WAIT_S = 5.0     # how long to wait for the rest of a step's group (MORE): the upstream writes a group in one go
+DECODE_MODES = ("batched", "reference")  # reference: tinygrad's own T=1 decode kernels, one stream at a time (its exact tokens)
+MAX_TAKE = 256         # records taken from the ring per loop turn, so a flooding upstream cannot starve the compute
 
 
 class Fatal(Exception):
@@ -58,11 +78,17 @@ class Channel:
 @dataclass
 class Stream:
   slot: int
-  position: int = 0
+  prompt_tokens: int | None          # None: an OPEN without it; the first record (the whole prompt) then sets it
+  position: int = 0                  # the next position expected on ingress
+  pending: collections.deque = field(default_factory=collections.deque)  # (position, rows) taken from the ring, not yet computed
+  failed: bool = False               # an ERROR went downstream; what still arrives is dropped until the CLOSE
   sampler: Any = None
   history: list[int] = field(default_factory=list)
   end_ids: frozenset[int] = frozenset()
   logits: bool = False
+
+  def next_is_decode(self) -> bool:
+    return bool(self.pending) and self.prompt_tokens is not None and self.pending[0][0] >= self.prompt_tokens
 
 
 class Stage:
@@ -79,12 +105,15 @@ class Stage:
     self.streams: dict[int, Stream] = {}
     self.loaded: Any = None          # the record RingReadable loaded, in step mode
     self.looping = False             # the data loop runs (InstallRing in mode "loop")
-    self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "started": time.monotonic()}
+    self.decode_mode = "batched"
+    self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "decode_steps": 0,
+                  "decode_rows": 0, "max_batch": 0, "prefill_chunks": 0, "stream_errors": 0, "started": time.monotonic()}
+    C = Command
     self.commands: dict[str, Callable[[dict], None]] = {
-      "InitializeWorker": self.initialize, "ConfigureRole": self.configure, "LoadWeights": self.load_weights,
-      "InstallRing": self.install_ring, "UninstallRing": self.uninstall_ring, "RingReadable": self.ring_readable,
-      "ExecuteStep": self.execute_step, "ReleaseDeviceObject": self.release_object, "EncodePrompt": self.encode_prompt,
-      "DecodeTokens": self.decode_tokens, "InferPrompt": self.infer_prompt, "QueryStats": self.query_stats,
+      C.INITIALIZE_WORKER: self.initialize, C.CONFIGURE_ROLE: self.configure, C.LOAD_WEIGHTS: self.load_weights,
+      C.INSTALL_RING: self.install_ring, C.UNINSTALL_RING: self.uninstall_ring, C.RING_READABLE: self.ring_readable,
+      C.EXECUTE_STEP: self.execute_step, C.RELEASE_DEVICE_OBJECT: self.release_object, C.ENCODE_PROMPT: self.encode_prompt,
+      C.DECODE_TOKENS: self.decode_tokens, C.INFER_PROMPT: self.infer_prompt, C.QUERY_STATS: self.query_stats,
     }
 
   @property
@@ -97,18 +126,20 @@ class Stage:
     if cpus := cmd.get("cpus"): os.sched_setaffinity(0, cpus)  # before tinygrad sizes its CPU thread pool
     if device := cmd.get("device"): os.environ["DEV"] = device
     self.device = device
-    self.ch.emit("WorkerReady", pid=os.getpid(), device=device, abi_version=ABI_VERSION)
+    self.ch.emit(Event.WORKER_READY, pid=os.getpid(), device=device, abi_version=ABI_VERSION)
 
   def configure(self, cmd: dict) -> None:
     try:
       role = {"stage": int(cmd["stage"]), "start": int(cmd["start"]), "end": int(cmd["end"]),
               "slots": int(cmd.get("slots", 4)), "boundary_dtype": str(cmd.get("boundary_dtype", "float32")),
-              "max_context": cmd.get("max_context")}
+              "max_context": cmd.get("max_context"), "decode": str(cmd.get("decode", "batched"))}
     except (KeyError, TypeError, ValueError) as e: raise Fatal("InvalidCommand", f"ConfigureRole needs stage, start, end: {e}") from e
+    if role["decode"] not in DECODE_MODES: raise Fatal("InvalidCommand", f"decode must be one of {DECODE_MODES}, not {role['decode']!r}")
+    self.decode_mode = role["decode"]
     if role["start"] < 0 or role["end"] <= role["start"]:
       raise Fatal("LayerRangeInvalid", f"layer range [{role['start']}, {role['end']}) is empty or negative")
     self.role = role
-    self.ch.emit("RoleConfigured", **role)
+    self.ch.emit(Event.ROLE_CONFIGURED, **role)
 
   def load_weights(self, cmd: dict) -> None:
     if self.role is None: raise Fatal("RoleNotConfigured", "LoadWeights before ConfigureRole")
@@ -117,7 +148,7 @@ class Stage:
     from pyruntime.source import resolve_model
     t0 = time.monotonic()
     path = resolve_model(cmd.get("model"), cache_dir=cmd.get("cache_dir"),
-                         on_progress=lambda done, total: self.ch.emit("DownloadProgress", stage=self.index, bytes=done, total=total))
+                         on_progress=lambda done, total: self.ch.emit(Event.DOWNLOAD_PROGRESS, stage=self.index, bytes=done, total=total))
     try: self.header = read_header(path)
     except (OSError, ValueError) as e: raise Fatal("ModelLoadFailed", f"{path}: {e}") from e
     r = self.role
@@ -127,7 +158,7 @@ class Stage:
     except errors.PyruntimeError: raise
     except Exception as e: raise Fatal("ModelLoadFailed", f"{type(e).__name__}: {e}", traceback=traceback.format_exc()) from e
     m = self.model
-    self.ch.emit("WeightsLoaded", stage=self.index, elapsed_s=round(time.monotonic() - t0, 4), path=str(path), arch=m.arch,
+    self.ch.emit(Event.WEIGHTS_LOADED, stage=self.index, elapsed_s=round(time.monotonic() - t0, 4), path=str(path), arch=m.arch,
                  num_blocks=m.num_blocks, start=m.start, end=m.end, is_head=m.is_head, is_tail=m.is_tail, dim=m.dim,
                  vocab_size=m.vocab_size, context_length=m.context_length, resident_bytes=m.resident_bytes,
                  boundary=m.boundary.to_dict())
@@ -139,13 +170,13 @@ class Stage:
     self.arena = Arena.attach(cmd["arena"])
     self.reader, self.writer = self.arena.reader(int(cmd["ingress"])), self.arena.writer(int(cmd["egress"]))
     mode = cmd.get("mode", "loop")
-    self.ch.emit("RingInstalled", stage=self.index, arena=cmd["arena"], ingress=cmd["ingress"], egress=cmd["egress"], mode=mode)
+    self.ch.emit(Event.RING_INSTALLED, stage=self.index, arena=cmd["arena"], ingress=cmd["ingress"], egress=cmd["egress"], mode=mode)
     self.looping = mode == "loop"
 
   def uninstall_ring(self, cmd: dict) -> None:
     self.close_rings()
     self.looping = False
-    self.ch.emit("RingUninstalled", stage=self.index)
+    self.ch.emit(Event.RING_UNINSTALLED, stage=self.index)
 
   def close_rings(self) -> None:
     for side in (self.writer, self.reader):
@@ -156,37 +187,80 @@ class Stage:
     self.reader = self.writer = self.arena = None
 
   # --- the data path ----------------------------------------------------------------------------
+  # A loop turn takes what waits on the ingress ring (all of it, up to a bound: records of many streams), then runs
+  # one step: every stream with a decode token waiting, as one batch, then one prefill chunk of the oldest stream
+  # still prefilling. So a long prompt delays the running streams by at most one chunk per step, and streams join
+  # and leave the batch at every step.
   def poll_ring(self) -> None:
-    """Process at most one ingress record, waiting up to COMMAND_POLL_S for it."""
-    t0 = time.monotonic()
-    try: rec = self.reader.read(timeout=COMMAND_POLL_S)
-    except errors.RingTimeout:
-      self.stats["wait_s"] += time.monotonic() - t0
-      return
-    except errors.RingClosed:  # upstream finished in order: pass the close on and stop looping
-      self.looping = False
-      self.writer.close()
-      return self.ch.emit("DataLoopStopped", stage=self.index)
-    self.stats["wait_s"] += time.monotonic() - t0
-    self.process(rec)
-    self.reader.release()
+    self.take_ingress(0.0 if self.has_work() else COMMAND_POLL_S)
+    if self.looping and self.has_work(): self.run_step()
 
-  def process(self, rec: Any) -> None:
-    """Handle one ingress record and write what it produces; the caller releases it."""
+  def has_work(self) -> bool: return any(st.pending for st in self.streams.values())
+
+  def take_ingress(self, timeout: float) -> None:
+    """Read what the ring holds now (waiting up to `timeout` for the first record, and for the rest of a MORE group)."""
+    t0 = time.monotonic()
+    for n in range(MAX_TAKE):
+      try: rec = self.reader.read(timeout=timeout)
+      except (errors.RingTimeout, errors.WouldBlock): break
+      except errors.RingClosed:  # upstream finished in order: pass the close on and stop looping
+        self.looping = False
+        self.writer.close()
+        self.ch.emit(Event.DATA_LOOP_STOPPED, stage=self.index)
+        break
+      if n == 0: self.stats["wait_s"] += time.monotonic() - t0
+      more = rec.flags & FLAG_MORE
+      self.take(rec)
+      self.reader.release()
+      timeout = GROUP_WAIT_S if more else 0.0
+
+  def take(self, rec: Any) -> None:
+    """One ingress record: OPEN, CLOSE and ERROR are acted on and forwarded at once; data waits for the next step."""
     stream_id, pos = split_object_id(rec.object_id)
-    if rec.flags & FLAG_OPEN: self.open_stream(stream_id, decode_json(rec.payload))
-    elif rec.flags & FLAG_CLOSE: self.close_stream(stream_id)
-    else: return self.step(rec, stream_id, pos)
-    self.writer.write(rec.object_id, rec.payload, rec.flags)
+    if rec.flags & (FLAG_OPEN | FLAG_CLOSE | FLAG_ERROR):
+      if rec.flags & FLAG_OPEN: self.open_stream(stream_id, decode_json(rec.payload))
+      elif rec.flags & FLAG_CLOSE: self.close_stream(stream_id)
+      elif (st := self.streams.get(stream_id)) is not None: st.failed = True; st.pending.clear()
+      return self.writer.write(rec.object_id, rec.payload, rec.flags & ~FLAG_MORE)
+    if (st := self.streams.get(stream_id)) is None:
+      raise errors.StreamNotOpen(f"record {rec.sequence} names stream {stream_id}, which is not open")
+    if st.failed: return
+    try:
+      x = self.model.boundary.ingress_array(rec.payload)
+      if pos != st.position:
+        raise errors.StreamPositionInvalid(f"stream {stream_id} stands at position {st.position}, record says {pos}")
+      if st.prompt_tokens is None: st.prompt_tokens = len(x)
+      if pos >= st.prompt_tokens and len(x) != 1:
+        raise errors.ActivationExtentInvalid(f"stream {stream_id}: a decode record carries one token, this one {len(x)}")
+      if pos < st.prompt_tokens < pos + len(x):
+        raise errors.ActivationExtentInvalid(f"stream {stream_id}: a record at {pos} of {len(x)} tokens runs past the prompt's "
+                                             f"{st.prompt_tokens}")
+      if pos + len(x) > self.model.context_length: raise errors.ContextLengthExceeded(pos + len(x), self.model.context_length)
+      self.model.check_rows(x)
+    except errors.PyruntimeError as e:
+      return self.fail_stream(stream_id, st, e)
+    st.pending.append((pos, x.copy()))  # the ring space is released right after: keep our own copy
+    st.position += len(x)
+
+  def fail_stream(self, stream_id: int, st: Stream, e: errors.PyruntimeError) -> None:
+    """This stream alone ends: the error goes down the pipeline to the launcher; the others run on."""
+    st.failed = True
+    st.pending.clear()
+    self.stats["stream_errors"] += 1
+    self.writer.write(object_id(stream_id, 0), error_payload(self.index, e.code, str(e), self.writer.spec.alignment), FLAG_ERROR)
 
   def open_stream(self, stream_id: int, info: dict) -> None:
     slot = info.get("slot")
-    if not isinstance(slot, int) or not 0 <= slot < self.model.slots:
+    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.model.slots:
       raise errors.SlotInvalid(f"stream {stream_id} asks for KV slot {slot!r}; this stage has {self.model.slots}")
     if any(s.slot == slot for s in self.streams.values()):
       raise errors.SlotInvalid(f"stream {stream_id} asks for KV slot {slot}, which another open stream holds")
+    if stream_id in self.streams: raise errors.SlotInvalid(f"stream {stream_id} is opened twice")
+    prompt_tokens = info.get("prompt_tokens")
+    if prompt_tokens is not None and (not isinstance(prompt_tokens, int) or prompt_tokens < 1):
+      raise errors.ActivationExtentInvalid(f"stream {stream_id} opened with prompt_tokens={prompt_tokens!r}")
     self.model.reset_slot(slot)
-    st = Stream(slot)
+    st = Stream(slot, prompt_tokens)
     if self.model.is_tail:
       from pyruntime.sampling import Sampler, SamplingParams
       if not info.get("identity"): raise errors.ResultIdentityMissing(f"stream {stream_id} opened without a request identity")
@@ -197,32 +271,55 @@ class Stage:
   def close_stream(self, stream_id: int) -> None:
     if (st := self.streams.pop(stream_id, None)) is not None: self.model.reset_slot(st.slot)
 
-  def step(self, rec: Any, stream_id: int, pos: int) -> None:
-    if (st := self.streams.get(stream_id)) is None:
-      raise errors.StreamNotOpen(f"record {rec.sequence} names stream {stream_id}, which is not open")
-    if pos != st.position:
-      raise errors.StreamPositionInvalid(f"stream {stream_id} stands at position {st.position}, record says {pos}")
+  def run_step(self) -> None:
+    decode = [(sid, st) for sid, st in self.streams.items() if st.next_is_decode()]
+    if decode: self.decode_step(decode)
+    if (prefill := next(((sid, st) for sid, st in self.streams.items() if st.pending and not st.next_is_decode()), None)):
+      self.prefill_chunk(*prefill)
+
+  def decode_step(self, rows: list[tuple[int, Stream]]) -> None:
     t0 = time.monotonic()
-    x = self.model.boundary.ingress_array(rec.payload)
-    out = self.model.forward(st.slot, x, pos)
-    st.position += len(x)
-    t1 = time.monotonic()  # compute ends here; what follows is the egress write (kept apart for the benchmarks)
-    if not self.model.is_tail:
-      span = self.writer.reserve(out.nbytes())
-      self.model.output_into(out, span)
-      self.writer.commit(rec.object_id, 0)
-    elif st.logits:
-      self.writer.write(rec.object_id, out.numpy().astype("<f4", copy=False), 0)
+    items = [(sid, st, *st.pending.popleft()) for sid, st in rows]
+    if self.decode_mode == "reference":
+      outs = [self.model.forward(st.slot, x, pos, prefill=False) for _, st, pos, x in items]
     else:
-      token = st.sampler.sample(out, st.history)
-      st.history.append(token)
-      self.writer.write(rec.object_id, token.to_bytes(4, "little"), FLAG_END if token in st.end_ids else 0)
-    self.stats["records"] += 1
-    self.stats["tokens"] += len(x)
+      batch = self.model.forward_batch([st.slot for _, st, _, _ in items], np.concatenate([x for *_, x in items]),
+                                       [pos for _, _, pos, _ in items])
+      outs = self.model.rows(batch, [st.slot for _, st, _, _ in items])
+    t1 = time.monotonic()
+    for i, ((sid, st, pos, _), out) in enumerate(zip(items, outs, strict=True)):
+      self.emit(sid, st, pos, 1, out, FLAG_MORE if i < len(items) - 1 else 0)
     t2 = time.monotonic()
-    self.stats["compute_s"] += t1 - t0
-    self.stats["emit_s"] += t2 - t1  # sampling on the tail, the ring write everywhere
-    if pos == 0: self.stats["prefill_s"] += t2 - t0  # so benchmarks can split prefill from per-token decode
+    n = len(items)
+    self.stats.update(records=self.stats["records"] + n, tokens=self.stats["tokens"] + n, decode_steps=self.stats["decode_steps"] + 1,
+                      decode_rows=self.stats["decode_rows"] + n, max_batch=max(self.stats["max_batch"], n),
+                      compute_s=self.stats["compute_s"] + t1 - t0, emit_s=self.stats["emit_s"] + t2 - t1)
+
+  def prefill_chunk(self, sid: int, st: Stream) -> None:
+    t0 = time.monotonic()
+    pos, x = st.pending[0]
+    n = min(len(x), PREFILL_CHUNK - pos % PREFILL_CHUNK)  # cut where tinygrad's generate cuts: every PREFILL_CHUNK positions
+    if n == len(x): st.pending.popleft()
+    else: st.pending[0] = (pos + n, x[n:])
+    out = self.model.forward(st.slot, x[:n], pos, prefill=True)
+    t1 = time.monotonic()
+    if not self.model.is_tail or pos + n == st.prompt_tokens: self.emit(sid, st, pos, n, out, 0)
+    t2 = time.monotonic()
+    self.stats.update(records=self.stats["records"] + 1, tokens=self.stats["tokens"] + n, prefill_chunks=self.stats["prefill_chunks"] + 1,
+                      compute_s=self.stats["compute_s"] + t1 - t0, emit_s=self.stats["emit_s"] + t2 - t1,
+                      prefill_s=self.stats["prefill_s"] + t2 - t0)
+
+  def emit(self, sid: int, st: Stream, pos: int, n: int, out: Any, flags: int) -> None:
+    """Write one result: the residual of positions [pos, pos+n), or on the tail the token (or logits) after pos+n-1."""
+    if not self.model.is_tail:
+      span = self.writer.reserve(self.model.row_bytes * n)
+      self.model.output_into(out, span)
+      return self.writer.commit(object_id(sid, pos), flags)
+    oid = object_id(sid, pos + n - 1)
+    if st.logits: return self.writer.write(oid, out.numpy().astype("<f4", copy=False).reshape(-1), flags)
+    token = st.sampler.sample(out, st.history)
+    st.history.append(token)
+    self.writer.write(oid, token.to_bytes(4, "little"), flags | (FLAG_END if token in st.end_ids else 0))
 
   # --- step-by-step driving by an outside orchestrator -------------------------------------------
   def ring_readable(self, cmd: dict) -> None:
@@ -231,23 +328,25 @@ class Stage:
     if self.loaded is None:
       try: self.loaded = self.reader.read(timeout=float(cmd.get("timeout_s", 0)))
       except (errors.WouldBlock, errors.RingTimeout):
-        return self.ch.emit("RingIdle", stage=self.index)
+        return self.ch.emit(Event.RING_IDLE, stage=self.index)
     r = self.loaded
     stream_id, pos = split_object_id(r.object_id)
-    self.ch.emit("ObjectLoaded", stage=self.index, object_id=r.object_id, sequence=r.sequence, extent=r.extent,
+    self.ch.emit(Event.OBJECT_LOADED, stage=self.index, object_id=r.object_id, sequence=r.sequence, extent=r.extent,
                  flags=r.flags, stream=stream_id, position=pos)
 
   def execute_step(self, cmd: dict) -> None:
+    """Take the loaded record and compute everything it makes ready (a whole prompt, or a decode step)."""
     if self.loaded is None: raise Fatal("NoObjectLoaded", "ExecuteStep without a record loaded by RingReadable")
     t0 = time.monotonic()
-    self.process(self.loaded)
-    self.ch.emit("StepExecuted", stage=self.index, object_id=self.loaded.object_id, elapsed_s=round(time.monotonic() - t0, 6))
+    self.take(self.loaded)
+    while self.has_work(): self.run_step()
+    self.ch.emit(Event.STEP_EXECUTED, stage=self.index, object_id=self.loaded.object_id, elapsed_s=round(time.monotonic() - t0, 6))
 
   def release_object(self, cmd: dict) -> None:
     if self.loaded is None: raise Fatal("NoObjectLoaded", "ReleaseDeviceObject without a record loaded by RingReadable")
     seq, self.loaded = self.loaded.sequence, None
     self.reader.release()
-    self.ch.emit("ObjectReleased", stage=self.index, sequence=seq)
+    self.ch.emit(Event.OBJECT_RELEASED, stage=self.index, sequence=seq)
 
   # --- text and whole-prompt commands (tokenizer from the GGUF itself) ---------------------------
   def _tok(self) -> Any:
@@ -264,18 +363,16 @@ class Stage:
                             raw=bool(cmd.get("raw", False)))
 
   def encode_prompt(self, cmd: dict) -> None:
-    self.ch.emit("PromptEncoded", stage=self.index, token_ids=self._prompt_ids(cmd))
+    self.ch.emit(Event.PROMPT_ENCODED, stage=self.index, token_ids=self._prompt_ids(cmd))
 
   def decode_tokens(self, cmd: dict) -> None:
-    self.ch.emit("TokensDecoded", stage=self.index, text=self._tok().decode([int(t) for t in cmd.get("token_ids", [])]))
+    self.ch.emit(Event.TOKENS_DECODED, stage=self.index, text=self._tok().decode([int(t) for t in cmd.get("token_ids", [])]))
 
   def infer_prompt(self, cmd: dict) -> None:
     """The reference's whole-prompt path, for a stage that owns every block: tokens stream as events."""
     if self.model is None: raise Fatal("WeightsNotLoaded", "InferPrompt before LoadWeights")
     if not (self.model.is_head and self.model.is_tail):
       raise Fatal("InvalidCommand", "InferPrompt needs a stage that owns the whole model; use the rings for a split")
-    import numpy as np
-
     from pyruntime.sampling import Sampler, SamplingParams
     from pyruntime.textstream import budget
     tok, ids = self._tok(), self._prompt_ids(cmd)
@@ -287,24 +384,24 @@ class Stage:
     while len(out_ids) < n_max:
       token = sampler.sample(self.model.forward(slot, x, pos), history)
       pos += len(x)
-      if not out_ids: self.ch.emit("FirstTokenReady", stage=self.index, token_id=token, ttft_s=round(time.monotonic() - t0, 4))
+      if not out_ids: self.ch.emit(Event.FIRST_TOKEN_READY, stage=self.index, token_id=token, ttft_s=round(time.monotonic() - t0, 4))
       if token in tok.end_ids: finish = "stop"; break
       out_ids.append(token); history.append(token)
-      self.ch.emit("TokenProgress", stage=self.index, token_id=token, completion_tokens=len(out_ids))
+      self.ch.emit(Event.TOKEN_PROGRESS, stage=self.index, token_id=token, completion_tokens=len(out_ids))
       x = np.asarray([token], dtype=np.uint32)
     self.model.reset_slot(slot)
-    self.ch.emit("PromptCompleted", stage=self.index, prompt_token_ids=ids, token_ids=out_ids, text=tok.decode(out_ids),
+    self.ch.emit(Event.PROMPT_COMPLETED, stage=self.index, prompt_token_ids=ids, token_ids=out_ids, text=tok.decode(out_ids),
                  finish_reason=finish, elapsed_s=round(time.monotonic() - t0, 4))
 
   def query_stats(self, cmd: dict) -> None:
     s = dict(self.stats, wall_s=time.monotonic() - self.stats["started"])
     s.pop("started")
     if self.writer is not None: s["egress_occupancy"] = self.writer.occupancy()
-    self.ch.emit("StageStats", stage=self.index, **s)
+    self.ch.emit(Event.STAGE_STATS, stage=self.index, **s)
 
   # --- lifecycle ----------------------------------------------------------------------------------
   def die(self, f: Fatal, code: int = 3) -> None:
-    self.ch.emit("WorkerFatal", stage=self.index, reason=f.reason, message=f.message, **f.extra)
+    self.ch.emit(Event.WORKER_FATAL, stage=self.index, reason=f.reason, message=f.message, **f.extra)
     self.close_rings()
     os._exit(code)
 
@@ -325,12 +422,12 @@ class Stage:
         cmd = json.loads(line)
         name = cmd.get("command") if isinstance(cmd, dict) else None
       except json.JSONDecodeError as e: self.die(Fatal("InvalidCommand", f"not a JSON object: {e}"))
-      if name == "ShutdownWorker": break
+      if name == Command.SHUTDOWN_WORKER: break
       if (handler := self.commands.get(name)) is None: self.die(Fatal("UnknownCommand", f"unknown command {name!r}"))
       try: handler(cmd)
       except Exception as e: self.die(fatal_from(e))  # noqa: BLE001
     self.close_rings()
-    self.ch.emit("WorkerStopped", stage=self.index)
+    self.ch.emit(Event.WORKER_STOPPED, stage=self.index)
 
 
 def _die_with_parent() -> None:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible server's HTTP behaviour, against a scripted stand-in for the launcher.
 
-`FakeLauncherForUnitTests` exists only here: it keeps `Launcher.generate`'s contract (validation
-before iteration, one generation at a time, its stream freed on `close()`) but "generates" by
+`FakeLauncherForUnitTests` exists only here: it keeps `Launcher.submit`'s contract (validation
+before anything runs, events handed to `on_event` from another thread, first come first served,
+`cancel()`) with one stream at a time (`max_streams = 1`), but "generates" by
 repeating the prompt's words, so these tests run in seconds and can hold, slow down or break a
 generation on purpose. The real model is exercised end to end in tests/test_server.py.
 """
@@ -32,6 +33,7 @@ class FakeLauncherForUnitTests:
   context_length = 1000
   split = [(0, 15), (15, 30)]
   recipe = "fakerecipe000001"
+  max_streams = 1
 
   def __init__(self) -> None:
     self.lock = threading.Lock()          # one generation at a time, like the launcher's
@@ -45,6 +47,37 @@ class FakeLauncherForUnitTests:
     self.fail: tuple[int, BaseException] | None = None   # raise this after that many tokens
     self._alive = [True, True]
     self._closed = False
+    self.turns = threading.Condition()      # streams run one at a time, in the order they were submitted
+    self.tickets, self.serving, self.waiting = 0, 0, 0
+
+  def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, on_event: Any, **options: Any) -> Any:
+    gen = self.generate(prompt, messages, **options)  # validates and raises before anything is queued, like the launcher
+    handle = FakeStream(self)
+    with self.turns:
+      ticket, self.tickets, self.waiting = self.tickets, self.tickets + 1, self.waiting + 1
+
+    def run() -> None:
+      with self.turns:
+        while self.serving != ticket: self.turns.wait()
+        if not handle.cancelled.is_set(): self.waiting -= 1  # a cancelled one left the queue already
+        handle.started = True
+      try:
+        if handle.cancelled.is_set(): return
+        for ev in gen:
+          if handle.cancelled.is_set(): return
+          on_event(ev)
+      except Exception as e:  # noqa: BLE001 - like the launcher: the stream's error is its last event
+        on_event(e)
+      finally:
+        gen.close()
+        with self.turns:
+          self.serving += 1
+          self.turns.notify_all()
+    threading.Thread(target=run, daemon=True).start()
+    return handle
+
+  def scheduler_stats(self) -> dict:
+    with self.turns: return {"running": int(self.running.is_set()), "waiting": self.waiting, "max_streams": self.max_streams}
 
   def alive(self) -> list[bool]: return list(self._alive)
 
@@ -90,6 +123,16 @@ class FakeLauncherForUnitTests:
         self.running.clear()
         self.ended.append((text, produced, finished))
         self.ended_event.set()
+
+
+class FakeStream:
+  def __init__(self, fake: FakeLauncherForUnitTests) -> None:
+    self.fake, self.cancelled, self.started = fake, threading.Event(), False
+
+  def cancel(self) -> None:
+    with self.fake.turns:
+      if not self.started and not self.cancelled.is_set(): self.fake.waiting -= 1
+      self.cancelled.set()
 
 
 def expected(prompt: str, n: int) -> str:
@@ -357,7 +400,7 @@ def test_queue_full_is_429_and_order_is_kept(make_server, fake):
   assert fake.running.wait(10)
   b, box_b = in_thread(c.post, "/v1/completions", json={"prompt": "second", "max_tokens": 2})
   state = srv.server.config.app.state.pyruntime
-  wait_for(lambda: state.scheduler.depth() == 1)
+  wait_for(lambda: state.admission.counts()["waiting"] == 1)
   r = c.post("/v1/completions", json={"prompt": "third", "max_tokens": 2})
   assert r.status_code == 429
   assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["retry-after"]
@@ -379,7 +422,7 @@ def test_fifo_order(server, fake):
   for i, word in enumerate(["p0", "p1", "p2", "p3"]):
     threads.append(in_thread(c.post, "/v1/completions", json={"prompt": word, "max_tokens": 1}))
     if i == 0: assert fake.running.wait(10)
-    else: wait_for(lambda i=i: state.scheduler.depth() == i)
+    else: wait_for(lambda i=i: state.admission.counts()["waiting"] == i)
   fake.gate.set()
   for t, _ in threads: t.join(10)
   assert [box["result"].json()["choices"][0]["text"] for _, box in threads] == ["p0", "p1", "p2", "p3"]
@@ -426,7 +469,7 @@ def test_disconnect_while_queued_drops_the_job(server, fake):
   assert fake.running.wait(10)
   with pytest.raises(httpx.ReadTimeout):
     httpx.post(srv.url + "/v1/completions", json={"prompt": "abandoned", "max_tokens": 2}, timeout=0.5)
-  wait_for(lambda: state.scheduler.depth() == 0)
+  wait_for(lambda: state.admission.counts()["waiting"] == 0)
   fake.gate.set()
   a.join(10)
   assert box["result"].json()["choices"][0]["text"] == "running running"

@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 from stageproc import StageProc
 
+from pyruntime.protocol import ABI_VERSION, FLAG_CLOSE, FLAG_ERROR, FLAG_OPEN, Command, Event, decode_json, encode_json, object_id
+
 
 @pytest.fixture
 def stage():
@@ -13,11 +15,11 @@ def stage():
 
 
 def test_ready_and_clean_shutdown(stage):
-  stage.send("InitializeWorker", device="CPU")
-  ready = stage.expect("WorkerReady")
-  assert ready["pid"] == stage.p.pid and ready["abi_version"] == 1
-  stage.send("ShutdownWorker")
-  stage.expect("WorkerStopped")
+  stage.send(Command.INITIALIZE_WORKER, device="CPU")
+  ready = stage.expect(Event.WORKER_READY)
+  assert ready["pid"] == stage.p.pid and ready["abi_version"] == ABI_VERSION
+  stage.send(Command.SHUTDOWN_WORKER)
+  stage.expect(Event.WORKER_STOPPED)
   assert stage.p.wait(timeout=10) == 0
 
 
@@ -48,7 +50,6 @@ import numpy as np  # noqa: E402
 from tinymodels import write_tiny_gguf  # noqa: E402
 
 from pyruntime import errors  # noqa: E402
-from pyruntime.records import FLAG_OPEN, encode_json, object_id  # noqa: E402
 from pyruntime.ring import Arena, RingSpec  # noqa: E402
 
 DIM, BLOCKS = 64, 4
@@ -97,17 +98,46 @@ def test_bad_record_on_ingress_is_fatal_by_name(stage, tiny, raw, reason):
     arena.close()
 
 
+def stream_error(r) -> dict:
+  """Past the OPEN echo, the ERROR record a stage sends down for one stream."""
+  assert r.read(timeout=30).flags == FLAG_OPEN
+  r.release()
+  rec = r.read(timeout=60)
+  assert rec.flags & FLAG_ERROR, rec.flags
+  info = decode_json(rec.payload)
+  r.release()
+  return info
+
+
+def still_serves(stage, w, r, stream: int, slot: int) -> None:
+  """The stage is alive and computes another stream."""
+  open_stream(w, stream, slot)
+  w.write(object_id(stream, 0), np.array([1, 2, 3], dtype="<u4"))
+  assert r.read(timeout=30).flags == FLAG_OPEN
+  r.release()
+  rec = r.read(timeout=120)
+  assert rec.flags == 0 and rec.object_id >> 32 == stream
+  r.release()
+  assert stage.p.poll() is None
+
+
 @pytest.mark.parametrize("start, end, payload, reason", [
   (0, 2, np.array([1, 2, 3], dtype="<u2").tobytes(), "PayloadNotU32Aligned"),
   (0, 2, np.array([1, 10**6], dtype="<u4").tobytes(), "TokenIdInvalid"),
   (2, 4, np.zeros(DIM + 1, dtype="<f4").tobytes(), "ActivationExtentInvalid"),
 ])
-def test_bad_payload_is_fatal_by_name(stage, tiny, start, end, payload, reason):
+def test_bad_payload_ends_that_stream_by_name(stage, tiny, start, end, payload, reason):
+  """A record a stage cannot compute ends its stream alone: an ERROR record names the reason, the stage runs on."""
   arena, w, r, _ = wired(stage, tiny, start, end, ingress_alignment=2)
   try:
     open_stream(w)
     w.write(object_id(1, 0), payload)
-    assert stage.fatal()["reason"] == reason
+    info = stream_error(r)
+    assert info["reason"] == reason and info["stage"] == 0 and info["message"]
+    w.write(object_id(1, 0), b"", FLAG_CLOSE)
+    assert r.read(timeout=30).flags == FLAG_CLOSE
+    r.release()
+    if start == 0: still_serves(stage, w, r, stream=2, slot=0)
   finally:
     arena.close()
 
@@ -115,7 +145,7 @@ def test_bad_payload_is_fatal_by_name(stage, tiny, start, end, payload, reason):
 def test_stream_rules(stage, tiny):
   arena, w, r, _ = wired(stage, tiny, 0, 2)
   try:
-    w.write(object_id(9, 0), np.array([1, 2], dtype="<u4"))  # never opened
+    w.write(object_id(9, 0), np.array([1, 2], dtype="<u4"))  # never opened: the ring's stream order is broken
     assert stage.fatal()["reason"] == "StreamNotOpen"
   finally:
     arena.close()
@@ -126,7 +156,7 @@ def test_position_must_follow_the_cache(stage, tiny):
   try:
     open_stream(w)
     w.write(object_id(1, 3), np.array([1, 2], dtype="<u4"))
-    assert stage.fatal()["reason"] == "StreamPositionInvalid"
+    assert stream_error(r)["reason"] == "StreamPositionInvalid"
   finally:
     arena.close()
 

@@ -1,0 +1,142 @@
+"""The process boundary in one file: what records on the rings mean, and the control channel's names.
+
+The MO01 framing (a 40-byte header, then the payload) is the C library's business (native/mo_ring.h,
+docs/wire-format.md); this module says what the launcher and the stages put in it.
+
+Streams. Every record names its stream and position in its `object_id`, so any number of streams
+are in flight at once without a round trip on the control channel:
+
+    object_id = stream << 32 | position
+
+A stream's life on the rings, launcher → head → … → tail → launcher:
+
+    OPEN   flags=OPEN, payload = `OpenInfo` as JSON (KV slot, prompt length, request identity, sampling,
+           end ids), padded with spaces to the ring's alignment. Every stage binds the stream to its KV
+           slot and forwards the record at once; the tail's copy back to the launcher is the ack.
+    DATA   head ingress: u32 token ids. Position 0 carries the whole prompt, each later record one token
+           at position prompt_tokens + n - 1. Between stages: the residual (tokens x dim, boundary dtype)
+           of one prefill chunk (at most PREFILL_CHUNK tokens, at the chunk's first position) or of one
+           decode token. Tail egress: one u32 token id per step, END when it is an end token (or float32
+           logits when the stream asked for them), at the position of the input token it came from.
+    CLOSE  flags=CLOSE, empty payload: every stage drops what it still holds of the stream, frees the slot
+           and forwards the record; the tail's copy back proves nothing of the stream is in flight.
+    ERROR  flags=ERROR, payload = JSON {"stage", "reason", "message"}: a stage could not compute a record
+           of this stream (a token id outside the vocabulary, a position past the context, ...). It drops
+           the stream and forwards the error; later stages drop it too and pass it on; the launcher ends
+           that stream alone with the named error. The stream still needs its CLOSE.
+    MORE   set on every record of a step's group but the last: the stage below keeps reading until the
+           group is complete, so the rows one step produced are computed together in the next stage too.
+
+Order: on every ring a stream's records keep the order OPEN, DATA..., CLOSE. Records of different
+streams interleave freely.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+ABI_VERSION = 2  # 2: chunked prefill between stages, ERROR and MORE records, OpenInfo.prompt_tokens
+
+FLAG_END = 1 << 0     # the tail sampled an end-of-sequence token
+FLAG_OPEN = 1 << 1
+FLAG_CLOSE = 1 << 2
+FLAG_ERROR = 1 << 3
+FLAG_MORE = 1 << 4
+
+PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: prefill must be cut at the same places to stay exact
+POSITION_BITS = 32
+POSITION_MASK = (1 << POSITION_BITS) - 1
+
+
+def object_id(stream: int, position: int) -> int:
+  assert 0 <= stream < 1 << 31 and 0 <= position <= POSITION_MASK
+  return stream << POSITION_BITS | position
+
+
+def split_object_id(oid: int) -> tuple[int, int]:
+  return oid >> POSITION_BITS, oid & POSITION_MASK
+
+
+def encode_json(obj: dict, alignment: int) -> bytes:
+  raw = json.dumps(obj, separators=(",", ":")).encode()
+  return raw + b" " * (-len(raw) % alignment)
+
+
+def decode_json(payload) -> dict:
+  return json.loads(bytes(payload))
+
+
+@dataclass
+class OpenInfo:
+  """The OPEN record's payload. `history` (the prompt ids) is for the tail's penalties."""
+  slot: int
+  prompt_tokens: int
+  identity: dict = field(default_factory=dict)      # {"request": stream id, "recipe": digest of model, split, dtype, template}
+  sampling: dict = field(default_factory=dict)
+  history: list[int] = field(default_factory=list)
+  end_ids: list[int] = field(default_factory=list)
+  logits: bool = False
+
+  def encode(self, alignment: int) -> bytes: return encode_json(asdict(self), alignment)
+
+
+def error_payload(stage: int | None, reason: str, message: str, alignment: int) -> bytes:
+  return encode_json({"stage": stage, "reason": reason, "message": message}, alignment)
+
+
+def ring_bytes(context_length: int, dim: int, itemsize: int, vocab_size: int, max_streams: int) -> dict[str, int]:
+  """The largest record of each ring, and how many bytes each ring must hold so no writer waits on a reader that
+  waits on it. In flight at once per stream: its OPEN, one data record (a prompt, a chunk or a token) and its CLOSE;
+  the launcher never sends a stream's next token before the tail answered the last one.
+
+  head ingress: a whole prompt as u32 ids, or an OPEN (whose history repeats the prompt as JSON, at most 11 bytes an id)
+  between stages: one prefill chunk of residual rows, or an OPEN
+  tail egress: one token (or the logits), an OPEN echo, or an ERROR."""
+  open_max = 1024 + 11 * context_length
+  head = max(4 * context_length, open_max)
+  mid = max(PREFILL_CHUNK * dim * itemsize, open_max)
+  tail = max(4 * vocab_size, open_max)
+  return {"head": head, "mid": mid, "tail": tail,
+          "head_capacity": 2 * max_streams * (head + 64), "mid_capacity": 3 * max_streams * (mid + 64),
+          "tail_capacity": 3 * max_streams * (tail + 64)}
+
+
+class Command:
+  """Control channel commands (JSON lines on a stage's stdin)."""
+  INITIALIZE_WORKER = "InitializeWorker"
+  CONFIGURE_ROLE = "ConfigureRole"
+  LOAD_WEIGHTS = "LoadWeights"
+  INSTALL_RING = "InstallRing"
+  UNINSTALL_RING = "UninstallRing"
+  RING_READABLE = "RingReadable"
+  EXECUTE_STEP = "ExecuteStep"
+  RELEASE_DEVICE_OBJECT = "ReleaseDeviceObject"
+  ENCODE_PROMPT = "EncodePrompt"
+  DECODE_TOKENS = "DecodeTokens"
+  INFER_PROMPT = "InferPrompt"
+  QUERY_STATS = "QueryStats"
+  SHUTDOWN_WORKER = "ShutdownWorker"
+
+
+class Event:
+  """Control channel events (JSON lines on a stage's stdout)."""
+  WORKER_READY = "WorkerReady"
+  ROLE_CONFIGURED = "RoleConfigured"
+  WEIGHTS_LOADED = "WeightsLoaded"
+  DOWNLOAD_PROGRESS = "DownloadProgress"
+  RING_INSTALLED = "RingInstalled"
+  RING_UNINSTALLED = "RingUninstalled"
+  RING_IDLE = "RingIdle"
+  OBJECT_LOADED = "ObjectLoaded"
+  STEP_EXECUTED = "StepExecuted"
+  OBJECT_RELEASED = "ObjectReleased"
+  PROMPT_ENCODED = "PromptEncoded"
+  TOKENS_DECODED = "TokensDecoded"
+  FIRST_TOKEN_READY = "FirstTokenReady"
+  TOKEN_PROGRESS = "TokenProgress"
+  PROMPT_COMPLETED = "PromptCompleted"
+  STAGE_STATS = "StageStats"
+  DATA_LOOP_STOPPED = "DataLoopStopped"
+  PROFILE_REPORT = "ProfileReport"
+  WORKER_STOPPED = "WorkerStopped"
+  WORKER_FATAL = "WorkerFatal"

@@ -47,6 +47,25 @@ from .shm import (
 __all__ = ["Arena", "Writer", "Reader", "Record", "RecordBatch", "RingSpec", "cleanup_stale",
            "HEADER_LEN", "record_size", "encode_header"]
 
+
+def _load_fast():
+  """pyruntime._ringfast (native/mo_fast.c) if it is built and agrees with cffi on the handle
+  layout; else None, and the ring runs on cffi alone."""
+  try:
+    from . import _ringfast
+  except ImportError:
+    return None
+  same = (_ringfast.SIZEOF_PRODUCER, _ringfast.SIZEOF_CONSUMER, _ringfast.SIZEOF_VIEW) == \
+      (ffi.sizeof("mo_producer"), ffi.sizeof("mo_consumer"), ffi.sizeof("mo_view"))
+  return _ringfast if same else None
+
+
+_fast = _load_fast()
+# Which binding new Writers and Readers use for their per-record calls: "fast" (the CPython
+# extension) when it is there, else "cffi".  PYRUNTIME_RING_BINDING=cffi forces cffi (tests run
+# both); the rest of the API is cffi either way.
+BINDING = "fast" if _fast is not None and os.environ.get("PYRUNTIME_RING_BINDING", "fast") != "cffi" else "cffi"
+
 HEADER_LEN = lib.MO_HEADER_LEN
 MAX_CAPACITY = lib.MO_MAX_CAPACITY
 MAX_EXTENT = lib.MO_MAX_EXTENT
@@ -236,11 +255,11 @@ class Arena:
 
   def writer(self, index: int) -> "Writer":
     """Claim the producer side of ring `index` (RingBusy if a live process holds it)."""
-    return Writer(self, self._ring(index))
+    return (_FastWriter if BINDING == "fast" else Writer)(self, self._ring(index))
 
   def reader(self, index: int) -> "Reader":
     """Claim the consumer side of ring `index` (RingBusy if a live process holds it)."""
-    return Reader(self, self._ring(index))
+    return (_FastReader if BINDING == "fast" else Reader)(self, self._ring(index))
 
   def _ring(self, index: int):
     if self._closed: raise errors.RingClosed(f"arena {self.name} is closed")
@@ -523,6 +542,48 @@ class Writer:
   def __enter__(self) -> "Writer": return self
   def __exit__(self, *exc) -> None: self.close()
   def __repr__(self) -> str: return f"Writer({self._arena.name!r}, ring={self.index}, next_sequence={self._p.next_seq})"
+
+
+class _FastWriter(Writer):
+  """Writer whose per-record calls go through pyruntime._ringfast: same handle, same behaviour,
+  no cffi call per record (the GIL is released only to wait or to copy a large payload)."""
+
+  __slots__ = ("_fw", "_fput")
+
+  def __init__(self, arena: Arena, ring):
+    super().__init__(arena, ring)
+    self._fw = _fast.Producer(int(ffi.cast("uintptr_t", self._p)), self._p)
+    self._fput = self._fw.put
+
+  def write(self, object_id: int, payload, flags: int = 0, timeout: float | None = None) -> int:
+    try:
+      if timeout is None and not flags:
+        r = self._fput(object_id, payload)
+      else:
+        r = self._fw.write(object_id, payload, flags, _timeout_ns(timeout))
+    except (TypeError, BufferError) as e:
+      raise ValueError(f"payload must be a C-contiguous bytes-like object, not {type(payload).__name__}: {e}") from e
+    if r < 0: return self._write_failed(-r, object_id, payload, flags, timeout)
+    return r
+
+  def reserve(self, extent: int, timeout: float | None = None) -> memoryview:
+    t = -1 if timeout is None else _timeout_ns(timeout)
+    try:
+      off = self._fw.reserve(extent, t)
+    except OverflowError:
+      raise errors.OutputExtentInvalid(f"OutputExtentInvalid: extent {extent} is not in 0..{self.spec.max_extent}") from None
+    while off == -_INTERRUPTED:
+      off = self._fw.reserve(extent, _remaining_ns(self._p, timeout))
+    if off < 0: raise self._fail(-off)
+    view = self._data[off:off + extent]
+    self._res_view = view
+    return view
+
+  def commit(self, object_id: int, flags: int = 0, publish: bool = True) -> int:
+    r = self._fw.commit(object_id, flags, publish)
+    self._drop_view()
+    if r < 0: raise self._fail(-r)
+    return r
 
 
 # --- consumer ------------------------------------------------------------------------------------
@@ -819,3 +880,41 @@ class Reader:
   def __enter__(self) -> "Reader": return self
   def __exit__(self, *exc) -> None: self.close()
   def __repr__(self) -> str: return f"Reader({self._arena.name!r}, ring={self.index}, expected_sequence={self._c.next_seq})"
+
+
+class _FastReader(Reader):
+  """Reader whose per-record calls go through pyruntime._ringfast (see _FastWriter)."""
+
+  __slots__ = ("_fc", "_ftake", "_ftake_next")
+
+  def __init__(self, arena: Arena, ring):
+    super().__init__(arena, ring)
+    self._fc = _fast.Consumer(int(ffi.cast("uintptr_t", self._c)), self._c)
+    self._ftake, self._ftake_next = self._fc.take, self._fc.take_next
+
+  def read(self, timeout: float | None = None) -> Record:
+    n = self._n
+    if n == self._cap: self._grow(2 * n)
+    st = self._ftake(-1 if timeout is None else _timeout_ns(timeout))
+    if st:
+      while st == _INTERRUPTED:
+        st = self._ftake(_remaining_ns(self._c, timeout))
+      if st: raise self._fail(st, self._recs[n]._v)
+    self._n = n + 1
+    return self._recs[n]
+
+  def next_record(self, timeout: float | None = None) -> Record:
+    st = self._ftake_next(-1 if timeout is None else _timeout_ns(timeout))
+    if st:
+      self._n = 0
+      while st == _INTERRUPTED:
+        st = self._ftake(_remaining_ns(self._c, timeout))
+      if st: raise self._fail(st, self._recs[0]._v)
+    self._n = 1
+    return self._recs[0]
+
+  def release(self) -> int:
+    self._n = 0
+    return self._fc.release()
+
+  release_many = release

@@ -1,7 +1,9 @@
-"""Ring benchmark: pyruntime's MO01 rings against a C-only loop over the same library (the ceiling),
-`multiprocessing.Queue` and `multiprocessing.Pipe`, side by side in one run.
+"""Ring benchmark: pyruntime's MO01 rings against a C-only loop over the same library (the ceiling)
+and the Python peers -- faster-fifo, pyzmq over ipc, a pure-Python ring over
+multiprocessing.shared_memory, `multiprocessing.Queue` and `multiprocessing.Pipe` -- side by side
+in one interleaved run (peers not installed are left out: `pip install -e ".[bench]"`).
 
-    python bench/ring.py [--json] [--quick] [--sizes 8,1152,65536,1048576] [--duration S]
+    python bench/ring.py [--json] [--quick] [--sizes 8,1152,65536,1048576] [--duration S] [--plot FILE.png]
     pyruntime bench ring [same arguments]
 
 Every measurement uses two processes forked from this one (producer and consumer, or pinger and
@@ -22,10 +24,10 @@ echo); this process only orchestrates and waits.  Measured (see bench/README.md 
               The C loop (mo_bench_produce / mo_bench_consume, GIL released, no Python per record)
               runs per-record (1 record per publish and per release; its consumer touches one byte
               of each payload in place: that is also its "view"), batch (256) and copy-out (memcpy
-              of every payload into a scratch buffer).  Queue and Pipe send bytes per message.
+              of every payload into a scratch buffer).  The peers send bytes per message.
               Every run checks that nothing was lost: the consumer's count equals the producer's,
               and sampled records have the right object id and the crc32 of the payload sent.
-  latency     one-way latency = ping-pong round trip / 2 over two rings (two pipes, two queues),
+  latency     one-way latency = ping-pong round trip / 2 over two rings (two channels of each peer),
               p50 and p99, while spinning (pings back to back) and parked (1 ms between pings, far
               longer than the 20 us spin window, so the waiting side sleeps on its futex).
   idle        CPU % of a process blocked in Reader.read() on an empty ring for a few seconds
@@ -354,8 +356,10 @@ class PyShmRing(Channel):
   so nothing orders the payload stores before the head store (nor the consumer's payload loads
   after its head load).  x86's total store order happens to make it work here; see bench/README.md."""
 
-  CAP = 1 << 20
   SKIP = 2**64 - 1  # length of a filler record that runs to the end of the region
+
+  def __init__(self, capacity: int = 1 << 20):
+    self.CAP = 1 << (capacity - 1).bit_length()  # a power of two, as pyruntime's ring rounds it
 
   def open(self):
     from multiprocessing import shared_memory
@@ -450,6 +454,11 @@ CHANNELS = {FF_SYSTEM: FasterFifoChannel, ZMQ_SYSTEM: ZmqChannel, PYSHM_SYSTEM: 
             P_SYSTEM: PipeChannel}
 
 
+def make_channel(system: str, P: Payloads) -> Channel:
+  if system == PYSHM_SYSTEM: return PyShmRing(ring_spec(P.size).capacity).open()
+  return CHANNELS[system]().open()
+
+
 def peer_available(system: str) -> bool:
   mod = {FF_SYSTEM: "faster_fifo", ZMQ_SYSTEM: "zmq"}.get(system)
   if mod is None: return True
@@ -478,7 +487,7 @@ def consume_peer(ch: Channel, barrier, P: Payloads) -> dict:
 
 
 def latency_peer(system: str, P: Payloads, dur: float, gap: float, min_n: int, max_n: int, timeout: float) -> list[int]:
-  ping_ch, pong_ch = CHANNELS[system]().open(), CHANNELS[system]().open()
+  ping_ch, pong_ch = make_channel(system, P), make_channel(system, P)
 
   def ping(barrier):
     send, recv = ping_ch.sender(), pong_ch.receiver()
@@ -625,7 +634,7 @@ def throughput(system: str, mode: str, P: Payloads, dur: float) -> dict:
     pr, cr = with_arena([spec], lambda n, b: produce_c(n, b, P, dur, batch),
                         lambda n, b: consume_c(n, b, P, batch, mode == "copy-out"), timeout)
   elif system in CHANNELS:
-    ch = CHANNELS[system]().open()
+    ch = make_channel(system, P)
     try:
       pr, cr = run_two(lambda b: produce_peer(ch, b, P, dur), lambda b: consume_peer(ch, b, P), timeout)
     finally:

@@ -1,7 +1,9 @@
-"""Ring benchmark: pyruntime's MO01 rings against a C-only loop over the same library (the ceiling),
-`multiprocessing.Queue` and `multiprocessing.Pipe`, side by side in one run.
+"""Ring benchmark: pyruntime's MO01 rings against a C-only loop over the same library (the ceiling)
+and the Python peers -- faster-fifo, pyzmq over ipc, a pure-Python ring over
+multiprocessing.shared_memory, `multiprocessing.Queue` and `multiprocessing.Pipe` -- side by side
+in one interleaved run (peers not installed are left out: `pip install -e ".[bench]"`).
 
-    python bench/ring.py [--json] [--quick] [--sizes 8,1152,65536,1048576] [--duration S]
+    python bench/ring.py [--json] [--quick] [--sizes 8,1152,65536,1048576] [--duration S] [--plot FILE.png]
     pyruntime bench ring [same arguments]
 
 Every measurement uses two processes forked from this one (producer and consumer, or pinger and
@@ -22,10 +24,10 @@ echo); this process only orchestrates and waits.  Measured (see bench/README.md 
               The C loop (mo_bench_produce / mo_bench_consume, GIL released, no Python per record)
               runs per-record (1 record per publish and per release; its consumer touches one byte
               of each payload in place: that is also its "view"), batch (256) and copy-out (memcpy
-              of every payload into a scratch buffer).  Queue and Pipe send bytes per message.
+              of every payload into a scratch buffer).  The peers send bytes per message.
               Every run checks that nothing was lost: the consumer's count equals the producer's,
               and sampled records have the right object id and the crc32 of the payload sent.
-  latency     one-way latency = ping-pong round trip / 2 over two rings (two pipes, two queues),
+  latency     one-way latency = ping-pong round trip / 2 over two rings (two channels of each peer),
               p50 and p99, while spinning (pings back to back) and parked (1 ms between pings, far
               longer than the 20 us spin window, so the waiting side sleeps on its futex).
   idle        CPU % of a process blocked in Reader.read() on an empty ring for a few seconds
@@ -45,6 +47,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import resource
+import struct
 import sys
 import time
 import timeit
@@ -72,9 +75,13 @@ Q_SYSTEM = "multiprocessing.Queue"
 P_SYSTEM = "multiprocessing.Pipe"
 PY_C_SYSTEM = "py producer -> C consumer"   # diagnostics: one side Python, the other the C loop
 C_PY_SYSTEM = "C producer -> py consumer"
+FF_SYSTEM = "faster-fifo"
+ZMQ_SYSTEM = "pyzmq ipc"
+PYSHM_SYSTEM = "pure-Python shm ring"
+PEERS = (FF_SYSTEM, ZMQ_SYSTEM, PYSHM_SYSTEM, Q_SYSTEM, P_SYSTEM)  # the Python peers (targets: "the best peer")
 
-TARGETS = {  # the issue's targets (issue 2)
-  "per_record_8": 5e6, "per_record_1152": 3e6, "batch_8": 20e6,
+TARGETS = {  # the issue's targets (issues 2 and 10)
+  "per_record_8": 5e6, "per_record_1152": 3e6, "batch_8": 20e6, "vs_best_peer_8": 2.0,
   "copy_ratio": 0.85, "view_ratio": 0.80, "spin_p50_us": 1.0, "parked_p50_us": 40.0, "idle_cpu_percent": 2.0,
 }
 
@@ -276,21 +283,237 @@ def send_for(send, P: Payloads, dur: float) -> tuple[float, int]:
   return t0, i
 
 
-def produce_queue(q, barrier, P: Payloads, dur: float) -> dict:
+
+
+
+
+# --- peers: other ways for two Python processes to pass messages ------------------------------------
+class Channel:
+  """One direction between two forked processes.  open() runs in the parent before the fork;
+  sender() / receiver() in the children, returning send(bytes) / recv() -> bytes; b"" marks the end
+  (no payload measured here is empty).  close() runs in the parent afterwards."""
+
+  def open(self) -> "Channel": return self
+  def sender(self): raise NotImplementedError
+  def receiver(self): raise NotImplementedError
+  def finish_send(self) -> None: pass
+  def close(self) -> None: pass
+
+
+class FasterFifoChannel(Channel):
+  """faster-fifo's Queue: a C++ circular buffer in shared memory behind a process-shared mutex and
+  condition variables; put() pickles the message."""
+
+  def open(self):
+    import faster_fifo
+    self.q = faster_fifo.Queue(max_size_bytes=8 << 20)
+    return self
+
+  def sender(self): return self.q.put
+  def receiver(self): return self.q.get
+  def close(self): self.q.close()
+
+
+class ZmqChannel(Channel):
+  """pyzmq PUSH -> PULL over an ipc:// (Unix socket) endpoint; contexts are made after the fork."""
+
+  _n = 0
+
+  def open(self):
+    ZmqChannel._n += 1
+    self.addr = f"ipc:///tmp/pyruntime-bench-{os.getpid()}-{ZmqChannel._n}.ipc"
+    return self
+
+  def sender(self):
+    import zmq
+    self.ctx = zmq.Context()
+    self.sock = self.ctx.socket(zmq.PUSH)
+    self.sock.connect(self.addr)
+    return self.sock.send
+
+  def receiver(self):
+    import zmq
+    self.ctx = zmq.Context()
+    self.sock = self.ctx.socket(zmq.PULL)
+    self.sock.bind(self.addr)
+    return self.sock.recv
+
+  def finish_send(self):
+    self.sock.close(linger=-1)  # deliver everything queued before the process ends
+    self.ctx.term()
+
+  def close(self):
+    try: os.unlink(self.addr[len("ipc://"):])
+    except FileNotFoundError: pass
+
+
+class PyShmRing(Channel):
+  """A single-producer single-consumer byte ring written in pure Python over
+  multiprocessing.shared_memory: 8-byte length + payload per record (8-aligned), free-running head
+  and tail counters as two u64 in the first 128 bytes, busy-waiting on both sides.
+
+  NOT a safe design on weakly ordered CPUs (ARM, POWER): Python has no memory-ordering primitives,
+  so nothing orders the payload stores before the head store (nor the consumer's payload loads
+  after its head load).  x86's total store order happens to make it work here; see bench/README.md."""
+
+  SKIP = 2**64 - 1  # length of a filler record that runs to the end of the region
+
+  def __init__(self, capacity: int = 1 << 20):
+    self.CAP = 1 << (capacity - 1).bit_length()  # a power of two, as pyruntime's ring rounds it
+
+  def open(self):
+    from multiprocessing import shared_memory
+    self.shm = shared_memory.SharedMemory(create=True, size=128 + self.CAP)
+    return self
+
+  def _views(self):
+    buf = self.shm.buf
+    return buf[0:16].cast("Q"), buf[128:128 + self.CAP]
+
+  def sender(self):
+    ctrl, data = self._views()
+    cap, mask, skip = self.CAP, self.CAP - 1, self.SKIP
+    pack = struct.Struct("<Q").pack_into
+    state = [0, 0]  # head, cached tail
+
+    def send(msg: bytes) -> None:
+      n = len(msg)
+      need = 8 + ((n + 7) & ~7)
+      head = state[0]
+      off = head & mask
+      if cap - off < need:  # a filler to the end, then start at 0
+        while head + (cap - off) + need - state[1] > cap: state[1] = ctrl[1]
+        pack(data, off, skip)
+        head += cap - off
+        off = 0
+      while head + need - state[1] > cap: state[1] = ctrl[1]
+      data[off + 8:off + 8 + n] = msg
+      pack(data, off, n)
+      head += need
+      ctrl[0] = head  # publish (no barrier: see the class docstring)
+      state[0] = head
+    return send
+
+  def receiver(self):
+    ctrl, data = self._views()
+    cap, mask, skip = self.CAP, self.CAP - 1, self.SKIP
+    unpack = struct.Struct("<Q").unpack_from
+    state = [0, 0]  # tail, cached head
+
+    def recv() -> bytes:
+      tail = state[0]
+      while True:
+        while tail == state[1]: state[1] = ctrl[0]
+        off = tail & mask
+        n = unpack(data, off)[0]
+        if n != skip: break
+        tail += cap - off
+      msg = bytes(data[off + 8:off + 8 + n])
+      tail += 8 + ((n + 7) & ~7)
+      ctrl[1] = tail  # release
+      state[0] = tail
+      return msg
+    return recv
+
+  def close(self):
+    self.shm.close()
+    self.shm.unlink()
+
+
+class QueueChannel(Channel):
+  def open(self):
+    self.q = CTX.Queue(maxsize=256)
+    return self
+
+  def sender(self): return self.q.put
+  def receiver(self): return self.q.get
+
+  def finish_send(self):
+    self.q.close()
+    self.q.join_thread()
+
+  def close(self):
+    self.q.close()
+    self.q.cancel_join_thread()
+
+
+class PipeChannel(Channel):
+  def open(self):
+    self.rx, self.tx = CTX.Pipe(duplex=False)
+    return self
+
+  def sender(self): return self.tx.send_bytes
+  def receiver(self): return self.rx.recv_bytes
+
+  def close(self):
+    self.rx.close()
+    self.tx.close()
+
+
+CHANNELS = {FF_SYSTEM: FasterFifoChannel, ZMQ_SYSTEM: ZmqChannel, PYSHM_SYSTEM: PyShmRing, Q_SYSTEM: QueueChannel,
+            P_SYSTEM: PipeChannel}
+
+
+def make_channel(system: str, P: Payloads) -> Channel:
+  if system == PYSHM_SYSTEM: return PyShmRing(ring_spec(P.size).capacity).open()
+  return CHANNELS[system]().open()
+
+
+def peer_available(system: str) -> bool:
+  mod = {FF_SYSTEM: "faster_fifo", ZMQ_SYSTEM: "zmq"}.get(system)
+  if mod is None: return True
+  import importlib.util
+  return importlib.util.find_spec(mod) is not None
+
+
+def produce_peer(ch: Channel, barrier, P: Payloads, dur: float) -> dict:
+  send = ch.sender()
   barrier.wait()
-  t0, i = send_for(q.put, P, dur)
-  q.put(None)
-  q.close()
-  q.join_thread()
+  t0, i = send_for(send, P, dur)
+  send(b"")
+  ch.finish_send()
   return {"t0": t0, "count": i, "sample_sum": P.sample_sum(i)}
 
 
-def produce_pipe(conn, barrier, P: Payloads, dur: float) -> dict:
+def consume_peer(ch: Channel, barrier, P: Payloads) -> dict:
+  recv, mask = ch.receiver(), P.mask
   barrier.wait()
-  t0, i = send_for(conn.send_bytes, P, dur)
-  conn.send_bytes(b"")  # end marker (no payload here is empty)
-  conn.close()
-  return {"t0": t0, "count": i, "sample_sum": P.sample_sum(i)}
+  i = s = 0
+  while m := recv():
+    if not i & mask: s += P.check(i, i, m)
+    i += 1
+  t1 = mono()
+  return {"t1": t1, "count": i, "sample_sum": s}
+
+
+def latency_peer(system: str, P: Payloads, dur: float, gap: float, min_n: int, max_n: int, timeout: float) -> list[int]:
+  ping_ch, pong_ch = make_channel(system, P), make_channel(system, P)
+
+  def ping(barrier):
+    send, recv = ping_ch.sender(), pong_ch.receiver()
+    barrier.wait()
+    buf, size = P.bufs[0], P.size
+
+    def check(k):
+      if len(recv()) != size: raise AssertionError("short pong")
+    rtts = _pings(lambda k: send(buf), check, dur, gap, min_n, max_n)
+    send(b"")
+    ping_ch.finish_send()
+    return rtts
+
+  def echo(barrier):
+    recv, send = ping_ch.receiver(), pong_ch.sender()
+    barrier.wait()
+    buf = P.bufs[1]
+    while recv(): send(buf)
+    pong_ch.finish_send()
+    return 0
+  try:
+    rtts, _ = run_two(ping, echo, timeout)
+  finally:
+    ping_ch.close()
+    pong_ch.close()
+  return rtts
 
 
 # --- throughput: consumers -------------------------------------------------------------------------
@@ -388,26 +611,8 @@ def consume_c(name, barrier, P: Payloads, batch: int, copy: bool) -> dict:
   return {"t1": t1, "count": count, "sample_sum": None}
 
 
-def consume_queue(q, barrier, P: Payloads) -> dict:
-  barrier.wait()
-  get, mask = q.get, P.mask
-  i = s = 0
-  while (m := get()) is not None:
-    if not i & mask: s += P.check(i, i, m)
-    i += 1
-  t1 = mono()
-  return {"t1": t1, "count": i, "sample_sum": s}
 
 
-def consume_pipe(conn, barrier, P: Payloads) -> dict:
-  barrier.wait()
-  recv, mask = conn.recv_bytes, P.mask
-  i = s = 0
-  while m := recv():
-    if not i & mask: s += P.check(i, i, m)
-    i += 1
-  t1 = mono()
-  return {"t1": t1, "count": i, "sample_sum": s}
 
 
 def throughput(system: str, mode: str, P: Payloads, dur: float) -> dict:
@@ -428,20 +633,12 @@ def throughput(system: str, mode: str, P: Payloads, dur: float) -> dict:
     batch = 256 if mode == "batch" else 1
     pr, cr = with_arena([spec], lambda n, b: produce_c(n, b, P, dur, batch),
                         lambda n, b: consume_c(n, b, P, batch, mode == "copy-out"), timeout)
-  elif system == Q_SYSTEM:
-    q = CTX.Queue(maxsize=256)
+  elif system in CHANNELS:
+    ch = make_channel(system, P)
     try:
-      pr, cr = run_two(lambda b: produce_queue(q, b, P, dur), lambda b: consume_queue(q, b, P), timeout)
+      pr, cr = run_two(lambda b: produce_peer(ch, b, P, dur), lambda b: consume_peer(ch, b, P), timeout)
     finally:
-      q.close()
-      q.cancel_join_thread()
-  elif system == P_SYSTEM:
-    rx, tx = CTX.Pipe(duplex=False)
-    try:
-      pr, cr = run_two(lambda b: produce_pipe(tx, b, P, dur), lambda b: consume_pipe(rx, b, P), timeout)
-    finally:
-      rx.close()
-      tx.close()
+      ch.close()
   else:
     raise ValueError(system)
   if pr["count"] != cr["count"]:
@@ -516,57 +713,8 @@ def latency(system: str, mode: str, P: Payloads, dur: float, min_n: int) -> dict
     spec = ring_spec(P.size)
     rtts, _ = with_arena([spec, spec], lambda n, b: ping_py(n, b, P, dur, gap, min_n, max_n),
                          lambda n, b: echo_py(n, b, P), timeout)
-  elif system == P_SYSTEM:
-    a, b_ = CTX.Pipe()
-
-    def ping(barrier):
-      barrier.wait()
-      buf, size = P.bufs[0], P.size
-
-      def check(k):
-        if len(a.recv_bytes()) != size: raise AssertionError("short pong")
-      rtts = _pings(lambda k: a.send_bytes(buf), check, dur, gap, min_n, max_n)
-      a.send_bytes(b"")
-      return rtts
-
-    def echo(barrier):
-      barrier.wait()
-      buf = P.bufs[1]
-      while b_.recv_bytes(): b_.send_bytes(buf)
-      return 0
-    try:
-      rtts, _ = run_two(ping, echo, timeout)
-    finally:
-      a.close()
-      b_.close()
-  elif system == Q_SYSTEM:
-    q1, q2 = CTX.Queue(), CTX.Queue()
-
-    def ping(barrier):
-      barrier.wait()
-      buf = P.bufs[0]
-
-      def check(k):
-        if q2.get()[0] != k: raise AssertionError("pong out of order")
-      rtts = _pings(lambda k: q1.put((k, buf)), check, dur, gap, min_n, max_n)
-      q1.put(None)
-      q1.close()
-      q1.join_thread()
-      return rtts
-
-    def echo(barrier):
-      barrier.wait()
-      buf = P.bufs[1]
-      while (m := q1.get()) is not None: q2.put((m[0], buf))
-      q2.close()
-      q2.join_thread()
-      return 0
-    try:
-      rtts, _ = run_two(ping, echo, timeout)
-    finally:
-      for q in (q1, q2):
-        q.close()
-        q.cancel_join_thread()
+  elif system in CHANNELS:
+    rtts = latency_peer(system, P, dur, gap, min_n, max_n, timeout)
   else:
     raise ValueError(system)
   one_way = np.asarray(rtts, dtype=np.float64) / 2e3  # ns round trip -> us one way
@@ -773,6 +921,10 @@ def targets(rows: list[dict]) -> list[dict]:
     return r["msgs_per_s"] if r else None
 
   add("per-record 8 B, records/s", rate(8, "per-record"), TARGETS["per_record_8"])
+  peer_rates = [(rate(8, "per-record", peer), peer) for peer in PEERS if rate(8, "per-record", peer)]
+  if peer_rates and rate(8, "per-record"):
+    best, who = max(peer_rates)
+    add(f"per-record 8 B / best Python peer ({who}), x", rate(8, "per-record") / best, TARGETS["vs_best_peer_8"])
   add("per-record 1152 B, records/s", rate(1152, "per-record"), TARGETS["per_record_1152"])
   add("batch 8 B, records/s", rate(8, "batch"), TARGETS["batch_8"])
   for size in (64 << 10, 1 << 20):
@@ -828,6 +980,49 @@ def print_report(rows: list[dict], cmd: str) -> None:
       p(f"  {'met   ' if r['met'] else 'MISSED'}  {r['target']}: {r['value']:,.3f}{r['unit']} (goal {rel} {r['goal']:,}{r['unit']})")
 
 
+def plot(rows: list[dict], path: str, title: str) -> None:
+  """Left: messages/s against payload size, log-log, one line per (system, mode) measured at more
+  than one size.  Right: one-way latency p50 and p99 per system, spinning and parked."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, (ax, lx) = plt.subplots(1, 2, figsize=(15, 6.5))
+  lines: dict = {}
+  for r in rows:
+    if r.get("kind") == "throughput" and r["system"] not in (PY_C_SYSTEM, C_PY_SYSTEM):
+      lines.setdefault((r["system"], r["mode"]), []).append((r["payload_bytes"], r["msgs_per_s"]))
+  colors = plt.cm.tab20(np.linspace(0, 1, max(1, len(lines))))
+  for color, ((system, mode), pts) in zip(colors, sorted(lines.items()), strict=True):
+    pts.sort()
+    style = "-" if system == PY_SYSTEM else "--" if system == C_SYSTEM else ":"
+    ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", color=color,
+            label=f"{system} ({mode})" if system in (PY_SYSTEM, C_SYSTEM) else system)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("payload bytes per record")
+  ax.set_ylabel("messages / s (two processes)")
+  ax.set_title("throughput")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=7, loc="lower left")
+  lat = [r for r in rows if r.get("kind") == "latency"]
+  size = min((r["payload_bytes"] for r in lat), default=None)
+  lat = [r for r in lat if r["payload_bytes"] == size]
+  labels = [f"{r['system']}\n{r['mode']}" for r in lat]
+  xs = np.arange(len(lat))
+  lx.bar(xs - 0.2, [r["p50_us"] for r in lat], 0.4, label="p50")
+  lx.bar(xs + 0.2, [r["p99_us"] for r in lat], 0.4, label="p99")
+  lx.set_xticks(xs, labels, rotation=60, ha="right", fontsize=7)
+  lx.set_yscale("log")
+  lx.set_ylabel("one-way latency, us (round trip / 2)")
+  lx.set_title(f"latency, {fmt_size(size) if size else ''} payloads")
+  lx.grid(True, axis="y", which="both", alpha=0.3)
+  lx.legend()
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="pyruntime bench ring", description=__doc__.split("\n\n")[0])
   ap.add_argument("--json", action="store_true", help="print one JSON list of rows on stdout")
@@ -837,6 +1032,7 @@ def main(argv=None) -> int:
   ap.add_argument("--rounds", type=int, default=None, help="throughput runs per row, interleaved; the best is reported (default 2, --quick 1)")
   ap.add_argument("--skip", default="", help="comma-separated parts to skip: throughput,latency,idle,overhead")
   ap.add_argument("--no-pin", action="store_true", help="let the scheduler place the two processes (default: one CPU each)")
+  ap.add_argument("--plot", metavar="FILE.png", help="also draw throughput against payload size (log-log) and latency percentiles")
   a = ap.parse_args(argv)
   cpus = sorted(os.sched_getaffinity(0))
   PIN[:] = cpus[:2] if len(cpus) >= 2 and not a.no_pin else []
@@ -858,7 +1054,7 @@ def main(argv=None) -> int:
   if "throughput" not in skip:
     plan = [(C_SYSTEM, m) for m in ("per-record", "batch", "copy-out")] + \
            [(PY_SYSTEM, m) for m in ("per-record", "batch", "copy-out", "copy-into", "view")] + \
-           [(Q_SYSTEM, "per-record"), (P_SYSTEM, "per-record")]
+           [(peer, "per-record") for peer in PEERS if peer_available(peer)]
     if not a.quick:
       plan += [(PY_C_SYSTEM, "per-record")] + [(C_PY_SYSTEM, m) for m in ("per-record", "copy-out", "copy-into", "view")]
     best: dict = {}
@@ -875,7 +1071,7 @@ def main(argv=None) -> int:
     rows += list(best.values())
   if "latency" not in skip:
     for size in sizes:
-      for system in (PY_SYSTEM, P_SYSTEM, Q_SYSTEM):
+      for system in (PY_SYSTEM, *(peer for peer in PEERS if peer_available(peer))):
         for mode in ("spin", "parked"):
           row = latency(system, mode, pays[size], lat_dur if mode == "spin" else 0.0, 200 if mode == "spin" else park_n)
           log(f"latency {fmt_size(size):>8} {system:<26} {mode:<7} p50 {row['p50_us']:9.2f} us  p99 {row['p99_us']:9.2f} us")
@@ -893,6 +1089,9 @@ def main(argv=None) -> int:
     print(json.dumps(rows))
   else:
     print_report(rows, cmd.strip())
+  if a.plot:
+    plot(rows, a.plot, cmd.strip())
+    log(f"plot written to {a.plot}")
   return 0
 
 

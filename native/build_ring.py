@@ -1,11 +1,16 @@
-"""cffi (API mode) builder of `pyruntime._ring` from the real C sources in native/.
+"""Builders of the ring's two extensions from the real C sources in native/.
 
-The Python-visible declarations are the section of native/mo_ring.h between the markers
-`MO_CDEF_BEGIN` and `MO_CDEF_END`, handed to cffi verbatim; the library itself is
-native/mo_ring.c, compiled into the extension.  Nothing in C is pasted into this file.
+`pyruntime._ring` (cffi, API mode): the whole API.  The Python-visible declarations are the
+section of native/mo_ring.h between the markers `MO_CDEF_BEGIN` and `MO_CDEF_END`, handed to cffi
+verbatim; the library itself is native/mo_ring.c, compiled into the extension.  Nothing in C is
+pasted into this file.
 
-    pip install -e .                  # setup.py names this builder in cffi_modules
-    python native/build_ring.py       # or build in place, next to pyruntime/ (for development)
+`pyruntime._ringfast` (CPython, optional): the per-record hot calls over the same handles
+(native/mo_fast.c, which includes mo_ring.c).  When it cannot be built, pyruntime.ring runs on
+cffi alone.
+
+    pip install -e .                  # setup.py names both builders
+    python native/build_ring.py       # or build both in place, next to pyruntime/ (for development)
 """
 from __future__ import annotations
 
@@ -48,6 +53,44 @@ def make_builder(relative: bool = True) -> FFI:
   return ffi
 
 
+FAST_SOURCE = HERE / "mo_fast.c"
+
+
+def fast_extension(relative: bool = True):
+  """The optional CPython extension: a failed build is a warning, not an error (optional=True)."""
+  from setuptools import Extension
+  def path(p: Path) -> str: return os.path.relpath(p) if relative else str(p)
+  return Extension(
+    "pyruntime._ringfast",
+    sources=[path(FAST_SOURCE)],
+    include_dirs=[path(HERE)],
+    depends=[path(HEADER), path(SOURCE)],
+    extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wno-unused-function", "-fvisibility=hidden"],
+    optional=True,
+  )
+
+
+def build_fast_inplace(verbose: bool = False) -> Path | None:
+  """Build pyruntime/_ringfast*.so next to the package; None (and a message) if that fails."""
+  from setuptools import Distribution
+  root = HERE.parent
+  cwd = os.getcwd()
+  os.chdir(root)  # build_ext --inplace resolves the package directory from the cwd
+  try:
+    dist = Distribution({"name": "pyruntime-ringfast", "ext_modules": [fast_extension(relative=True)]})
+    cmd = dist.get_command_obj("build_ext")
+    cmd.inplace = True
+    dist.verbose = int(verbose)
+    dist.run_command("build_ext")
+    built = sorted((root / "pyruntime").glob("_ringfast*.so"))
+  except Exception as e:  # noqa: BLE001 -- optional: cffi alone still works
+    print(f"pyruntime._ringfast not built ({type(e).__name__}: {e}); the ring runs on cffi alone", file=sys.stderr)
+    return None
+  finally:
+    os.chdir(cwd)
+  return built[-1] if built else None
+
+
 ffibuilder = make_builder()
 
 if __name__ == "__main__":
@@ -60,3 +103,5 @@ if __name__ == "__main__":
     dest = pkg / built.name
     shutil.copy2(built, dest)
   print(dest)
+  fast = build_fast_inplace(verbose="-v" in sys.argv)
+  if fast: print(fast)

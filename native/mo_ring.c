@@ -35,6 +35,7 @@ _Static_assert(sizeof(struct mo_ring_ctrl) <= MO_CTRL_SIZE, "control block fits"
 _Static_assert(offsetof(struct mo_ring_ctrl, tail) - offsetof(struct mo_ring_ctrl, head) >= MO_LINE,
                "cursors on separate lines");
 _Static_assert(sizeof(_Atomic uint64_t) == 8 && sizeof(_Atomic uint32_t) == 4, "lock-free widths");
+_Static_assert(MO_MAX_EXTENT == MO_MAX_CAPACITY - MO_HEADER_LEN, "the largest payload of the largest ring");
 
 #define MO_LIKELY(x) __builtin_expect(!!(x), 1)
 #define MO_UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -120,7 +121,24 @@ static inline int64_t now_ns(void) {
 
 static inline uint64_t round8(uint64_t x) { return (x + 7) & ~UINT64_C(7); }
 
-uint64_t mo_record_size(uint64_t extent) { return round8(MO_HEADER_LEN + extent); }
+/* a + b, saturating at INT64_MAX: deadlines from caller-given nanoseconds never wrap. */
+static inline int64_t add_sat(int64_t a, uint64_t b) {
+  return b > (uint64_t)(INT64_MAX - a) ? INT64_MAX : a + (int64_t)b; /* a >= 0: a monotonic clock */
+}
+
+/* The largest extent whose record size round8(40 + extent) fits in 64 bits. */
+#define RECORD_EXTENT_LIMIT (UINT64_MAX - 7 - MO_HEADER_LEN)
+
+uint64_t mo_record_size(uint64_t extent) {
+  return MO_LIKELY(extent <= RECORD_EXTENT_LIMIT) ? round8(MO_HEADER_LEN + extent) : 0;
+}
+
+/* 1 if a record with this extent fits in room bytes.  Compares the extent against what is left
+ * after the header instead of adding to it, so a hostile extent near 2^64 cannot wrap around. */
+static inline int record_fits(uint64_t extent, uint64_t room) {
+  return room >= MO_HEADER_LEN && extent <= room - MO_HEADER_LEN && extent <= RECORD_EXTENT_LIMIT &&
+         round8(MO_HEADER_LEN + extent) <= room;
+}
 
 static inline int extent_misaligned(uint64_t extent, uint32_t alignment) {
   if (MO_LIKELY((alignment & (alignment - 1)) == 0)) return (extent & (alignment - 1)) != 0;
@@ -223,6 +241,30 @@ static mo_status claim(_Atomic uint64_t *slot, uint64_t me) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* segment names                                                                               */
+
+mo_status mo_segment_name_check(const char *name, uint64_t len, const char **reason) {
+  const char *why = NULL;
+  if (name && len > 0 && name[0] == '/') {
+    name++;
+    len--;
+  }
+  if (!name || len == 0) why = "the name is empty";
+  else if (len > MO_NAME_MAX) why = "the name is longer than 255 bytes";
+  else if ((len == 1 && name[0] == '.') || (len == 2 && name[0] == '.' && name[1] == '.'))
+    why = "the name is '.' or '..'";
+  else
+    for (uint64_t i = 0; i < len && !why; i++) {
+      unsigned char ch = (unsigned char)name[i];
+      if (ch == '/') why = "the name contains '/' after its first byte";
+      else if (ch == 0) why = "the name contains a NUL byte";
+      else if (ch < 0x20 || ch == 0x7f) why = "the name contains a control character";
+    }
+  if (reason) *reason = why ? why : "ok";
+  return why ? MO_ARENA_INVALID : MO_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* records                                                                                     */
 
 void mo_record_encode(void *hdr, uint64_t object_id, uint64_t sequence, uint64_t extent, uint32_t flags) {
@@ -251,7 +293,7 @@ static inline mo_status check_header(const mo_record_header *h, uint64_t avail, 
     return MO_INVALID_OBJECT_HEADER;
   if (MO_UNLIKELY(h->extent > max_extent)) return MO_OBJECT_EXTENT_INVALID;
   if (MO_UNLIKELY(extent_misaligned(h->extent, alignment))) return MO_OBJECT_EXTENT_ALIGNMENT_VIOLATION;
-  if (MO_UNLIKELY(mo_record_size(h->extent) > avail)) return MO_OBJECT_EXTENT_INVALID;
+  if (MO_UNLIKELY(!record_fits(h->extent, avail))) return MO_OBJECT_EXTENT_INVALID;
   if (MO_UNLIKELY(h->sequence != expected)) return MO_SEQUENCE_VIOLATION;
   return MO_OK;
 }
@@ -320,7 +362,7 @@ mo_status mo_arena_init(void *base, uint64_t size, const mo_ring_config *rings, 
     c->magic = MO_RING_CTRL_MAGIC;
     c->index = i;
     c->capacity = cap;
-    c->max_extent = rings[i].max_extent;
+    c->max_extent = rings[i].max_extent < MO_MAX_EXTENT ? rings[i].max_extent : MO_MAX_EXTENT;
     c->alignment = rings[i].alignment;
     c->data_offset = off + MO_CTRL_SIZE;
     atomic_init(&c->head, 0);
@@ -361,6 +403,7 @@ mo_status mo_arena_check(const void *base, uint64_t size, const char **reason) {
       else if (cap < MO_MIN_CAPACITY || cap > MO_MAX_CAPACITY || (cap & (cap - 1)))
         why = "a ring capacity is not a power of two in range";
       else if (c->alignment == 0) why = "a ring alignment is zero";
+      else if (c->max_extent > MO_MAX_EXTENT) why = "a ring max_extent is larger than any ring can hold";
       else if (c->data_offset != off + MO_CTRL_SIZE || size - off - MO_CTRL_SIZE < cap)
         why = "a ring data region is out of bounds";
       else prev_end = off + MO_CTRL_SIZE + cap;
@@ -448,12 +491,12 @@ typedef struct waitspec {
  * MO_TIMED_OUT, MO_CLOSED, MO_PEER_DEAD or MO_INTERRUPTED.  timeout_ns != 0. */
 static mo_status wait_cursor(const waitspec *w, int64_t timeout_ns) {
   int64_t start = now_ns();
-  int64_t deadline = timeout_ns > 0 ? start + timeout_ns : INT64_MAX;
+  int64_t deadline = timeout_ns > 0 ? add_sat(start, (uint64_t)timeout_ns) : INT64_MAX;
   *w->deadline = timeout_ns > 0 ? deadline : -1;
 
   /* 1. spin */
   if (w->spin_ns > 0) {
-    int64_t spin_end = start + (int64_t)w->spin_ns;
+    int64_t spin_end = add_sat(start, w->spin_ns);
     if (spin_end > deadline) spin_end = deadline;
     for (uint32_t i = 1;; i++) {
       if (atomic_load_explicit(w->cursor, RELAXED) != w->stuck) return MO_OK;
@@ -533,9 +576,15 @@ mo_status mo_producer_attach(mo_producer *p, const mo_ring *r) {
   return MO_OK;
 }
 
+/* A poll slice becomes a futex timeout (int64 nanoseconds): keep it positive and in range. */
+static uint64_t poll_slice(uint64_t poll_ns) {
+  if (poll_ns == 0) return MO_DEFAULT_POLL_NS;
+  return poll_ns < (uint64_t)INT64_MAX ? poll_ns : (uint64_t)INT64_MAX;
+}
+
 void mo_producer_set_wait(mo_producer *p, uint64_t spin_ns, uint64_t poll_ns) {
   p->spin_ns = spin_ns;
-  p->poll_ns = poll_ns ? poll_ns : MO_DEFAULT_POLL_NS;
+  p->poll_ns = poll_slice(poll_ns);
 }
 
 uint64_t mo_producer_publish(mo_producer *p) {
@@ -594,9 +643,9 @@ static inline mo_status producer_usable(const mo_producer *p) {
 static inline mo_status place(mo_producer *p, uint64_t extent, int64_t timeout_ns) {
   if (MO_UNLIKELY(extent > p->r.max_extent)) return MO_OUTPUT_EXTENT_INVALID;
   if (MO_UNLIKELY(extent_misaligned(extent, p->r.alignment))) return MO_OUTPUT_EXTENT_ALIGNMENT_VIOLATION;
-  uint64_t size = mo_record_size(extent);
   uint64_t cap = p->r.capacity;
-  if (MO_UNLIKELY(size > cap)) return MO_OUTPUT_RING_CAPACITY_EXCEEDED;
+  if (MO_UNLIKELY(!record_fits(extent, cap))) return MO_OUTPUT_RING_CAPACITY_EXCEEDED;
+  uint64_t size = round8(MO_HEADER_LEN + extent); /* no overflow: extent <= cap - 40 */
   if (MO_UNLIKELY(atomic_load_explicit(&p->r.ctrl->consumer_closed, RELAXED))) return MO_CLOSED;
   uint64_t off = p->wpos & p->r.mask;
   if (MO_UNLIKELY(cap - off < size)) {
@@ -704,8 +753,9 @@ mo_status mo_producer_write_many(mo_producer *p, const uint64_t *object_ids, con
 mo_status mo_producer_publish_raw(mo_producer *p, const char *bytes, uint64_t len) {
   mo_status st = producer_usable(p);
   if (st != MO_OK) return st;
-  uint64_t padded = round8(len);
-  if (padded == 0) return MO_OK;
+  if (len == 0) return MO_OK;
+  if (len > p->r.capacity) return MO_OUTPUT_RING_CAPACITY_EXCEEDED;
+  uint64_t padded = round8(len); /* no overflow: len <= capacity */
   if (padded > p->r.capacity) return MO_OUTPUT_RING_CAPACITY_EXCEEDED;
   st = make_room(p, padded, 0);
   if (st != MO_OK) return st;
@@ -759,7 +809,7 @@ mo_status mo_consumer_attach(mo_consumer *c, const mo_ring *r) {
 
 void mo_consumer_set_wait(mo_consumer *c, uint64_t spin_ns, uint64_t poll_ns) {
   c->spin_ns = spin_ns;
-  c->poll_ns = poll_ns ? poll_ns : MO_DEFAULT_POLL_NS;
+  c->poll_ns = poll_slice(poll_ns);
 }
 
 static inline void store_tail(mo_consumer *c) {
@@ -936,9 +986,10 @@ int64_t mo_consumer_gather(const mo_consumer *c, const mo_view *views, uint32_t 
   uint64_t total = 0;
   for (uint32_t i = 0; i < n; i++) {
     uint64_t e = views[i].extent;
-    if (views[i].data_offset + e > c->r.capacity) return -(int64_t)MO_INVALID_ARGUMENT;
+    uint64_t o = views[i].data_offset;
+    if (o > c->r.capacity || e > c->r.capacity - o) return -(int64_t)MO_INVALID_ARGUMENT;
     if (e > dst_len - total) return -(int64_t)MO_INVALID_ARGUMENT;
-    memcpy(dst + total, c->r.data + views[i].data_offset, e);
+    memcpy(dst + total, c->r.data + o, e);
     total += e;
   }
   return (int64_t)total;

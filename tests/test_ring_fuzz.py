@@ -31,6 +31,8 @@ from hypothesis import strategies as st
 from pyruntime import errors
 from pyruntime.ring import HEADER_LEN, Arena, RingSpec, record_size
 
+pytestmark = pytest.mark.usefixtures("ring_binding")  # every test over both bindings (tests/conftest.py)
+
 PREFIX = "pyruntime-test"
 HDR = struct.Struct("<IHHQQQII")  # magic, version, header_len, object_id, sequence, extent, flags, reserved
 MAGIC = 0x31304F4D                # "MO01"

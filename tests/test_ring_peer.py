@@ -15,6 +15,8 @@ import pytest
 from pyruntime import errors
 from pyruntime.ring import Arena, RingSpec
 
+pytestmark = pytest.mark.usefixtures("ring_binding")  # every test over both bindings (tests/conftest.py)
+
 PREFIX = "pyruntime-test"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,11 +8,14 @@ import os
 from collections import deque
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyruntime import errors, shm
 from pyruntime.ring import Arena, RingSpec
+
+pytestmark = pytest.mark.usefixtures("ring_binding")  # every test over both bindings (tests/conftest.py)
 
 PREFIX = "pyruntime-test"
 

@@ -24,6 +24,8 @@ import pytest
 from pyruntime import errors
 from pyruntime.ring import Arena, RingSpec
 
+pytestmark = pytest.mark.usefixtures("ring_binding")  # every test over both bindings (tests/conftest.py)
+
 PREFIX = "pyruntime-test"
 CAPACITY = 1 << 15      # 32 KiB: about 30 records of average size, a wrap every ~30 records
 MAX_EXTENT = 2048

@@ -406,6 +406,82 @@ static void test_arena(void) {
   free(base);
 }
 
+/* --- sizes near 2^64: every computation is overflow-checked -------------------------------- */
+static void test_huge_extents(void) {
+  CHECK(mo_record_size(UINT64_MAX) == 0 && mo_record_size(UINT64_MAX - 8) == 0);
+  CHECK(mo_record_size(UINT64_MAX - 47) == UINT64_MAX - 7);
+  fixture f;
+  setup(&f, 4096, UINT64_MAX, 8); /* "no limit": stored capped at what any ring can hold */
+  CHECK(f.ring.max_extent == MO_MAX_EXTENT);
+  void *pl;
+  CHECK_ST(mo_producer_reserve(&f.p, UINT64_MAX - 7, 0, &pl), MO_OUTPUT_EXTENT_INVALID);
+  CHECK_ST(mo_producer_reserve(&f.p, MO_MAX_EXTENT, 0, &pl), MO_OUTPUT_RING_CAPACITY_EXCEEDED);
+  CHECK_ST(mo_producer_reserve(&f.p, 4096 - 32, 0, &pl), MO_OUTPUT_RING_CAPACITY_EXCEEDED);
+  CHECK(mo_producer_write(&f.p, 1, 0, "", UINT64_MAX - 7, 0) == -(int64_t)MO_OUTPUT_EXTENT_INVALID);
+  CHECK_ST(mo_producer_publish_raw(&f.p, "", UINT64_MAX), MO_OUTPUT_RING_CAPACITY_EXCEEDED);
+  mo_ring_state s;
+  mo_ring_snapshot(&f.ring, &s);
+  CHECK(s.head == 0 && f.p.next_seq == 0); /* nothing published, no sequence used */
+  /* a header claiming 2^64 - 8 bytes: refused, the cursor does not move */
+  uint8_t h[48] = {0};
+  mo_record_encode(h, 1, 0, UINT64_MAX - 7, 0);
+  raw(&f, h, sizeof h);
+  expect_error(&f, MO_OBJECT_EXTENT_INVALID);
+  /* the standalone check, with no max_extent to hide behind */
+  mo_view v;
+  CHECK_ST(mo_record_check(h, sizeof h, UINT64_MAX, 8, 0, &v), MO_OBJECT_EXTENT_INVALID);
+  CHECK_ST(mo_record_check(h, UINT64_MAX, UINT64_MAX, 8, 0, &v), MO_OBJECT_EXTENT_INVALID);
+  mo_record_encode(h, 1, 0, UINT64_MAX - 39, 0); /* 40 + extent == 2^64: wraps to 0 unchecked */
+  CHECK_ST(mo_record_check(h, sizeof h, UINT64_MAX, 1, 0, &v), MO_OBJECT_EXTENT_INVALID);
+  /* gather refuses views whose offset + extent wraps */
+  mo_view bad = {0};
+  bad.data_offset = 8;
+  bad.extent = UINT64_MAX - 3;
+  char dst[16];
+  CHECK(mo_consumer_gather(&f.c, &bad, 1, dst, sizeof dst) == -(int64_t)MO_INVALID_ARGUMENT);
+  /* timeouts and wait tuning near the limits neither wrap nor fail */
+  mo_producer_set_wait(&f.p, UINT64_MAX, UINT64_MAX);
+  CHECK(f.p.poll_ns <= (uint64_t)INT64_MAX);
+  mo_producer_set_wait(&f.p, 0, 1000000);
+  CHECK(mo_producer_write(&f.p, 1, 0, "12345678", 8, INT64_MAX) == 0);
+  CHECK_ST(mo_consumer_read(&f.c, &v, INT64_MAX), MO_OK);
+  CHECK(v.extent == 8);
+  teardown(&f);
+  /* an arena whose ring claims a max_extent no ring can hold is refused */
+  mo_ring_config cfg = {64, 8, 4, 0};
+  uint64_t size = mo_arena_size(&cfg, 1);
+  uint8_t *base = aligned_alloc(MO_PAGE, size);
+  CHECK_ST(mo_arena_init(base, size, &cfg, 1), MO_OK);
+  ((struct mo_ring_ctrl *)(base + 4096))->max_extent = UINT64_MAX;
+  const char *why = NULL;
+  CHECK_ST(mo_arena_check(base, size, &why), MO_ARENA_INVALID);
+  CHECK(strstr(why, "max_extent") != NULL);
+  free(base);
+}
+
+/* --- segment names ------------------------------------------------------------------------ */
+static void test_segment_names(void) {
+  const char *why = NULL;
+  CHECK_ST(mo_segment_name_check("/pyruntime-1-ab", 15, &why), MO_OK);
+  CHECK_ST(mo_segment_name_check("pyruntime-1-ab", 14, NULL), MO_OK);
+  CHECK_ST(mo_segment_name_check("x\0y", 3, &why), MO_ARENA_INVALID);
+  CHECK(strstr(why, "NUL") != NULL);
+  CHECK_ST(mo_segment_name_check("/a/b", 4, &why), MO_ARENA_INVALID);
+  CHECK_ST(mo_segment_name_check("..", 2, &why), MO_ARENA_INVALID);
+  CHECK_ST(mo_segment_name_check("/.", 2, &why), MO_ARENA_INVALID);
+  CHECK_ST(mo_segment_name_check("/..x", 4, &why), MO_OK);
+  CHECK_ST(mo_segment_name_check("", 0, &why), MO_ARENA_INVALID);
+  CHECK_ST(mo_segment_name_check("/", 1, &why), MO_ARENA_INVALID);
+  CHECK_ST(mo_segment_name_check(NULL, 5, &why), MO_ARENA_INVALID);
+  CHECK_ST(mo_segment_name_check("a\nb", 3, &why), MO_ARENA_INVALID);
+  char longname[300];
+  memset(longname, 'x', sizeof longname);
+  CHECK_ST(mo_segment_name_check(longname, MO_NAME_MAX, &why), MO_OK);
+  CHECK_ST(mo_segment_name_check(longname, MO_NAME_MAX + 1, &why), MO_ARENA_INVALID);
+  longname[0] = '/';
+  CHECK_ST(mo_segment_name_check(longname, MO_NAME_MAX + 1, &why), MO_OK);
+}
+
 /* --- close, claims, takeover -------------------------------------------------------------- */
 static void test_liveness(void) {
   fixture f;
@@ -494,6 +570,8 @@ int main(void) {
   test_errors();
   test_record_check_fuzz();
   test_arena();
+  test_huge_extents();
+  test_segment_names();
   test_liveness();
   if (failures) {
     fprintf(stderr, "%d check(s) failed\n", failures);

@@ -221,7 +221,9 @@ class Launcher:
     self.tokens_out = self.steps = self.step_rows = self.last_batch = 0
     self._group = 0                       # token records seen of the tail's current step
     self._token_times: collections.deque[float] = collections.deque(maxlen=4096)
-    self._closed = False
+    self._closed = False                  # no new streams, the driver stops
+    self._shut = False                    # the stages are gone and the arena unlinked
+    self._close_lock = threading.Lock()
     self._old_sigterm: Any = None
     # launcher time per token, between a token's arrival and the next write: wall, and this thread's CPU
     # (on a loaded machine the wall time includes being preempted by the stage we just woke)
@@ -532,9 +534,14 @@ class Launcher:
     In order: close our ring sides (the stages drain and stop their loops), ShutdownWorker, and
     after `grace_s` SIGKILL. After a failure the survivors get SIGTERM at once instead.
     """
-    if self._closed: return
-    self._closed = True
+    self._closed = True  # the driver stops reading; if it is closing the launcher itself (a failure), that finishes first
     if self._driver is not None and self._driver is not threading.current_thread(): self._driver.join()
+    with self._close_lock:
+      if self._shut: return
+      self._shut = True
+      self._shutdown(grace_s)
+
+  def _shutdown(self, grace_s: float) -> None:
     self._fail_all(errors.LauncherClosed("the launcher closed while the stream ran"))
     for side in (self.head, self.tail):
       if side is not None:

@@ -394,7 +394,8 @@ class Stage:
                  finish_reason=finish, elapsed_s=round(time.monotonic() - t0, 4))
 
   def query_stats(self, cmd: dict) -> None:
-    s = dict(self.stats, wall_s=time.monotonic() - self.stats["started"])
+    s = dict(self.stats, wall_s=time.monotonic() - self.stats["started"], open_streams=len(self.streams),
+             pending_tokens=sum(len(x) for st in self.streams.values() for _, x in st.pending))
     s.pop("started")
     if self.writer is not None: s["egress_occupancy"] = self.writer.occupancy()
     self.ch.emit(Event.STAGE_STATS, stage=self.index, **s)

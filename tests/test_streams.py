@@ -1,0 +1,130 @@
+"""Many streams at once through real stage processes, on a tiny GGUF model: every stream's tokens equal its solo run,
+cancellation frees the slot in every stage, waiting streams are served first come first served, and a dead stage
+ends every running stream by name."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from tinymodels import TINY_MODELS, write_tiny_gguf
+
+from pyruntime import errors
+from pyruntime.launcher import Delta, Done, Launcher
+
+SPLIT = [(0, 2), (2, 5)]
+PROMPTS = ["The", "The quick brown fox jumps", "Hello world! Hello there, how are you?",
+           "A tiny model has tiny weights, but the tokenizer is real: it merges the most frequent pairs of bytes. Hello world!",
+           "In the beginning there was the word, and the word was with the model. Stages pass the residual stream along. "
+           "The dog sleeps in the sun, and the fox runs into the forest.", "42", "What is the answer?", "fox dog sun"]
+SAMPLED = {1: dict(temperature=0.9, seed=7), 4: dict(temperature=1.2, top_k=20, seed=3), 6: dict(temperature=0.7, top_p=0.9, seed=11)}
+N = 10
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  return write_tiny_gguf(tmp_path_factory.mktemp("m") / "llama.gguf", **TINY_MODELS["llama_tied"])
+
+
+@pytest.fixture(scope="module")
+def lm(tiny):
+  with Launcher(tiny, split=SPLIT, max_context=128, max_streams=8) as launcher:
+    yield launcher
+  assert not any(launcher.alive())
+
+
+def done_of(events) -> Done:
+  return next(ev for ev in events if isinstance(ev, Done))
+
+
+def wait_idle(lm: Launcher, timeout: float = 10.0) -> None:
+  """A finished stream's Done comes before its CLOSE went round the pipeline; the slot is free after that."""
+  deadline = time.monotonic() + timeout
+  while (st := lm.scheduler_stats())["running"] or st["waiting"]:
+    assert time.monotonic() < deadline, st
+    time.sleep(0.01)
+
+
+def generate(lm: Launcher, i: int, n: int = N) -> Done:
+  return done_of(lm.generate(PROMPTS[i], raw=True, max_tokens=n, ignore_eos=True, **SAMPLED.get(i, {})))
+
+
+def test_streams_in_flight_equal_their_solo_runs(lm):
+  """8 streams of different prompt lengths (one of two prefill chunks), greedy and seeded, started at staggered
+  times so they join a running batch at different steps: each gives exactly its solo tokens."""
+  solo = {i: generate(lm, i).token_ids for i in range(len(PROMPTS))}
+  together: dict[int, list[int]] = {}
+
+  def one(i: int) -> None:
+    time.sleep(0.15 * i)
+    together[i] = generate(lm, i).token_ids
+  threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+  for t in threads: t.start()
+  for t in threads: t.join(300)
+  assert together == solo
+  wait_idle(lm)
+  assert max(s["max_batch"] for s in lm.stage_stats()) > 1  # they did share steps
+
+
+def test_cancelled_stream_leaves_nothing_in_flight(lm):
+  gen = lm.generate(PROMPTS[4], raw=True, max_tokens=100, ignore_eos=True)
+  deltas = (ev for ev in gen if isinstance(ev, Delta))
+  for _ in range(3): next(deltas)
+  gen.close()  # walked away mid-stream: the launcher closes it in every stage
+  wait_idle(lm)
+  for s in lm.stage_stats(): assert s["open_streams"] == 0 and s["pending_tokens"] == 0, s
+  assert generate(lm, 0, 3).usage.completion_tokens == 3  # and the pipeline serves on
+
+
+def test_waiting_streams_are_served_in_order(lm):
+  """More streams than slots: the rest wait, first come first served, and all finish with their solo tokens."""
+  solo = generate(lm, 3, 4).token_ids
+  order: list[int] = []
+  lock = threading.Lock()
+  results: dict[int, Done] = {}
+
+  def one(i: int) -> None:
+    for ev in lm.generate(PROMPTS[3], raw=True, max_tokens=4 + (i < 8) * 20, ignore_eos=True):
+      if isinstance(ev, Delta) and ev.token_ids:
+        with lock:
+          if i not in order: order.append(i)
+      if isinstance(ev, Done): results[i] = ev
+  threads = []
+  for i in range(11):  # 8 long ones fill the slots, then 3 short ones wait
+    threads.append(threading.Thread(target=one, args=(i,)))
+    threads[-1].start()
+    time.sleep(0.05)
+  for t in threads: t.join(300)
+  assert [i for i in order if i >= 8] == [8, 9, 10]
+  assert all(results[i].timings.queue_s > 0 for i in (8, 9, 10))
+  assert all(results[i].token_ids == solo for i in (8, 9, 10))
+
+
+def test_stage_death_ends_every_stream_by_name(tiny):
+  lm = Launcher(tiny, split=SPLIT, max_context=128, max_streams=4).start()
+  try:
+    caught: dict[int, BaseException] = {}
+    started = threading.Barrier(4)
+
+    def one(i: int) -> None:
+      try:
+        events = lm.generate(PROMPTS[i], raw=True, max_tokens=100, ignore_eos=True)
+        next(events)
+        started.wait(60)
+        for _ in events: pass
+      except BaseException as e:  # noqa: BLE001
+        caught[i] = e
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads: t.start()
+    started.wait(120)
+    t0 = time.monotonic()
+    os.kill(lm.handles[1].proc.pid, signal.SIGKILL)
+    for t in threads: t.join(30)
+    assert time.monotonic() - t0 < 2.0
+    assert set(caught) == {0, 1, 2}
+    for e in caught.values(): assert isinstance(e, errors.StageFailed) and e.stage == 1, e
+  finally:
+    lm.close()
+  assert not any(lm.alive())

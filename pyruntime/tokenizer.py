@@ -14,6 +14,7 @@ control/unknown tokens are only recognised when it is set, user-defined tokens a
 from __future__ import annotations
 
 import codecs
+import operator
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -22,7 +23,7 @@ from tokenizers import Regex, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.models import BPE
 
-from pyruntime.errors import ModelLoadFailed
+from pyruntime.errors import ModelLoadFailed, TokenIdInvalid
 
 # --- llama.cpp pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe) -------------------
 # llama.cpp spells the GPT-2 regex without the final `|\s+` but runs it through a hand-written
@@ -245,13 +246,26 @@ class Tokenizer:
 
   def token_type(self, token_id: int) -> int: return self._types[token_id]
 
+  def check_id(self, token_id: Any) -> int:
+    """`token_id` as an int when it names a vocabulary entry; TokenIdInvalid for anything else
+    (out of range, negative, a bool, a float, a string). numpy integers are integers."""
+    if type(token_id) is not int:
+      if isinstance(token_id, bool): raise TokenIdInvalid(f"token id {token_id!r} is a bool, not an integer")
+      try: token_id = operator.index(token_id)
+      except TypeError: raise TokenIdInvalid(f"token id {token_id!r} is a {type(token_id).__name__}, not an integer") from None
+    if not 0 <= token_id < self.vocab_size:
+      raise TokenIdInvalid(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+    return token_id
+
   def token_bytes(self, token_id: int, *, special: bool = False) -> bytes:
     """The bytes this token stands for in output text (llama_token_to_piece).
 
-    Control and unknown tokens render as nothing unless `special`, as in llama.cpp's output."""
+    Control and unknown tokens render as nothing unless `special`, as in llama.cpp's output.
+    Raises TokenIdInvalid for an id outside the vocabulary or one that is not an integer."""
+    if type(token_id) is not int: token_id = self.check_id(token_id)   # 1.0 must not hit the cache entry of 1
     key = (token_id, special)
     if (b := self._piece_cache.get(key)) is not None: return b
-    if not 0 <= token_id < self.vocab_size: raise IndexError(f"token id {token_id} outside the vocabulary ({self.vocab_size})")
+    self.check_id(token_id)
     t, typ = self._tokens[token_id], self._types[token_id]
     if typ in (CONTROL, UNKNOWN): b = t.encode() if special else b""
     elif typ == USER_DEFINED: b = t.encode()
@@ -262,6 +276,10 @@ class Tokenizer:
     return b
 
   def decode(self, ids: Iterable[int], *, special: bool = False) -> str:
+    """The text of `ids`; TokenIdInvalid (naming the id) for one outside the vocabulary or not an integer."""
+    if isinstance(ids, (str, bytes)): raise TokenIdInvalid(f"token ids must be a sequence of integers, not {type(ids).__name__}")
+    try: ids = iter(ids)
+    except TypeError: raise TokenIdInvalid(f"token ids must be a sequence of integers, not {type(ids).__name__}") from None
     return b"".join(self.token_bytes(i, special=special) for i in ids).decode("utf-8", "replace")
 
   def is_end(self, token_id: int) -> bool: return token_id in self.end_ids

@@ -379,3 +379,21 @@ def test_against_llama_cpp(pre, tmp_path):
   # first in its list order (<|im_end|>). Both are end tokens; only the nominal EOT id differs.
   assert (tok.eot_id is None) == (lc.llama_vocab_eot(vocab) == -1)
   assert tok.eot_id is None or {tok.eot_id, lc.llama_vocab_eot(vocab)} <= tok.end_ids
+
+
+# --- bad token ids -------------------------------------------------------------------------------
+def test_decode_refuses_ids_outside_the_vocabulary_and_non_integers(smollm2):
+  from pyruntime.errors import TokenIdInvalid
+  n = smollm2.vocab_size
+  for bad in ([n], [-1], [2**64], [1, n + 5], [1.0], [1.5], ["5"], [None], [True], [[1]]):
+    with pytest.raises(TokenIdInvalid): smollm2.decode(bad)
+  for bad in ("123", b"12", 5, None):
+    with pytest.raises(TokenIdInvalid): smollm2.decode(bad)   # not a sequence of ids at all
+  with pytest.raises(TokenIdInvalid): smollm2.token_bytes(n)
+  smollm2.decode([1]); smollm2.token_bytes(1)               # cached now: 1.0 must still be refused
+  with pytest.raises(TokenIdInvalid): smollm2.token_bytes(1.0)
+  with pytest.raises(TokenIdInvalid): IncrementalDecoder(smollm2).push(n)
+  import numpy as np
+  ids = smollm2.encode("hello world")
+  assert smollm2.decode(np.asarray(ids, np.uint32)) == smollm2.decode(ids) == "hello world"   # numpy integers are ids
+

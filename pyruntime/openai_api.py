@@ -176,7 +176,8 @@ def error_body(exc: BaseException, kind: str | None = None) -> tuple[int, dict[s
     return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
   bad = "invalid_request_error"
   if isinstance(exc, errors.ContextLengthExceeded):
-    message = (f"This model's maximum context length is {exc.context} tokens. However, your prompt has {exc.prompt_tokens} tokens; "
+    has = f"at least {exc.prompt_tokens}" if exc.at_least else f"{exc.prompt_tokens}"
+    message = (f"This model's maximum context length is {exc.context} tokens. However, your prompt has {has} tokens; "
                f"shorten it to at most {exc.context - 1} tokens.")
     return shape(400, message, bad, "messages" if kind == CHAT else "prompt", "context_length_exceeded")
   if isinstance(exc, errors.InvalidOption):

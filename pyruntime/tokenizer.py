@@ -194,6 +194,14 @@ class Tokenizer:
       + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     self._hf = hf
     self._piece_cache: dict[tuple[int, bool], bytes] = {}
+    # For refusing a prompt that cannot fit before tokenizing it (min_tokens): the most input bytes one
+    # token can stand for. BPE output stands for one byte per byte-level character; a special token,
+    # matched as text, for the UTF-8 bytes of its text. Bytes without a token of their own may be
+    # dropped (no id at all), so they are not counted.
+    specials_set = {i for _, i in self._specials_all}
+    self.max_token_bytes: int = max(max(len(t) for t in tokens),
+                                    max((len(tokens[i].encode("utf-8", "surrogatepass")) for i in specials_set), default=1), 1)
+    self._untokenized_bytes = bytes(b for b in range(256) if BYTE_TO_UNICODE[b] not in tok_to_id)
 
   @classmethod
   def from_gguf_kv(cls, kv: Mapping[str, Any]) -> Tokenizer: return cls(kv)
@@ -234,6 +242,14 @@ class Tokenizer:
       else: ids.extend(piece)
     if add_special and self.add_eos and self.eos_id is not None: ids.append(self.eos_id)
     return ids
+
+  def min_tokens(self, text: str) -> int:
+    """A lower bound on len(encode(text)) found without tokenizing, in linear time: the UTF-8 bytes of
+    `text` that have a token of their own, divided by the most bytes one token stands for, rounded up."""
+    try: data = text.encode("utf-8")
+    except UnicodeEncodeError: data = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")  # as encode()
+    n = len(data.translate(None, self._untokenized_bytes)) if self._untokenized_bytes else len(data)
+    return -(-n // self.max_token_bytes)
 
   # --- decoding -------------------------------------------------------------------------------
   def token_text(self, token_id: int) -> str:

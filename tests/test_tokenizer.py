@@ -14,6 +14,8 @@ import pathlib
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 regex = pytest.importorskip("regex")
 gguf = pytest.importorskip("gguf")
@@ -397,3 +399,21 @@ def test_decode_refuses_ids_outside_the_vocabulary_and_non_integers(smollm2):
   ids = smollm2.encode("hello world")
   assert smollm2.decode(np.asarray(ids, np.uint32)) == smollm2.decode(ids) == "hello world"   # numpy integers are ids
 
+
+# --- a cheap lower bound on the token count -------------------------------------------------------
+AWKWARD = ["", "hello world", " " * 200, "\n" * 50, "<|im_start|>user\nHi<|im_end|>", "\x00\x04\x06\x13\x14\x16\x1d",
+           "日本語 привет мир 😀", "a\ud800b", "x" * 1000, "\t \n" * 30, "<|im_start|>" * 20]
+
+
+def test_min_tokens_never_exceeds_the_real_count(smollm2):
+  for text in AWKWARD:
+    assert smollm2.min_tokens(text) <= len(smollm2.encode(text)), text
+  assert smollm2.min_tokens("hello " * 200_000) > 8192   # 1.2 MB cannot be 8k tokens (no token is over 81 bytes)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(st.sampled_from(["a", " ", "  ", "\n", "é", "日", "😀", "\x00", "\x04", "\xff", "\ud800",
+                                         "<|im_start|>", "<|im_end|>", "<|endoftext|>", "hello", " world", "'s", " " * 40]), max_size=120))
+def test_min_tokens_is_a_lower_bound(smollm2, pieces):
+  text = "".join(pieces)
+  assert smollm2.min_tokens(text) <= len(smollm2.encode(text))

@@ -235,7 +235,7 @@ class SSEResponse:
     self.status_code = 200
 
   async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-    closed = False
+    closed = finished = False
 
     async def out(message: dict) -> None:
       nonlocal closed
@@ -246,6 +246,7 @@ class SSEResponse:
     async def chunk(data: bytes) -> None: await out({"type": "http.response.body", "body": data, "more_body": True})
 
     async def body() -> None:
+      nonlocal finished
       await out({"type": "http.response.start", "status": 200,
                  "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                              (b"x-accel-buffering", b"no")]})
@@ -261,8 +262,11 @@ class SSEResponse:
           await chunk(SSE_DONE)
           break
       await out({"type": "http.response.body", "body": b"", "more_body": False})
+      finished = not closed
 
-    try: gone = await run_until_disconnect(receive, body) or closed
+    # The server answers receive() with http.disconnect as soon as the last body message is sent, so a
+    # disconnect seen after a complete response is the response's own end, not the client leaving.
+    try: gone = (await run_until_disconnect(receive, body) or closed) and not finished
     finally: self.state.scheduler.cancel(self.job)
     if gone: scope.setdefault("state", {})["pyruntime_status"] = CLIENT_CLOSED
 

@@ -497,3 +497,15 @@ def test_metrics(server):
   assert 'pyruntime_ring_occupancy_ratio{ring="1"} 0.25' in t and 'pyruntime_ring_occupancy_ratio{ring="2"} 0.5' in t
   for line in t.splitlines():   # every sample line is `name{labels} number`
     if not line.startswith("#"): assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.]+(e[+-]?[0-9]+)?', line), line
+
+
+# --- /metrics: a stream that ends normally is a 200 -----------------------------------------------------
+def test_finished_streams_count_as_200_not_499(server):
+  srv, c = server
+  for i in range(20):
+    with c.stream("POST", "/v1/chat/completions", json=chat(f"w{i} x", max_tokens=3, stream=True)) as r:
+      assert r.status_code == 200
+      assert sse_events(r.read().decode())[-1] == "[DONE]"
+  text = c.get("/metrics").text
+  assert 'pyruntime_requests_total{route="/v1/chat/completions",status="200"} 20' in text, text
+  assert 'status="499"' not in text and "pyruntime_requests_cancelled_total 0" in text

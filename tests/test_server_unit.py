@@ -509,3 +509,28 @@ def test_finished_streams_count_as_200_not_499(server):
   text = c.get("/metrics").text
   assert 'pyruntime_requests_total{route="/v1/chat/completions",status="200"} 20' in text, text
   assert 'status="499"' not in text and "pyruntime_requests_cancelled_total 0" in text
+
+
+# --- malformed JSON is a 400 --------------------------------------------------------------------------
+@pytest.mark.parametrize("raw", [
+  b"[" * 100_000 + b"]" * 100_000,                                 # nested deeper than the parser can go
+  b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+  b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",           # beyond Python's int-string digit limit
+  b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "temperature": Infinity}',
+  b'{"prompt": "x"', b"\xff\xfe", b"",
+], ids=["deep-list", "deep-object", "huge-int", "nan", "infinity", "truncated", "not-utf8", "empty"])
+def test_json_the_parser_cannot_take_is_400(shared_server, raw):
+  _, _, c = shared_server
+  for route in ("/v1/completions", "/v1/chat/completions"):
+    r = c.post(route, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["code"] == "invalid_json" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 10**100), ("temperature", 10**400), ("top_k", 2**63), ("seed", 2**64),
+                                         ("seed", -(10**30)), ("top_p", 10**4000), ("penalty_last_n", -(10**300))])
+def test_huge_integers_in_fields_are_400_naming_the_field(shared_server, field, value):
+  _, _, c = shared_server
+  r = c.post("/v1/completions", content=json.dumps({"prompt": "x", field: value}), headers={"content-type": "application/json"})
+  assert r.status_code == 400 and r.json()["error"]["param"] == field and r.json()["error"]["code"] == "invalid_value", r.text[:300]
+  assert len(r.json()["error"]["message"]) < 300

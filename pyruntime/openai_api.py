@@ -46,6 +46,21 @@ class QueueFull(errors.PyruntimeError):
     self.size = size
 
 
+class RequestTooLarge(errors.PyruntimeError):
+  """The request body is longer than the server's limit (refused once the limit is passed, unread beyond it)."""
+  def __init__(self, limit: int, length: int | None = None):
+    got = f"{length} bytes" if length is not None else "more than that"
+    super().__init__(f"the request body is too large: the limit is {limit} bytes, got {got}")
+    self.limit, self.length = limit, length
+
+
+class RequestTimeout(errors.PyruntimeError):
+  """The request body did not arrive in time."""
+  def __init__(self, seconds: float):
+    super().__init__(f"the request body did not arrive within {seconds:g} s")
+    self.seconds = seconds
+
+
 def _show(v: Any, limit: int = 80) -> str:
   """repr(v) cut to `limit` characters (a client's value quoted back in an error message)."""
   try: r = repr(v)
@@ -218,6 +233,8 @@ def error_body(exc: BaseException, kind: str | None = None) -> tuple[int, dict[s
     code = "unsupported_value" if exc.feature in UNSUPPORTED_VALUE_FIELDS or exc.feature == "prompt" else "unsupported_parameter"
     return shape(400, str(exc), bad, exc.feature, code)
   if isinstance(exc, MalformedRequest): return shape(400, str(exc), bad, None, "invalid_json")
+  if isinstance(exc, RequestTooLarge): return shape(413, str(exc), bad, None, "request_too_large")
+  if isinstance(exc, RequestTimeout): return shape(408, str(exc), bad, None, "request_timeout")
   if isinstance(exc, QueueFull): return shape(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
   if isinstance(exc, errors.StageFailed): return shape(500, str(exc), "server_error", None, "stage_failed")
   if isinstance(exc, errors.LauncherClosed):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from typing import Any
@@ -534,3 +535,114 @@ def test_huge_integers_in_fields_are_400_naming_the_field(shared_server, field, 
   r = c.post("/v1/completions", content=json.dumps({"prompt": "x", field: value}), headers={"content-type": "application/json"})
   assert r.status_code == 400 and r.json()["error"]["param"] == field and r.json()["error"]["code"] == "invalid_value", r.text[:300]
   assert len(r.json()["error"]["message"]) < 300
+
+
+# --- the request body is bounded ----------------------------------------------------------------------
+def raw_exchange(srv: BackgroundServer, data: bytes, timeout: float = 20.0) -> bytes:
+  """Send `data` on a fresh connection and read until the server closes it."""
+  with socket.create_connection((srv.host, srv.port), timeout=timeout) as s:
+    s.sendall(data)
+    out = b""
+    while chunk := s.recv(65536): out += chunk
+  return out
+
+
+def response_json(raw: bytes) -> tuple[int, dict[str, str], Any]:
+  head, _, body = raw.partition(b"\r\n\r\n")
+  lines = head.decode().split("\r\n")
+  headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+  return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(make_server, fake):
+  srv, c = make_server()
+  # a client announcing 20 MiB and sending none of it: answered at once from the Content-Length
+  raw = raw_exchange(srv, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n" % (20 << 20))
+  status, headers, body = response_json(raw)
+  assert status == 413 and headers["connection"] == "close"
+  assert body["error"]["code"] == "request_too_large" and body["error"]["type"] == "invalid_request_error"
+  assert str(4 << 20) in body["error"]["message"]
+  assert c.get("/health").status_code == 200 and fake.calls == []
+  assert 'route="/v1/completions",status="413"} 1' in c.get("/metrics").text
+
+
+def test_a_chunked_body_is_cut_at_the_limit(fake):
+  srv = BackgroundServer(create_app(fake, max_body_bytes=1000)).start()
+  try:
+    def chunk(b: bytes) -> bytes: return b"%x\r\n%s\r\n" % (len(b), b)
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    # 1500 bytes in chunks of 100, never finished: refused once 1000 are passed
+    status, headers, body = response_json(raw_exchange(srv, head + chunk(b'{"prompt": "' + b"x" * 88) + chunk(b"x" * 100) * 14))
+    assert status == 413 and body["error"]["code"] == "request_too_large" and headers["connection"] == "close"
+    ok = json.dumps({"prompt": "a b", "max_tokens": 2}).encode()
+    ok = ok[:-1] + b" " * (1000 - len(ok)) + b"}"        # exactly at the limit: accepted
+    r = httpx.post(srv.url + "/v1/completions", content=ok, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "a b"
+    r = httpx.post(srv.url + "/v1/completions", content=ok + b" ", headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert fake.calls == [dict(prompt="a b", messages=None, raw=True, max_tokens=2, stop=None)]
+  finally: srv.stop()
+
+
+def test_a_body_that_never_arrives_is_408(fake):
+  srv = BackgroundServer(create_app(fake, timeout_request_body=0.3)).start()
+  try:
+    raw = raw_exchange(srv, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                            b"content-length: 100\r\n\r\n{\"prompt\": ")
+    status, headers, body = response_json(raw)
+    assert status == 408 and body["error"]["code"] == "request_timeout" and headers["connection"] == "close"
+    assert fake.calls == []
+  finally: srv.stop()
+
+
+# --- connections are timed out --------------------------------------------------------------------------
+def closed_by_server(s: socket.socket) -> bool:
+  """True when the server closed the connection (EOF or reset); False if it is still open after 20 s."""
+  s.settimeout(20)
+  try:
+    while s.recv(65536): pass
+    return True
+  except ConnectionResetError: return True
+  except TimeoutError: return False
+
+
+def test_half_sent_heads_and_silent_connections_are_closed(fake):
+  srv = BackgroundServer(create_app(fake), timeout_request_head=0.5, timeout_keep_alive=0.5).start()
+  try:
+    socks = [socket.create_connection((srv.host, srv.port)) for _ in range(50)]
+    for i, s in enumerate(socks):
+      if i % 5: s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-half: ")   # half a head; every fifth sends nothing
+    assert all(closed_by_server(s) for s in socks)
+    for s in socks: s.close()
+    # a head that keeps trickling in does not reset the clock
+    with socket.create_connection((srv.host, srv.port)) as s:
+      s.sendall(b"GET /health HTTP/1.1\r\n")
+      for _ in range(10):
+        try: s.sendall(b"x-a: b\r\n")
+        except OSError: break
+        time.sleep(0.1)
+      assert closed_by_server(s)
+    assert httpx.get(srv.url + "/health").status_code == 200     # the server is fine
+  finally: srv.stop()
+
+
+def test_idle_keep_alive_connections_are_closed_and_busy_ones_are_not(fake):
+  srv = BackgroundServer(create_app(fake), timeout_request_head=0.5, timeout_keep_alive=0.5).start()
+  try:
+    with socket.create_connection((srv.host, srv.port)) as s:
+      s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+      assert s.recv(65536).startswith(b"HTTP/1.1 200")
+      assert closed_by_server(s)                                 # idle after its answer: closed
+    with socket.create_connection((srv.host, srv.port)) as s:
+      s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+      assert s.recv(65536).startswith(b"HTTP/1.1 200")
+      s.sendall(b"GET /health HTTP/1.1\r\n")                    # half of a second request's head
+      assert closed_by_server(s)
+    # a generation that takes longer than both timeouts is not cut: they bound waiting for the client only
+    fake.token_delay = 0.3
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "slow one", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "slow one slow one"
+  finally:
+    fake.token_delay = 0.0
+    srv.stop()

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pathlib
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -59,6 +62,24 @@ class RequestTimeout(errors.PyruntimeError):
   def __init__(self, seconds: float):
     super().__init__(f"the request body did not arrive within {seconds:g} s")
     self.seconds = seconds
+
+
+class ModelNotFound(errors.PyruntimeError):
+  def __init__(self, model: str, served: str):
+    super().__init__(f"The model {_show(model)} does not exist; this server serves {served!r}")
+    self.model, self.served = model, served
+
+
+def model_id(source: str | os.PathLike[str]) -> str:
+  """A model id a client can type: the GGUF file's stem (or a display name), lowercased, with each
+  run of anything but letters, digits, '.', '_' and '-' replaced by one '-'.
+
+      model_id("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct.q4_1"
+      model_id("Smollm2 135M 8k") == "smollm2-135m-8k"
+  """
+  name = pathlib.PurePath(os.fspath(source)).name
+  if name.lower().endswith(".gguf"): name = name[:-len(".gguf")]
+  return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.") or "model"
 
 
 def _show(v: Any, limit: int = 80) -> str:
@@ -235,6 +256,7 @@ def error_body(exc: BaseException, kind: str | None = None) -> tuple[int, dict[s
   if isinstance(exc, MalformedRequest): return shape(400, str(exc), bad, None, "invalid_json")
   if isinstance(exc, RequestTooLarge): return shape(413, str(exc), bad, None, "request_too_large")
   if isinstance(exc, RequestTimeout): return shape(408, str(exc), bad, None, "request_timeout")
+  if isinstance(exc, ModelNotFound): return shape(404, str(exc), bad, "model", "model_not_found")
   if isinstance(exc, QueueFull): return shape(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
   if isinstance(exc, errors.StageFailed): return shape(500, str(exc), "server_error", None, "stage_failed")
   if isinstance(exc, errors.LauncherClosed):

@@ -40,6 +40,7 @@ from pyruntime.openai_api import (
   COMPLETION,
   SSE_DONE,
   MalformedRequest,
+  ModelNotFound,
   QueueFull,
   RequestTimeout,
   RequestTooLarge,
@@ -296,6 +297,11 @@ class ServerState:
     self.last_error: dict[str, Any] | None = None
     self.scheduler = Scheduler(queue_size, self.metrics, on_error=self._note_error)
     self.created = int(time.time())
+    self.model_id, self.model_names = served_model_names(launcher)
+
+  def check_model(self, name: str | None) -> None:
+    """ModelNotFound (404) unless a request names the served model: its id, 'default', or its display name."""
+    if name is not None and name not in self.model_names: raise ModelNotFound(name, self.model_id)
 
   def _note_error(self, e: BaseException) -> None:
     info: dict[str, Any] = {"time": int(time.time()), "code": e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__,
@@ -310,6 +316,18 @@ class ServerState:
   def occupancy(self) -> list[float]:
     try: return [float(v) for v in self.launcher.ring_occupancy()]
     except Exception: return []  # noqa: BLE001 - the arena is gone once the launcher closed
+
+
+def served_model_names(launcher: Any) -> tuple[str, frozenset[str]]:
+  """(the model's id, every name a request may use for it).
+
+  The id is derived from the GGUF file name (`openai_api.model_id`: lowercase, no spaces), stable
+  across restarts and typeable; 'default' and the GGUF's display name (general.name, what /v1/models
+  listed before) are accepted too, so older clients keep working."""
+  display = str(launcher.model_name)
+  path = getattr(launcher, "path", None)
+  mid = api.model_id(path if path is not None else display)
+  return mid, frozenset({mid, "default", display})
 
 
 def _error(e: BaseException, kind: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -330,16 +348,17 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   async def generate(request: Request, kind: str) -> Any:
     try:
       req = parse_request(parse_json(await request.body()), kind)
+      state.check_model(req.model)
       gen = await run_in_threadpool(launcher.generate, **req.generate)  # validates, tokenizes, checks the context
     except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-shaped answer
-      if not isinstance(e, (errors.InvalidOption, errors.UnsupportedFeature, errors.ContextLengthExceeded, MalformedRequest)):
+      if not isinstance(e, (errors.InvalidOption, errors.UnsupportedFeature, errors.ContextLengthExceeded, MalformedRequest, ModelNotFound)):
         state.metrics.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
       return _error(e, kind)
     job = Job(gen, asyncio.get_running_loop())
     if not state.scheduler.submit(job):
       gen.close()
       return _error(QueueFull(queue_size), kind, headers={"retry-after": "1"})
-    shaper = api.shaper_for(kind, launcher.model_name, launcher.recipe, req.include_usage)
+    shaper = api.shaper_for(kind, state.model_id, launcher.recipe, req.include_usage)
     if req.stream: return SSEResponse(state, job, shaper, kind)
     result: dict[str, Any] = {}
 
@@ -361,14 +380,12 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   async def completions(request: Request) -> Any: return await generate(request, COMPLETION)
 
   async def models(request: Request) -> JSONResponse:
-    return JSONResponse(api.models_list(launcher.model_name, state.created, launcher.context_length))
+    return JSONResponse(api.models_list(state.model_id, state.created, launcher.context_length))
 
   async def model(request: Request) -> JSONResponse:
-    name = request.path_params["model"]
-    if name != launcher.model_name:
-      return JSONResponse({"error": {"message": f"The model {name!r} does not exist; this server serves {launcher.model_name!r}",
-                                     "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}, status_code=404)
-    return JSONResponse(api.model_card(launcher.model_name, state.created, launcher.context_length))
+    try: state.check_model(request.path_params["model"])
+    except ModelNotFound as e: return _error(e)
+    return JSONResponse(api.model_card(state.model_id, state.created, launcher.context_length))
 
   async def health(request: Request) -> JSONResponse:
     alive = state.alive()
@@ -602,8 +619,8 @@ def serve(args: Any) -> int:
     app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
       sys.stderr.write(f"pyruntime: serving on {args.host}, beyond this host; there is no authentication\n")
-    sys.stderr.write(f"pyruntime: {lm.model_name} on {len(lm.split)} stages {json.dumps([list(r) for r in lm.split])}, "
-                     f"context {lm.context_length}: http://{args.host}:{args.port}/v1\n")
+    sys.stderr.write(f"pyruntime: {lm.model_name} (model id {app.state.pyruntime.model_id!r}) on {len(lm.split)} stages "
+                     f"{json.dumps([list(r) for r in lm.split])}, context {lm.context_length}: http://{args.host}:{args.port}/v1\n")
     uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, lifespan="on", timeout_graceful_shutdown=5,
                                   timeout_keep_alive=t_keep_alive, timeout_request_head=t_head)).run()
   finally:

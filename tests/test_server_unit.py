@@ -131,7 +131,7 @@ def shared_server():
 
 
 def chat(content: str = "hello there world", **kw: Any) -> dict[str, Any]:
-  return {"model": "whatever", "messages": [{"role": "user", "content": content}], **kw}
+  return {"model": "fake-smol", "messages": [{"role": "user", "content": content}], **kw}
 
 
 def sse_events(body: str) -> list[str]:
@@ -164,7 +164,7 @@ def in_thread(fn: Any, *args: Any, **kw: Any) -> tuple[threading.Thread, dict[st
 def test_parse_chat_maps_fields():
   r = api.parse_request(chat(max_completion_tokens=7, stop="x", temperature=0.5, seed=3, top_k=4, user="u", stream=True,
                              stream_options={"include_usage": True}), api.CHAT)
-  assert r.stream and r.include_usage and r.model == "whatever"
+  assert r.stream and r.include_usage and r.model == "fake-smol"
   assert r.generate == {"messages": [{"role": "user", "content": "hello there world"}], "max_tokens": 7, "stop": ["x"],
                         "temperature": 0.5, "seed": 3, "top_k": 4}
 
@@ -244,9 +244,9 @@ def test_completion_stream_without_usage(server):
 def test_official_client_against_the_fake(server):
   srv, _ = server
   client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
-  r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x y"}], max_tokens=3)
+  r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x y"}], max_tokens=3)
   assert r.choices[0].message.content == "x y x" and r.usage.total_tokens == 5 and r.system_fingerprint == "fakerecipe000001"
-  s = client.completions.create(model="m", prompt="p q", max_tokens=3, stream=True, stream_options={"include_usage": True})
+  s = client.completions.create(model="default", prompt="p q", max_tokens=3, stream=True, stream_options={"include_usage": True})
   chunks = list(s)
   assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "p q p" and chunks[-1].usage.completion_tokens == 3
 
@@ -346,7 +346,7 @@ def test_official_client_raises_bad_request(server):
   srv, _ = server
   client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
   with pytest.raises(openai.BadRequestError) as e:
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": LONG}])
+    client.chat.completions.create(model="default", messages=[{"role": "user", "content": LONG}])
   assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
 
 
@@ -363,7 +363,7 @@ def test_queue_full_is_429_and_order_is_kept(make_server, fake):
   assert r.status_code == 429
   assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["retry-after"]
   with pytest.raises(openai.RateLimitError):
-    openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(model="m", prompt="x", max_tokens=1)
+    openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(model="default", prompt="x", max_tokens=1)
   fake.gate.set()
   a.join(10); b.join(10)
   assert box_a["result"].json()["choices"][0]["text"] == "first first"
@@ -468,7 +468,7 @@ def test_stage_failure_mid_stream_is_an_sse_error_event(server, fake):
   client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
   fake._closed, fake._alive, fake.fail = False, [True, True], (1, errors.StageFailed(0, "WorkerFatal", "boom"))
   with pytest.raises(openai.APIError, match="stage 0 failed"):
-    for _ in client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True): pass
+    for _ in client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], stream=True): pass
 
 
 def test_an_error_in_one_request_ends_that_request_only(server, fake):
@@ -510,6 +510,34 @@ def test_finished_streams_count_as_200_not_499(server):
   text = c.get("/metrics").text
   assert 'pyruntime_requests_total{route="/v1/chat/completions",status="200"} 20' in text, text
   assert 'status="499"' not in text and "pyruntime_requests_cancelled_total 0" in text
+
+
+# --- model ids ------------------------------------------------------------------------------------------
+def test_model_id_is_typeable():
+  assert api.model_id("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct.q4_1"
+  assert api.model_id("Smollm2 135M 8k Lc100K Mix1 Ep2") == "smollm2-135m-8k-lc100k-mix1-ep2"
+  assert api.model_id("/m/My Model (v2).GGUF") == "my-model-v2"
+  for name in ("a b", "Ünïcode näme", "  ", "x/y\\z?#", ".gguf"):
+    assert re.fullmatch(r"[a-z0-9._-]+", api.model_id(name)), name
+
+
+def test_models_list_a_typeable_id_and_requests_accept_it(make_server, fake):
+  fake.model_name = "Smollm2 135M 8k Lc100K Mix1 Ep2"          # a GGUF display name, spaces and all
+  fake.path = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+  _, c = make_server()
+  assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["smollm2-135m-instruct.q4_1"]
+  for name in ("smollm2-135m-instruct.q4_1", "default", "Smollm2 135M 8k Lc100K Mix1 Ep2"):
+    assert c.get(f"/v1/models/{name}").json()["id"] == "smollm2-135m-instruct.q4_1"
+    r = c.post("/v1/chat/completions", json=chat(model=name, max_tokens=2))
+    assert r.status_code == 200 and r.json()["model"] == "smollm2-135m-instruct.q4_1", r.text
+  r = c.post("/v1/completions", json={"prompt": "no model named", "max_tokens": 1})   # no model at all: the served one
+  assert r.status_code == 200 and r.json()["model"] == "smollm2-135m-instruct.q4_1"
+  for route, body in (("/v1/chat/completions", chat(model="gpt-4o")), ("/v1/completions", {"model": "gpt-4o", "prompt": "x"})):
+    r = c.post(route, json=body)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
+    assert "smollm2-135m-instruct.q4_1" in r.json()["error"]["message"]
+  assert c.get("/v1/models/gpt-4o").status_code == 404
+  assert len(fake.calls) == 4   # the refused ones never reached the launcher
 
 
 # --- malformed JSON is a 400 --------------------------------------------------------------------------

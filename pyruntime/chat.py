@@ -17,7 +17,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pyruntime.errors import EmptyPrompt, InvalidOption, UnsupportedFeature
+from pyruntime.errors import ContextLengthExceeded, EmptyPrompt, InvalidOption, UnsupportedFeature
 from pyruntime.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -158,26 +158,47 @@ def render_chat(source: Tokenizer | Mapping[str, Any], messages: Sequence[Mappin
     raise InvalidOption("messages", f"the chat template failed on the messages: {e!r}") from e
 
 
+def refuse_prompt_that_cannot_fit(tokenizer: Tokenizer, text: str, context_length: int | None) -> None:
+  """Raise ContextLengthExceeded(at_least=True) when `text` is certain to need `context_length` tokens
+  or more (leaving none to generate), found from its byte length alone: tokenizing megabytes only to
+  refuse them would hold the CPU (and the GIL) for seconds. Text that might fit passes."""
+  if context_length is None: return
+  n = tokenizer.min_tokens(text)
+  if n and tokenizer.add_bos and tokenizer.bos_id is not None: n += 1
+  if n >= context_length: raise ContextLengthExceeded(n, context_length, at_least=True)
+
+
+def _context_of(kv: Mapping[str, Any] | None) -> int | None:
+  """The model's trained context from GGUF metadata, if it states one."""
+  if kv is None: return None
+  n = kv.get(f"{kv.get('general.architecture')}.context_length")
+  return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def build_prompt_ids(tokenizer: Tokenizer, kv: Mapping[str, Any] | None = None, *, prompt: str | None = None,
                      messages: Sequence[Mapping[str, Any]] | None = None, raw: bool = False,
-                     add_generation_prompt: bool = True) -> list[int]:
+                     add_generation_prompt: bool = True, context_length: int | None = None) -> list[int]:
   """Token ids of a request's prompt.
 
   messages, or a prompt without raw, go through the chat template (a prompt as one user message);
   raw encodes the prompt as is (special tokens in it parsed, BOS only where the GGUF asks for it).
   BOS appears once: a template that writes it as text gets it stripped and added as the id.
-  Raises EmptyPrompt when nothing but BOS is left."""
+  Raises EmptyPrompt when nothing but BOS is left, and ContextLengthExceeded, before tokenizing, for
+  text too long to fit `context_length` (default: the context the GGUF metadata states)."""
   if (prompt is None) == (messages is None): raise InvalidOption("prompt", "give exactly one of prompt and messages")
   if prompt is not None and not isinstance(prompt, str): raise InvalidOption("prompt", "must be a string")
+  if context_length is None: context_length = _context_of(kv)
   if raw:
     if messages is not None: raise InvalidOption("raw", "raw applies to a prompt, not to messages")
     assert prompt is not None
+    refuse_prompt_that_cannot_fit(tokenizer, prompt, context_length)
     ids = tokenizer.encode(prompt, parse_special=True)
   else:
     if messages is None: messages = [{"role": "user", "content": prompt}]
     text = render_chat(kv if kv is not None else tokenizer, messages, add_generation_prompt=add_generation_prompt)
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     if tokenizer.add_bos and bos and text.startswith(bos): text = text[len(bos):]
+    refuse_prompt_that_cannot_fit(tokenizer, text, context_length)
     ids = tokenizer.encode(text, parse_special=True)
   if not ids: raise EmptyPrompt()
   if tokenizer.add_bos and tokenizer.bos_id is not None: ids = [tokenizer.bos_id, *ids]

@@ -11,31 +11,32 @@ from pyruntime import errors
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--model", default=None, help="GGUF path, hf repo/file.gguf@rev, or 'default' (bundled SmolLM2-135M)")
+  p.add_argument("--model", default=None,
+                 help="GGUF path, [hf://]owner/repo/file.gguf[@revision], or 'default' (default: the bundled SmolLM2-135M)")
   g = p.add_mutually_exclusive_group()
   g.add_argument("--stages", type=int, default=2, help="number of stages (split balanced by memory)")
-  g.add_argument("--split", default=None, help="explicit half-open block ranges, e.g. 0:15,15:30")
-  p.add_argument("--device", default=None, help="auto (default), one device for all stages, or one per stage: CUDA:0,CUDA:1")
-  p.add_argument("--boundary-dtype", default="float32", choices=["float32", "float16"])
-  p.add_argument("--max-streams", type=int, default=8, help="streams run through the pipeline at once; the rest wait (default 8)")
+  g.add_argument("--split", default=None, help="explicit half-open block ranges, e.g. 0:15,15:30 (default: from --stages)")
+  p.add_argument("--device", default=None, help="one device for all stages, or one per stage: CUDA:0,CUDA:1 (default: automatic)")
+  p.add_argument("--boundary-dtype", default="float32", choices=["float32", "float16"], help="dtype of activations between stages")
+  p.add_argument("--max-streams", type=int, default=8, help="streams run through the pipeline at once (KV slots per stage); the rest wait")
   p.add_argument("--decode", choices=("batched", "reference"), default="batched",
                  help="batched: many streams per step, batch-invariant tokens; reference: tinygrad's own decode kernels, "
-                 "one stream at a time, its exact tokens (default batched)")
-  p.add_argument("--max-context", type=int, default=None)
+                 "one stream at a time, its exact tokens")
+  p.add_argument("--max-context", type=int, default=None, help="cap on the context in tokens (default: the model's own)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--max-tokens", type=int, default=256)
-  p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--top-k", type=int, default=0)
-  p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--min-p", type=float, default=0.0)
-  p.add_argument("--seed", type=int, default=None)
-  p.add_argument("--repetition-penalty", type=float, default=1.0)
-  p.add_argument("--frequency-penalty", type=float, default=0.0)
-  p.add_argument("--presence-penalty", type=float, default=0.0)
-  p.add_argument("--penalty-last-n", type=int, default=None)
-  p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+  p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+  p.add_argument("--top-k", type=int, default=0, help="0: off")
+  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
+  p.add_argument("--min-p", type=float, default=0.0, help="0: off")
+  p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+  p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
+  p.add_argument("--frequency-penalty", type=float, default=0.0, help="0: off")
+  p.add_argument("--presence-penalty", type=float, default=0.0, help="0: off")
+  p.add_argument("--penalty-last-n", type=int, default=None, help="tokens the penalties look back over; 0: none, -1: all (default: all)")
+  p.add_argument("--stop", action="append", default=[], help="stop string, repeatable (default: none)")
 
 
 def _sampling(a: argparse.Namespace) -> dict[str, Any]:
@@ -166,35 +167,55 @@ def cmd_shm(a: argparse.Namespace) -> int:
   return 0
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+  """Every option's help ends with its default, '(default: X)', unless the help already says what it is."""
+  def _get_help_string(self, action: argparse.Action) -> str:
+    text = action.help or ""
+    if "(default:" in text or "%(default)" in text or action.default is argparse.SUPPRESS \
+       or not (action.option_strings or action.nargs in ("?", "*")):
+      return text
+    return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="pyruntime", description="Serve an LLM split across the devices of one host over shared-memory rings.")
+  from pyruntime import server
+  ap = argparse.ArgumentParser(prog="pyruntime", description="Serve an LLM split across the devices of one host over shared-memory rings.",
+                               formatter_class=_Help)
   sub = ap.add_subparsers(dest="cmd", required=True)
-  p = sub.add_parser("generate", help="generate a completion for one prompt")
-  p.add_argument("prompt")
+  def command(name: str, help: str) -> argparse.ArgumentParser: return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+  p = command("generate", "generate a completion for one prompt")
+  p.add_argument("prompt", help="the prompt text (a user message unless --raw)")
   _add_model_args(p); _add_sampling_args(p)
   p.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input as is")
   p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming text")
   p.set_defaults(fn=cmd_generate)
-  p = sub.add_parser("chat", help="an interactive conversation")
+  p = command("chat", "an interactive conversation")
   _add_model_args(p); _add_sampling_args(p)
-  p.add_argument("--system", default=None, help="a system message")
+  p.add_argument("--system", default=None, help="a system message (default: the chat template's own, if any)")
   p.set_defaults(fn=cmd_chat)
-  p = sub.add_parser("inspect", help="describe a model and suggest splits")
-  p.add_argument("model", nargs="?", default=None)
-  p.add_argument("--max-stages", type=int, default=4)
-  p.add_argument("--json", action="store_true")
+  p = command("inspect", "describe a model and suggest splits")
+  p.add_argument("model", nargs="?", default=None, help="GGUF path, hf source or 'default' (default: the bundled SmolLM2-135M)")
+  p.add_argument("--max-stages", type=int, default=4, help="suggest splits for 1 to this many stages")
+  p.add_argument("--json", action="store_true", help="print JSON instead of text")
   p.set_defaults(fn=cmd_inspect)
-  p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+  p = command("serve", "an OpenAI-compatible HTTP server")
   _add_model_args(p)
-  p.add_argument("--host", default="127.0.0.1")
-  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback there is no authentication)")
+  p.add_argument("--port", type=int, default=8000, help="TCP port")
   p.add_argument("--queue-size", type=int, default=16, help="requests waiting beyond this get 429")
+  p.add_argument("--max-body-bytes", type=int, default=server.MAX_BODY_BYTES, help="a request body longer than this gets 413")
+  p.add_argument("--timeout-request-head", type=float, default=server.TIMEOUT_REQUEST_HEAD,
+                 help="seconds a connection may take to send a complete request head before it is closed")
+  p.add_argument("--timeout-request-body", type=float, default=server.TIMEOUT_REQUEST_BODY,
+                 help="seconds a request body may take to arrive before it gets 408")
+  p.add_argument("--timeout-keep-alive", type=float, default=server.TIMEOUT_KEEP_ALIVE,
+                 help="seconds an idle keep-alive connection is kept open")
   p.set_defaults(fn=cmd_serve)
-  p = sub.add_parser("bench", help="benchmarks: ring | pipeline")
-  p.add_argument("what", choices=["ring", "pipeline"])
+  p = command("bench", "benchmarks: ring | pipeline")
+  p.add_argument("what", choices=["ring", "pipeline"], help="which benchmark")
   p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
   p.set_defaults(fn=cmd_bench)
-  p = sub.add_parser("shm", help="shared-memory housekeeping")
+  p = command("shm", "shared-memory housekeeping")
   p.add_argument("action", choices=["clean"], help="clean: unlink segments of ours whose creator is dead")
   p.set_defaults(fn=cmd_shm)
   return ap

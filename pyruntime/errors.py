@@ -58,7 +58,7 @@ class BoundarySchemaMismatch(BoundaryError): pass
 class ResultIdentityMissing(BoundaryError): pass
 class LayerRangeInvalid(BoundaryError): pass
 class TokenIdInvalid(BoundaryError):
-  """A head ingress token id is outside the vocabulary."""
+  """A token id is outside the vocabulary (head ingress, decoding) or is not an integer."""
 class UnsupportedArchitecture(BoundaryError): pass
 
 
@@ -94,10 +94,12 @@ class EmptyPrompt(InvalidOption):
     super().__init__("prompt", message)
 
 class ContextLengthExceeded(GenerationError):
-  def __init__(self, prompt_tokens: int, context: int):
-    super().__init__(f"the prompt has {prompt_tokens} tokens but the model's context is {context} tokens; "
+  """The prompt leaves no room for one generated token. `at_least`: `prompt_tokens` is a lower bound
+  found without tokenizing the whole prompt (refused early because it cannot fit)."""
+  def __init__(self, prompt_tokens: int, context: int, *, at_least: bool = False):
+    super().__init__(f"the prompt has {'at least ' if at_least else ''}{prompt_tokens} tokens but the model's context is {context} tokens; "
                      f"shorten the prompt to at most {context - 1} tokens")
-    self.prompt_tokens, self.context = prompt_tokens, context
+    self.prompt_tokens, self.context, self.at_least = prompt_tokens, context, at_least
 
 class UnsupportedFeature(GenerationError):
   """A request asks for something pyruntime does not do; refused rather than ignored."""

@@ -3,15 +3,36 @@
 A stage must not materialise layers it does not own, so instead of tinygrad's `gguf_load`
 (which copies the whole file to the device) we read the metadata and tensor table here and
 let the stage fetch only the byte ranges it needs.
+
+The file is untrusted: `read_header` checks every length, count, type and offset against what
+the file can hold before acting on it, and refuses a corrupt file with `ModelLoadFailed` naming
+the field and its byte offset. It never allocates more than the file's own size (a key length or
+array count of 2**63 is refused, not attempted), and it never reads tensor data.
 """
 from __future__ import annotations
 
-import io
+import mmap
+import os
 import pathlib
+import struct
 from dataclasses import dataclass
+from typing import Any
 
-from tinygrad.helpers import prod, round_up
-from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT, read_int32, read_int64, read_str, read_uint32, read_uint64, readers
+from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
+
+from pyruntime.errors import GgufLocalPathMissing, ModelLoadFailed
+
+GGML_MAX_DIMS = 4                  # ggml.h: a tensor has at most 4 dimensions
+DEFAULT_ALIGNMENT = 32
+INT64_MAX = (1 << 63) - 1
+
+# GGUF value types: id -> (name, struct code or None for string/array, byte size of one fixed-size value)
+STRING, ARRAY = 8, 9
+_SCALARS: dict[int, tuple[str, str, int]] = {
+  0: ("uint8", "B", 1), 1: ("int8", "b", 1), 2: ("uint16", "H", 2), 3: ("int16", "h", 2), 4: ("uint32", "I", 4),
+  5: ("int32", "i", 4), 6: ("float32", "f", 4), 7: ("bool", "?", 1), 10: ("uint64", "Q", 8), 11: ("int64", "q", 8),
+  12: ("float64", "d", 8),
+}
 
 
 @dataclass(frozen=True)
@@ -38,26 +59,137 @@ class GGUFHeader:
 
 
 def tensor_nbytes(dims: tuple[int, ...], ggml_type: int) -> int:
-  n = prod(dims)
+  n = 1
+  for d in dims: n *= d
   if (dt := _GGML_NATIVE.get(ggml_type)) is not None: return n * dt.itemsize
   if (q := _GGML_QUANT.get(ggml_type)) is not None: return (n // q[0]) * q[1]
-  raise ValueError(f"GGML type {ggml_type} is not supported")
+  raise ModelLoadFailed(f"GGML type {ggml_type} is not supported")
+
+
+class _Cursor:
+  """Bounds-checked little-endian reads from a buffer; every failure is a ModelLoadFailed."""
+  def __init__(self, buf: Any, path: pathlib.Path):
+    self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+  def fail(self, what: str, at: int | None = None) -> ModelLoadFailed:
+    return ModelLoadFailed(f"{self.path} is not a valid GGUF file: {what} (at byte {self.pos if at is None else at} of {self.size})")
+
+  def need(self, n: int, what: str) -> None:
+    if n < 0 or n > self.size - self.pos:
+      raise self.fail(f"{what} needs {n} bytes but only {self.size - self.pos} remain (file truncated or length corrupt)")
+
+  def unpack(self, code: str, size: int, what: str) -> Any:
+    self.need(size, what)
+    v = struct.unpack_from("<" + code, self.buf, self.pos)[0]
+    self.pos += size
+    return v
+
+  def u32(self, what: str) -> int: return self.unpack("I", 4, what)
+  def u64(self, what: str) -> int: return self.unpack("Q", 8, what)
+
+  def string(self, what: str) -> str:
+    at = self.pos
+    n = self.u64(f"the length of {what}")
+    self.need(n, f"{what} ({n} bytes)")
+    raw = bytes(self.buf[self.pos:self.pos + n])
+    self.pos += n
+    try: return raw.decode("utf-8")
+    except UnicodeDecodeError as e: raise self.fail(f"{what} is not UTF-8 ({e.reason})", at) from None
+
+  def strings(self, n: int, what: str) -> list[str]:
+    """n strings in a row (a vocabulary: tens of thousands), with `string`'s checks in one tight loop."""
+    buf, pos, size, out = self.buf, self.pos, self.size, []
+    unpack = struct.Struct("<Q").unpack_from
+    for i in range(n):
+      if pos + 8 > size: self.pos = pos; raise self.fail(f"the length of {what}[{i}] runs past the end of the file (truncated?)")
+      k = unpack(buf, pos)[0]
+      if k > size - pos - 8: self.pos = pos; raise self.fail(f"{what}[{i}] needs {k} bytes but only {size - pos - 8} remain")
+      try: out.append(buf[pos + 8:pos + 8 + k].decode("utf-8"))
+      except UnicodeDecodeError as e: raise self.fail(f"{what}[{i}] is not UTF-8 ({e.reason})", pos) from None
+      pos += 8 + k
+    self.pos = pos
+    return out
+
+  def value(self, typ: int, what: str, in_array: bool = False) -> Any:
+    if (s := _SCALARS.get(typ)) is not None: return self.unpack(s[1], s[2], what)
+    if typ == STRING: return self.string(what)
+    if typ == ARRAY and not in_array: return self.array(what)
+    raise self.fail(f"{what} has {'nested array' if typ == ARRAY else f'unknown value type {typ}'}", self.pos - 4)
+
+  def array(self, what: str) -> list:
+    typ = self.u32(f"the element type of {what}")
+    n = self.u64(f"the element count of {what}")
+    if (s := _SCALARS.get(typ)) is not None:
+      self.need(n * s[2], f"{what} ({n} {s[0]} values)")   # before allocating anything
+      out = list(struct.unpack_from(f"<{n}{s[1]}", self.buf, self.pos))
+      self.pos += n * s[2]
+      return out
+    if typ == STRING:
+      self.need(n * 8, f"{what} ({n} strings of at least 8 bytes each)")
+      return self.strings(n, what)
+    raise self.fail(f"{what} has {'nested arrays' if typ == ARRAY else f'unknown element type {typ}'}", self.pos - 12)
 
 
 def read_header(path: str | pathlib.Path) -> GGUFHeader:
-  """Parse the metadata and tensor table of a GGUF file (v2/v3). Raises ValueError on a non-GGUF file."""
+  """Parse the metadata and tensor table of a GGUF file (v2/v3).
+
+  Raises ModelLoadFailed for anything that is not a well-formed GGUF file (GgufLocalPathMissing when
+  there is no file)."""
   path = pathlib.Path(path)
-  with open(path, "rb") as f:
-    r = io.BufferedReader(f, 1 << 20)  # type: ignore[arg-type]
-    magic, version = r.read(4), read_int32(r)
-    if magic != b"GGUF" or version not in (2, 3): raise ValueError(f"{path} is not a GGUF v2/v3 file")
-    n_tensors, n_kv = read_int64(r), read_int64(r)
-    kv = {}
-    for _ in range(n_kv):
-      k, typ = read_str(r), read_int32(r)
-      kv[k] = readers[typ](r)
-    infos = [(read_str(r), tuple(read_uint64(r) for _ in range(read_uint32(r))), read_int32(r), read_uint64(r))
-             for _ in range(n_tensors)]
-    data_start = round_up(r.tell(), kv.get("general.alignment", 32))
-  tensors = {name: TensorInfo(name, dims, typ, data_start + off, tensor_nbytes(dims, typ)) for name, dims, typ, off in infos}
-  return GGUFHeader(path, kv, tensors)
+  try:
+    with open(path, "rb") as f:
+      if os.fstat(f.fileno()).st_size == 0: raise ModelLoadFailed(f"{path} is not a valid GGUF file: it is empty")
+      with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:   # pages in only the header's bytes
+        return _parse(_Cursor(mm, path))
+  except FileNotFoundError: raise GgufLocalPathMissing(f"no GGUF file at {path}") from None
+  except (OSError, ValueError) as e: raise ModelLoadFailed(f"{path}: cannot read it: {e}") from e
+
+
+def _parse(c: _Cursor) -> GGUFHeader:
+  magic = bytes(c.buf[0:4])
+  if magic != b"GGUF": raise c.fail(f"it starts with {magic!r}, not b'GGUF'", 0)
+  c.pos = 4
+  version = c.u32("the version")
+  if version not in (2, 3): raise c.fail(f"version {version} is not supported (only 2 and 3)", 4)
+  n_tensors, n_kv = c.u64("the tensor count"), c.u64("the key/value count")
+  # every entry takes some bytes: a count the file cannot hold is refused before looping over it
+  if n_kv > (c.size - c.pos) // 13: raise c.fail(f"{n_kv} key/value pairs cannot fit in the file", 16)
+  kv: dict[str, Any] = {}
+  for i in range(n_kv):
+    at = c.pos
+    key = c.string(f"key #{i}")
+    if key in kv: raise c.fail(f"key {key!r} appears twice", at)
+    kv[key] = c.value(c.u32(f"the value type of {key!r}"), f"the value of {key!r}")
+  if not isinstance(kv.get("general.architecture"), str): raise c.fail("general.architecture (a string) is missing")
+  alignment = kv.get("general.alignment", DEFAULT_ALIGNMENT)
+  if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    raise c.fail(f"general.alignment must be a positive power of two, got {alignment!r}")
+
+  if n_tensors > (c.size - c.pos) // 24: raise c.fail(f"{n_tensors} tensor descriptions cannot fit in the file", 8)
+  infos: list[tuple[str, tuple[int, ...], int, int, int]] = []
+  names: set[str] = set()
+  for i in range(n_tensors):
+    at = c.pos
+    name = c.string(f"the name of tensor #{i}")
+    if name in names: raise c.fail(f"tensor {name!r} appears twice", at)
+    names.add(name)
+    n_dims = c.u32(f"the dimension count of {name!r}")
+    if n_dims > GGML_MAX_DIMS: raise c.fail(f"tensor {name!r} has {n_dims} dimensions (at most {GGML_MAX_DIMS})", c.pos - 4)
+    dims = tuple(c.u64(f"dimension {d} of {name!r}") for d in range(n_dims))
+    typ = c.u32(f"the type of {name!r}")
+    offset = c.u64(f"the data offset of {name!r}")
+    n = 1
+    for d in dims:
+      n *= d
+      if n > INT64_MAX: raise c.fail(f"tensor {name!r} has dimensions {dims}: more than 2**63 elements", at)
+    if typ in _GGML_QUANT and dims[0] % _GGML_QUANT[typ][0]:
+      raise c.fail(f"tensor {name!r}: its first dimension {dims[0]} is not a multiple of the block size {_GGML_QUANT[typ][0]} "
+                   f"of GGML type {typ}", at)
+    if typ not in _GGML_NATIVE and typ not in _GGML_QUANT: raise c.fail(f"tensor {name!r} has unknown or unsupported GGML type {typ}", at)
+    if offset % alignment: raise c.fail(f"tensor {name!r} starts at data offset {offset}, not a multiple of the alignment {alignment}", at)
+    infos.append((name, dims, typ, offset, tensor_nbytes(dims, typ)))
+  data_start = -(-c.pos // alignment) * alignment
+  for name, _, _, offset, nbytes in infos:
+    if data_start + offset + nbytes > c.size:
+      raise c.fail(f"tensor {name!r} ({nbytes} bytes at {data_start + offset}) extends past the end of the file (truncated?)")
+  return GGUFHeader(c.path, kv, {name: TensorInfo(name, dims, typ, data_start + off, nbytes) for name, dims, typ, off, nbytes in infos})

@@ -358,7 +358,7 @@ class Launcher:
   # --- generation --------------------------------------------------------------------------------
   def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:
     from pyruntime.chat import build_prompt_ids
-    return build_prompt_ids(self.tokenizer, self.header.kv, prompt=prompt, messages=messages, raw=raw)
+    return build_prompt_ids(self.tokenizer, self.header.kv, prompt=prompt, messages=messages, raw=raw, context_length=self.context_length)
 
   def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *, raw: bool = False,
                max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pathlib
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -46,6 +49,46 @@ class QueueFull(errors.PyruntimeError):
     self.size = size
 
 
+class RequestTooLarge(errors.PyruntimeError):
+  """The request body is longer than the server's limit (refused once the limit is passed, unread beyond it)."""
+  def __init__(self, limit: int, length: int | None = None):
+    got = f"{length} bytes" if length is not None else "more than that"
+    super().__init__(f"the request body is too large: the limit is {limit} bytes, got {got}")
+    self.limit, self.length = limit, length
+
+
+class RequestTimeout(errors.PyruntimeError):
+  """The request body did not arrive in time."""
+  def __init__(self, seconds: float):
+    super().__init__(f"the request body did not arrive within {seconds:g} s")
+    self.seconds = seconds
+
+
+class ModelNotFound(errors.PyruntimeError):
+  def __init__(self, model: str, served: str):
+    super().__init__(f"The model {_show(model)} does not exist; this server serves {served!r}")
+    self.model, self.served = model, served
+
+
+def model_id(source: str | os.PathLike[str]) -> str:
+  """A model id a client can type: the GGUF file's stem (or a display name), lowercased, with each
+  run of anything but letters, digits, '.', '_' and '-' replaced by one '-'.
+
+      model_id("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct.q4_1"
+      model_id("Smollm2 135M 8k") == "smollm2-135m-8k"
+  """
+  name = pathlib.PurePath(os.fspath(source)).name
+  if name.lower().endswith(".gguf"): name = name[:-len(".gguf")]
+  return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.") or "model"
+
+
+def _show(v: Any, limit: int = 80) -> str:
+  """repr(v) cut to `limit` characters (a client's value quoted back in an error message)."""
+  try: r = repr(v)
+  except (ValueError, RecursionError): r = f"<{type(v).__name__} too large to print>"   # huge int, deep nesting
+  return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
 @dataclass
 class ParsedRequest:
   kind: str                              # CHAT | COMPLETION
@@ -56,30 +99,53 @@ class ParsedRequest:
 
 
 # --- parsing ------------------------------------------------------------------------------------
+def _no_constant(name: str) -> Any:
+  raise ValueError(f"{name} is not valid JSON")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-  try: body = json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise MalformedRequest(f"We could not parse the JSON body of your request ({e}). The body must be a JSON object.") from None
+  """The request body as a dict; MalformedRequest (a 400) for anything that is not a JSON object: bad
+  syntax or encoding, nesting too deep for the parser, an integer beyond Python's digit limit, NaN/Infinity."""
+  try: body = json.loads(raw, parse_constant=_no_constant)
+  except RecursionError:
+    raise MalformedRequest("We could not parse the JSON body of your request: it is nested too deeply. "
+                           "The body must be a JSON object.") from None
+  except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, int digit limit, NaN/Infinity
+    raise MalformedRequest(f"We could not parse the JSON body of your request ({_show(str(e), 200)}). "
+                           "The body must be a JSON object.") from None
   if not isinstance(body, dict): raise MalformedRequest(f"the request body must be a JSON object, not {type(body).__name__}")
   return body
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _dump(v: Any, limit: int = 80) -> str:
+  try: return json.dumps(v)[:limit]
+  except (ValueError, RecursionError): return _show(v, limit)
+
+
 def _is_int(v: Any) -> bool: return isinstance(v, int) and not isinstance(v, bool)
-def _is_number(v: Any) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def _is_number(v: Any) -> bool:
+  if isinstance(v, bool) or not isinstance(v, (int, float)): return False
+  try: return math.isfinite(v)
+  except OverflowError: return False   # an int too large for a float
 
 
-def _int(body: dict, name: str, lo: int | None = None) -> int | None:
+def _int(body: dict, name: str, lo: int = -INT64_MAX - 1, hi: int = INT64_MAX) -> int | None:
+  """An integer field within [lo, hi] (int64 unless the field says otherwise: no 300-digit values downstream)."""
   v = body.get(name)
   if v is None: return None
-  if not _is_int(v): raise errors.InvalidOption(name, f"must be an integer, got {v!r}")
-  if lo is not None and v < lo: raise errors.InvalidOption(name, f"must be at least {lo}, got {v}")
+  if not _is_int(v): raise errors.InvalidOption(name, f"must be an integer, got {_show(v)}")
+  if v < lo: raise errors.InvalidOption(name, f"must be at least {lo}, got {_show(v)}")
+  if v > hi: raise errors.InvalidOption(name, f"must be at most {hi}, got {_show(v)}")
   return v
 
 
 def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float | None:
   v = body.get(name)
   if v is None: return None
-  if not _is_number(v): raise errors.InvalidOption(name, f"must be a number, got {v!r}")
+  if not _is_number(v): raise errors.InvalidOption(name, f"must be a finite number, got {_show(v)}")
   if lo is not None and (v < lo or (lo_open and v == lo)):
     raise errors.InvalidOption(name, f"must be {'greater than' if lo_open else 'at least'} {lo}, got {v}")
   if hi is not None and v > hi: raise errors.InvalidOption(name, f"must be at most {hi}, got {v}")
@@ -89,7 +155,7 @@ def _number(body: dict, name: str, lo: float | None = None, hi: float | None = N
 def _bool(body: dict, name: str) -> bool | None:
   v = body.get(name)
   if v is None: return None
-  if not isinstance(v, bool): raise errors.InvalidOption(name, f"must be true or false, got {v!r}")
+  if not isinstance(v, bool): raise errors.InvalidOption(name, f"must be true or false, got {_show(v)}")
   return v
 
 
@@ -97,7 +163,7 @@ def _check_unsupported(body: dict, kind: str) -> None:
   for name, value in body.items():
     if name in SUPPORTED[kind] or value is None: continue
     if name in _NEUTRAL and any(type(value) is type(n) and value == n for n in _NEUTRAL[name]): continue
-    if name in _NEUTRAL: raise errors.UnsupportedFeature(name, f"pyruntime does not support {name}={json.dumps(value)[:80]}")
+    if name in _NEUTRAL: raise errors.UnsupportedFeature(name, f"pyruntime does not support {name}={_dump(value)}")
     raise errors.UnsupportedFeature(name, f"unrecognized request argument for /v1/{'chat/completions' if kind == CHAT else 'completions'}")
 
 
@@ -106,7 +172,7 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
   _check_unsupported(body, kind)
   req = ParsedRequest(kind)
   model = body.get("model")
-  if model is not None and not isinstance(model, str): raise errors.InvalidOption("model", f"must be a string, got {model!r}")
+  if model is not None and not isinstance(model, str): raise errors.InvalidOption("model", f"must be a string, got {_show(model)}")
   req.model = model
   if (user := body.get("user")) is not None and not isinstance(user, str): raise errors.InvalidOption("user", "must be a string")
   n = _int(body, "n", lo=1)
@@ -146,11 +212,11 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     "top_p": _number(body, "top_p", lo=0.0, hi=1.0, lo_open=True),
     "top_k": _int(body, "top_k", lo=0),
     "min_p": _number(body, "min_p", lo=0.0, hi=1.0),
-    "seed": _int(body, "seed"),
+    "seed": _int(body, "seed", lo=0, hi=2**64 - 1),           # the launcher's range (SamplingParams.validate)
     "frequency_penalty": _number(body, "frequency_penalty", lo=-2.0, hi=2.0),
     "presence_penalty": _number(body, "presence_penalty", lo=-2.0, hi=2.0),
     "repetition_penalty": _number(body, "repetition_penalty", lo=0.0, lo_open=True),
-    "penalty_last_n": _int(body, "penalty_last_n"),
+    "penalty_last_n": _int(body, "penalty_last_n", lo=-1),
   }
   gen.update({k: v for k, v in sampling.items() if v is not None})
   req.generate = gen
@@ -176,7 +242,8 @@ def error_body(exc: BaseException, kind: str | None = None) -> tuple[int, dict[s
     return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
   bad = "invalid_request_error"
   if isinstance(exc, errors.ContextLengthExceeded):
-    message = (f"This model's maximum context length is {exc.context} tokens. However, your prompt has {exc.prompt_tokens} tokens; "
+    has = f"at least {exc.prompt_tokens}" if exc.at_least else f"{exc.prompt_tokens}"
+    message = (f"This model's maximum context length is {exc.context} tokens. However, your prompt has {has} tokens; "
                f"shorten it to at most {exc.context - 1} tokens.")
     return shape(400, message, bad, "messages" if kind == CHAT else "prompt", "context_length_exceeded")
   if isinstance(exc, errors.InvalidOption):
@@ -187,6 +254,9 @@ def error_body(exc: BaseException, kind: str | None = None) -> tuple[int, dict[s
     code = "unsupported_value" if exc.feature in UNSUPPORTED_VALUE_FIELDS or exc.feature == "prompt" else "unsupported_parameter"
     return shape(400, str(exc), bad, exc.feature, code)
   if isinstance(exc, MalformedRequest): return shape(400, str(exc), bad, None, "invalid_json")
+  if isinstance(exc, RequestTooLarge): return shape(413, str(exc), bad, None, "request_too_large")
+  if isinstance(exc, RequestTimeout): return shape(408, str(exc), bad, None, "request_timeout")
+  if isinstance(exc, ModelNotFound): return shape(404, str(exc), bad, "model", "model_not_found")
   if isinstance(exc, QueueFull): return shape(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
   if isinstance(exc, errors.StageFailed): return shape(500, str(exc), "server_error", None, "stage_failed")
   if isinstance(exc, errors.LauncherClosed):

@@ -35,9 +35,28 @@ from starlette.routing import Route
 from pyruntime import errors
 from pyruntime import openai_api as api
 from pyruntime.launcher import Delta, Done
-from pyruntime.openai_api import CHAT, COMPLETION, SSE_DONE, MalformedRequest, QueueFull, error_body, parse_json, parse_request, sse
+from pyruntime.openai_api import (
+  CHAT,
+  COMPLETION,
+  SSE_DONE,
+  MalformedRequest,
+  ModelNotFound,
+  QueueFull,
+  RequestTimeout,
+  RequestTooLarge,
+  error_body,
+  parse_json,
+  parse_request,
+  sse,
+)
 
 CLIENT_CLOSED = 499   # nginx's status for "the client closed the request"; only ever seen in /metrics
+
+# Limits on what one client may hold (`pyruntime serve` options; see serve()).
+MAX_BODY_BYTES = 4 << 20        # a request body beyond this is refused with 413, unread past the limit
+TIMEOUT_REQUEST_HEAD = 10.0     # seconds from connecting (or from the first byte of a keep-alive request) to a complete head
+TIMEOUT_REQUEST_BODY = 60.0     # seconds for the whole body, once the head is in
+TIMEOUT_KEEP_ALIVE = 5.0        # seconds an idle keep-alive connection is kept
 
 
 # --- metrics (Prometheus text exposition format 0.0.4) -----------------------------------------------
@@ -224,7 +243,7 @@ class SSEResponse:
     self.status_code = 200
 
   async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-    closed = False
+    closed = finished = False
 
     async def out(message: dict) -> None:
       nonlocal closed
@@ -235,6 +254,7 @@ class SSEResponse:
     async def chunk(data: bytes) -> None: await out({"type": "http.response.body", "body": data, "more_body": True})
 
     async def body() -> None:
+      nonlocal finished
       await out({"type": "http.response.start", "status": 200,
                  "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                              (b"x-accel-buffering", b"no")]})
@@ -250,8 +270,11 @@ class SSEResponse:
           await chunk(SSE_DONE)
           break
       await out({"type": "http.response.body", "body": b"", "more_body": False})
+      finished = not closed
 
-    try: gone = await run_until_disconnect(receive, body) or closed
+    # The server answers receive() with http.disconnect as soon as the last body message is sent, so a
+    # disconnect seen after a complete response is the response's own end, not the client leaving.
+    try: gone = (await run_until_disconnect(receive, body) or closed) and not finished
     finally: self.job.cancel()
     if gone: scope.setdefault("state", {})["pyruntime_status"] = CLIENT_CLOSED
 
@@ -263,6 +286,11 @@ class ServerState:
     self.last_error: dict[str, Any] | None = None
     self.admission = Admission(launcher, queue_size, self.metrics, on_error=self._note_error)
     self.created = int(time.time())
+    self.model_id, self.model_names = served_model_names(launcher)
+
+  def check_model(self, name: str | None) -> None:
+    """ModelNotFound (404) unless a request names the served model: its id, 'default', or its display name."""
+    if name is not None and name not in self.model_names: raise ModelNotFound(name, self.model_id)
 
   def _note_error(self, e: BaseException) -> None:
     info: dict[str, Any] = {"time": int(time.time()), "code": e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__,
@@ -283,17 +311,37 @@ class ServerState:
     except Exception: return []  # noqa: BLE001 - the arena is gone once the launcher closed
 
 
+def served_model_names(launcher: Any) -> tuple[str, frozenset[str]]:
+  """(the model's id, every name a request may use for it).
+
+  The id is derived from the GGUF file name (`openai_api.model_id`: lowercase, no spaces), stable
+  across restarts and typeable; 'default' and the GGUF's display name (general.name, what /v1/models
+  listed before) are accepted too, so older clients keep working."""
+  display = str(launcher.model_name)
+  path = getattr(launcher, "path", None)
+  mid = api.model_id(path if path is not None else display)
+  return mid, frozenset({mid, "default", display})
+
+
 def _error(e: BaseException, kind: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
   status, body = error_body(e, kind)
   return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(launcher: Any, *, queue_size: int = 16) -> Starlette:
-  """The OpenAI-compatible app over a started launcher (or anything with its interface)."""
+def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX_BODY_BYTES,
+               timeout_request_body: float = TIMEOUT_REQUEST_BODY) -> Starlette:
+  """The OpenAI-compatible app over a started launcher (or anything with its interface).
+
+  A body longer than `max_body_bytes` is answered 413 (request_too_large) without being read past
+  the limit; one that takes longer than `timeout_request_body` seconds to arrive, 408."""
+  if max_body_bytes < 0: raise errors.InvalidOption("max_body_bytes", f"must be >= 0, got {max_body_bytes}")
+  if not timeout_request_body > 0: raise errors.InvalidOption("timeout_request_body", f"must be > 0, got {timeout_request_body}")
   state = ServerState(launcher, queue_size)
 
   async def generate(request: Request, kind: str) -> Any:
-    try: req = parse_request(parse_json(await request.body()), kind)
+    try:
+      req = parse_request(parse_json(await request.body()), kind)
+      state.check_model(req.model)
     except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-shaped answer
       return _error(e, kind)
     job = Job(asyncio.get_running_loop(), state.admission)
@@ -302,10 +350,10 @@ def create_app(launcher: Any, *, queue_size: int = 16) -> Starlette:
       job.stream = await run_in_threadpool(lambda: launcher.submit(**req.generate, on_event=job.on_event))
     except Exception as e:  # noqa: BLE001
       job.end()
-      if not isinstance(e, (errors.InvalidOption, errors.UnsupportedFeature, errors.ContextLengthExceeded, MalformedRequest)):
+      if not isinstance(e, (errors.InvalidOption, errors.UnsupportedFeature, errors.ContextLengthExceeded, MalformedRequest, ModelNotFound)):
         state.metrics.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
       return _error(e, kind)
-    shaper = api.shaper_for(kind, launcher.model_name, launcher.recipe, req.include_usage)
+    shaper = api.shaper_for(kind, state.model_id, launcher.recipe, req.include_usage)
     if req.stream: return SSEResponse(state, job, shaper, kind)
     result: dict[str, Any] = {}
 
@@ -327,14 +375,12 @@ def create_app(launcher: Any, *, queue_size: int = 16) -> Starlette:
   async def completions(request: Request) -> Any: return await generate(request, COMPLETION)
 
   async def models(request: Request) -> JSONResponse:
-    return JSONResponse(api.models_list(launcher.model_name, state.created, launcher.context_length))
+    return JSONResponse(api.models_list(state.model_id, state.created, launcher.context_length))
 
   async def model(request: Request) -> JSONResponse:
-    name = request.path_params["model"]
-    if name != launcher.model_name:
-      return JSONResponse({"error": {"message": f"The model {name!r} does not exist; this server serves {launcher.model_name!r}",
-                                     "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}, status_code=404)
-    return JSONResponse(api.model_card(launcher.model_name, state.created, launcher.context_length))
+    try: state.check_model(request.path_params["model"])
+    except ModelNotFound as e: return _error(e)
+    return JSONResponse(api.model_card(state.model_id, state.created, launcher.context_length))
 
   async def health(request: Request) -> JSONResponse:
     alive = state.alive()
@@ -371,7 +417,8 @@ def create_app(launcher: Any, *, queue_size: int = 16) -> Starlette:
   async def lifespan(app: Starlette) -> Any:
     yield
 
-  app = Starlette(routes=routes, middleware=[Middleware(CountRequests, metrics=state.metrics, known=known)],
+  app = Starlette(routes=routes, middleware=[Middleware(CountRequests, metrics=state.metrics, known=known),
+                                             Middleware(LimitRequestBody, max_bytes=max_body_bytes, timeout=timeout_request_body)],
                   exception_handlers={HTTPException: http_error, Exception: internal_error}, lifespan=lifespan)
   app.state.pyruntime = state
   return app
@@ -396,19 +443,134 @@ class CountRequests:
     finally: self.metrics.request(route, scope.get("state", {}).get("pyruntime_status", status))
 
 
+class LimitRequestBody:
+  """ASGI middleware: read each request's body before the app sees it, refusing one longer than
+  `max_bytes` (413, by its Content-Length before reading anything, else as soon as the limit is passed)
+  or slower than `timeout` seconds (408). Either answer closes the connection, so the rest of the body
+  is never read. The app then receives the body in one message, and the client's disconnect after it."""
+  def __init__(self, app: Any, max_bytes: int, timeout: float):
+    self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+  async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    if scope["type"] != "http": return await self.app(scope, receive, send)
+    declared = _content_length(scope)
+    if declared is not None and declared > self.max_bytes: return await _refuse(send, RequestTooLarge(self.max_bytes, declared))
+    chunks: list[bytes] = []
+    size = 0
+    try:
+      with anyio.fail_after(self.timeout):
+        while True:
+          message = await receive()
+          if message["type"] != "http.request":   # the client left before sending it all: nothing to answer
+            return await self.app(scope, _replay([message], receive), send)
+          chunk = message.get("body", b"")
+          size += len(chunk)
+          if size > self.max_bytes: return await _refuse(send, RequestTooLarge(self.max_bytes))
+          chunks.append(chunk)
+          if not message.get("more_body", False): break
+    except TimeoutError: return await _refuse(send, RequestTimeout(self.timeout))
+    body = b"".join(chunks)
+    del chunks
+    await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+
+def _content_length(scope: dict) -> int | None:
+  for name, value in scope.get("headers", ()):
+    if name == b"content-length":
+      try: return int(value)
+      except ValueError: return None   # the HTTP layer refuses a malformed one before we get here
+  return None
+
+
+def _replay(messages: list[dict], receive: Callable) -> Callable[[], Awaitable[dict]]:
+  async def replay() -> dict:
+    return messages.pop(0) if messages else await receive()
+  return replay
+
+
+async def _refuse(send: Callable, e: BaseException) -> None:
+  status, body = error_body(e)
+  data = json.dumps(body).encode()
+  await send({"type": "http.response.start", "status": status,
+              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), (b"connection", b"close")]})
+  await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
 # --- running it ------------------------------------------------------------------------------------
+def h11_protocol_with_head_timeout(timeout_request_head: float) -> type:
+  """uvicorn's h11 protocol, closing a connection that does not deliver a complete request head within
+  `timeout_request_head` seconds: counted from the connection's start for its first request, and from
+  the first byte of each later one (the idle time between requests is uvicorn's keep-alive timeout).
+  uvicorn bounds neither: a client sending half a head, or nothing, was held for ever."""
+  import h11
+  from uvicorn.protocols.http.h11_impl import H11Protocol
+
+  class H11ProtocolWithHeadTimeout(H11Protocol):
+    head_timeout = timeout_request_head
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+      super().connection_made(transport)
+      self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+      super().data_received(data)
+      self._watch_head()
+
+    def on_response_complete(self) -> None:
+      super().on_response_complete()
+      if self.conn.trailing_data[0]: self._watch_head()   # part of a pipelined head is already here
+
+    def connection_lost(self, exc: Exception | None) -> None:
+      self._cancel_head_timer()
+      super().connection_lost(exc)
+
+    def _watch_head(self) -> None:
+      """Waiting for (the rest of) a head: make sure the timer runs; the head is in: stop it."""
+      if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self._head_timer is None: self._arm_head_timer()
+      else: self._cancel_head_timer()
+
+    def _arm_head_timer(self) -> None:
+      self._cancel_head_timer()
+      self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+      if self._head_timer is not None: self._head_timer.cancel(); self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+      self._head_timer = None
+      if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        self.transport.close()
+
+  return H11ProtocolWithHeadTimeout
+
+
+def uvicorn_config(app: Any, *, host: str = "127.0.0.1", port: int = 8000, timeout_keep_alive: float = TIMEOUT_KEEP_ALIVE,
+                   timeout_request_head: float = TIMEOUT_REQUEST_HEAD, **kw: Any) -> Any:
+  """The uvicorn Config pyruntime serves with: the h11 protocol with a request-head timeout, and
+  uvicorn's keep-alive timeout (idle time between requests on one connection)."""
+  import uvicorn
+  for name, v in (("timeout_keep_alive", timeout_keep_alive), ("timeout_request_head", timeout_request_head)):
+    if not (isinstance(v, (int, float)) and v > 0): raise errors.InvalidOption(name, f"must be > 0 seconds, got {v!r}")
+  return uvicorn.Config(app, host=host, port=port, http=h11_protocol_with_head_timeout(timeout_request_head),
+                        timeout_keep_alive=timeout_keep_alive, **kw)   # type: ignore[arg-type]  # a float works (call_later)
+
+
 class BackgroundServer:
   """uvicorn serving `app` on a loopback port (0: an ephemeral one) in a thread; for tests and embedding.
 
       with BackgroundServer(create_app(lm)) as srv: requests.get(srv.url + "/health")
   """
-  def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+  def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
+               timeout_keep_alive: float = TIMEOUT_KEEP_ALIVE, timeout_request_head: float = TIMEOUT_REQUEST_HEAD):
     import uvicorn
     self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     self.sock.bind((host, port))
     self.host, self.port = host, self.sock.getsockname()[1]
-    self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=3))
+    self.server = uvicorn.Server(uvicorn_config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=3,
+                                                timeout_keep_alive=timeout_keep_alive, timeout_request_head=timeout_request_head))
     self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="uvicorn", daemon=True)
 
   @property
@@ -439,15 +601,22 @@ def serve(args: Any) -> int:
   from pyruntime.cli import _launcher
   queue_size = getattr(args, "queue_size", 16)
   if queue_size < 0: raise errors.InvalidOption("queue_size", f"must be >= 0, got {queue_size}")
+  max_body = getattr(args, "max_body_bytes", MAX_BODY_BYTES)
+  t_head, t_body = getattr(args, "timeout_request_head", TIMEOUT_REQUEST_HEAD), getattr(args, "timeout_request_body", TIMEOUT_REQUEST_BODY)
+  t_keep_alive = getattr(args, "timeout_keep_alive", TIMEOUT_KEEP_ALIVE)
+  if max_body < 0: raise errors.InvalidOption("max_body_bytes", f"must be >= 0, got {max_body}")
+  for name, v in (("timeout_request_head", t_head), ("timeout_request_body", t_body), ("timeout_keep_alive", t_keep_alive)):
+    if not v > 0: raise errors.InvalidOption(name, f"must be > 0 seconds, got {v}")
   lm = _launcher(args)
   lm.start()
   try:
-    app = create_app(lm, queue_size=queue_size)
+    app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
       sys.stderr.write(f"pyruntime: serving on {args.host}, beyond this host; there is no authentication\n")
-    sys.stderr.write(f"pyruntime: {lm.model_name} on {len(lm.split)} stages {json.dumps([list(r) for r in lm.split])}, "
-                     f"context {lm.context_length}: http://{args.host}:{args.port}/v1\n")
-    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="on", timeout_graceful_shutdown=5)).run()
+    sys.stderr.write(f"pyruntime: {lm.model_name} (model id {app.state.pyruntime.model_id!r}) on {len(lm.split)} stages "
+                     f"{json.dumps([list(r) for r in lm.split])}, context {lm.context_length}: http://{args.host}:{args.port}/v1\n")
+    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, lifespan="on", timeout_graceful_shutdown=5,
+                                  timeout_keep_alive=t_keep_alive, timeout_request_head=t_head)).run()
   finally:
     lm.close()
   return 0

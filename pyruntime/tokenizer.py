@@ -14,6 +14,7 @@ control/unknown tokens are only recognised when it is set, user-defined tokens a
 from __future__ import annotations
 
 import codecs
+import operator
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -22,7 +23,7 @@ from tokenizers import Regex, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.models import BPE
 
-from pyruntime.errors import ModelLoadFailed
+from pyruntime.errors import ModelLoadFailed, TokenIdInvalid
 
 # --- llama.cpp pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe) -------------------
 # llama.cpp spells the GPT-2 regex without the final `|\s+` but runs it through a hand-written
@@ -193,6 +194,14 @@ class Tokenizer:
       + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     self._hf = hf
     self._piece_cache: dict[tuple[int, bool], bytes] = {}
+    # For refusing a prompt that cannot fit before tokenizing it (min_tokens): the most input bytes one
+    # token can stand for. BPE output stands for one byte per byte-level character; a special token,
+    # matched as text, for the UTF-8 bytes of its text. Bytes without a token of their own may be
+    # dropped (no id at all), so they are not counted.
+    specials_set = {i for _, i in self._specials_all}
+    self.max_token_bytes: int = max(max(len(t) for t in tokens),
+                                    max((len(tokens[i].encode("utf-8", "surrogatepass")) for i in specials_set), default=1), 1)
+    self._untokenized_bytes = bytes(b for b in range(256) if BYTE_TO_UNICODE[b] not in tok_to_id)
 
   @classmethod
   def from_gguf_kv(cls, kv: Mapping[str, Any]) -> Tokenizer: return cls(kv)
@@ -234,6 +243,14 @@ class Tokenizer:
     if add_special and self.add_eos and self.eos_id is not None: ids.append(self.eos_id)
     return ids
 
+  def min_tokens(self, text: str) -> int:
+    """A lower bound on len(encode(text)) found without tokenizing, in linear time: the UTF-8 bytes of
+    `text` that have a token of their own, divided by the most bytes one token stands for, rounded up."""
+    try: data = text.encode("utf-8")
+    except UnicodeEncodeError: data = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")  # as encode()
+    n = len(data.translate(None, self._untokenized_bytes)) if self._untokenized_bytes else len(data)
+    return -(-n // self.max_token_bytes)
+
   # --- decoding -------------------------------------------------------------------------------
   def token_text(self, token_id: int) -> str:
     """The vocabulary entry as stored in the GGUF (byte-level alphabet for normal tokens)."""
@@ -245,13 +262,26 @@ class Tokenizer:
 
   def token_type(self, token_id: int) -> int: return self._types[token_id]
 
+  def check_id(self, token_id: Any) -> int:
+    """`token_id` as an int when it names a vocabulary entry; TokenIdInvalid for anything else
+    (out of range, negative, a bool, a float, a string). numpy integers are integers."""
+    if type(token_id) is not int:
+      if isinstance(token_id, bool): raise TokenIdInvalid(f"token id {token_id!r} is a bool, not an integer")
+      try: token_id = operator.index(token_id)
+      except TypeError: raise TokenIdInvalid(f"token id {token_id!r} is a {type(token_id).__name__}, not an integer") from None
+    if not 0 <= token_id < self.vocab_size:
+      raise TokenIdInvalid(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+    return token_id
+
   def token_bytes(self, token_id: int, *, special: bool = False) -> bytes:
     """The bytes this token stands for in output text (llama_token_to_piece).
 
-    Control and unknown tokens render as nothing unless `special`, as in llama.cpp's output."""
+    Control and unknown tokens render as nothing unless `special`, as in llama.cpp's output.
+    Raises TokenIdInvalid for an id outside the vocabulary or one that is not an integer."""
+    if type(token_id) is not int: token_id = self.check_id(token_id)   # 1.0 must not hit the cache entry of 1
     key = (token_id, special)
     if (b := self._piece_cache.get(key)) is not None: return b
-    if not 0 <= token_id < self.vocab_size: raise IndexError(f"token id {token_id} outside the vocabulary ({self.vocab_size})")
+    self.check_id(token_id)
     t, typ = self._tokens[token_id], self._types[token_id]
     if typ in (CONTROL, UNKNOWN): b = t.encode() if special else b""
     elif typ == USER_DEFINED: b = t.encode()
@@ -262,6 +292,10 @@ class Tokenizer:
     return b
 
   def decode(self, ids: Iterable[int], *, special: bool = False) -> str:
+    """The text of `ids`; TokenIdInvalid (naming the id) for one outside the vocabulary or not an integer."""
+    if isinstance(ids, (str, bytes)): raise TokenIdInvalid(f"token ids must be a sequence of integers, not {type(ids).__name__}")
+    try: ids = iter(ids)
+    except TypeError: raise TokenIdInvalid(f"token ids must be a sequence of integers, not {type(ids).__name__}") from None
     return b"".join(self.token_bytes(i, special=special) for i in ids).decode("utf-8", "replace")
 
   def is_end(self, token_id: int) -> bool: return token_id in self.end_ids

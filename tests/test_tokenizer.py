@@ -14,6 +14,8 @@ import pathlib
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 regex = pytest.importorskip("regex")
 gguf = pytest.importorskip("gguf")
@@ -379,3 +381,39 @@ def test_against_llama_cpp(pre, tmp_path):
   # first in its list order (<|im_end|>). Both are end tokens; only the nominal EOT id differs.
   assert (tok.eot_id is None) == (lc.llama_vocab_eot(vocab) == -1)
   assert tok.eot_id is None or {tok.eot_id, lc.llama_vocab_eot(vocab)} <= tok.end_ids
+
+
+# --- bad token ids -------------------------------------------------------------------------------
+def test_decode_refuses_ids_outside_the_vocabulary_and_non_integers(smollm2):
+  from pyruntime.errors import TokenIdInvalid
+  n = smollm2.vocab_size
+  for bad in ([n], [-1], [2**64], [1, n + 5], [1.0], [1.5], ["5"], [None], [True], [[1]]):
+    with pytest.raises(TokenIdInvalid): smollm2.decode(bad)
+  for bad in ("123", b"12", 5, None):
+    with pytest.raises(TokenIdInvalid): smollm2.decode(bad)   # not a sequence of ids at all
+  with pytest.raises(TokenIdInvalid): smollm2.token_bytes(n)
+  smollm2.decode([1]); smollm2.token_bytes(1)               # cached now: 1.0 must still be refused
+  with pytest.raises(TokenIdInvalid): smollm2.token_bytes(1.0)
+  with pytest.raises(TokenIdInvalid): IncrementalDecoder(smollm2).push(n)
+  import numpy as np
+  ids = smollm2.encode("hello world")
+  assert smollm2.decode(np.asarray(ids, np.uint32)) == smollm2.decode(ids) == "hello world"   # numpy integers are ids
+
+
+# --- a cheap lower bound on the token count -------------------------------------------------------
+AWKWARD = ["", "hello world", " " * 200, "\n" * 50, "<|im_start|>user\nHi<|im_end|>", "\x00\x04\x06\x13\x14\x16\x1d",
+           "日本語 привет мир 😀", "a\ud800b", "x" * 1000, "\t \n" * 30, "<|im_start|>" * 20]
+
+
+def test_min_tokens_never_exceeds_the_real_count(smollm2):
+  for text in AWKWARD:
+    assert smollm2.min_tokens(text) <= len(smollm2.encode(text)), text
+  assert smollm2.min_tokens("hello " * 200_000) > 8192   # 1.2 MB cannot be 8k tokens (no token is over 81 bytes)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(st.sampled_from(["a", " ", "  ", "\n", "é", "日", "😀", "\x00", "\x04", "\xff", "\ud800",
+                                         "<|im_start|>", "<|im_end|>", "<|endoftext|>", "hello", " world", "'s", " " * 40]), max_size=120))
+def test_min_tokens_is_a_lower_bound(smollm2, pieces):
+  text = "".join(pieces)
+  assert smollm2.min_tokens(text) <= len(smollm2.encode(text))

@@ -211,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--timeout-keep-alive", type=float, default=server.TIMEOUT_KEEP_ALIVE,
                  help="seconds an idle keep-alive connection is kept open")
   p.set_defaults(fn=cmd_serve)
-  p = command("bench", "benchmarks: ring | pipeline")
-  p.add_argument("what", choices=["ring", "pipeline"], help="which benchmark")
+  p = command("bench", "benchmarks: ring | pipeline | serve")
+  p.add_argument("what", choices=["ring", "pipeline", "serve"], help="which benchmark")
   p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
   p.set_defaults(fn=cmd_bench)
   p = command("shm", "shared-memory housekeeping")

@@ -220,6 +220,7 @@ class Launcher:
     self._driver: threading.Thread | None = None
     self.tokens_out = self.steps = self.step_rows = self.last_batch = 0
     self._group = 0                       # token records seen of the tail's current step
+    self._next: list[tuple[StreamHandle, int, int]] = []  # next tokens of the tail's current step, written when it is complete
     self._token_times: collections.deque[float] = collections.deque(maxlen=4096)
     self._closed = False                  # no new streams, the driver stops
     self._shut = False                    # the stages are gone and the arena unlinked
@@ -469,6 +470,7 @@ class Launcher:
           else:
             self._count_step(rec.flags)
             if st.state == "open": self._step(st, rec, pos)
+            if not rec.flags & FLAG_MORE: self._flush_next()
             self.overhead["tokens"] += 1
             self.overhead["seconds"] += time.monotonic() - t_got
             self.overhead["cpu_seconds"] += time.thread_time() - cpu_got
@@ -493,7 +495,14 @@ class Launcher:
     self.tokens_out += 1
     self._token_times.append(time.monotonic())
     if st.push(token, end): self._close_stream(st)  # finished: Done went out; free the slot
-    else: self._write(object_id(st.id, len(st.ids) + len(st.out) - 1), np.asarray([token], dtype="<u4"), 0)
+    else: self._next.append((st, object_id(st.id, len(st.ids) + len(st.out) - 1), token))
+
+  def _flush_next(self) -> None:
+    """The tail's step is complete: its streams' next tokens go to the head as one group (MORE on all but the last),
+    so the head computes them as one batch again instead of waking on the first and taking a batch of one."""
+    nxt = [(st, oid, tok) for st, oid, tok in self._next if st.state == "open"]  # a stream cancelled meanwhile is CLOSEd
+    self._next.clear()
+    for i, (_, oid, tok) in enumerate(nxt): self._write(oid, np.asarray([tok], dtype="<u4"), FLAG_MORE if i < len(nxt) - 1 else 0)
 
   def _count_step(self, flags: int) -> None:
     self._group += 1

@@ -25,7 +25,8 @@ CHAT, COMPLETION = "chat", "completion"
 # The launcher's sampling options (SPEC §4); the names are the request field names.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
                    "repetition_penalty", "penalty_last_n")
-_COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", *SAMPLING_FIELDS}
+# ignore_eos: vLLM's extension (generate through end tokens), which serving benchmarks use for fixed-length outputs
+_COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "ignore_eos", *SAMPLING_FIELDS}
 SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens"}, COMPLETION: _COMMON | {"prompt"}}
 
 # OpenAI features we refuse by name. A value that asks for nothing (the field's neutral value) is
@@ -204,6 +205,7 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     gen["max_tokens"] = 16 if max_tokens is None else max_tokens   # OpenAI's default for /v1/completions
     gen["prompt"], gen["raw"] = _prompt(body.get("prompt")), True
 
+  if _bool(body, "ignore_eos"): gen["ignore_eos"] = True
   from pyruntime.textstream import validate_stop
   stop = validate_stop(body.get("stop"))
   if stop: gen["stop"] = stop

@@ -128,3 +128,51 @@ def test_stage_death_ends_every_stream_by_name(tiny):
   finally:
     lm.close()
   assert not any(lm.alive())
+
+
+# --- the server over the real launcher ------------------------------------------------------------
+def sse_token_times(client, body: dict) -> tuple[int, list[float]]:
+  times = []
+  with client.stream("POST", "/v1/completions", json=body) as r:
+    for line in r.iter_lines():
+      if line.startswith("data: {") and '"text":"' in line.replace(" ", "") and '"text":""' not in line.replace(" ", ""):
+        times.append(time.monotonic())
+    return r.status_code, times
+
+
+def test_server_runs_requests_concurrently(lm):
+  import httpx
+
+  from pyruntime.server import BackgroundServer, create_app
+  with BackgroundServer(create_app(lm, queue_size=4)) as srv:
+    model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+    results: dict[int, tuple[int, list[float]]] = {}
+
+    def one(i: int) -> None:
+      with httpx.Client(base_url=srv.url, timeout=300) as c:
+        results[i] = sse_token_times(c, {"model": model, "prompt": PROMPTS[i], "max_tokens": 12, "stream": True, "ignore_eos": True})
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads: t.start()
+    for t in threads: t.join(300)
+    assert all(status == 200 and times for status, times in results.values()), results
+    # every request had its first token before any request had its last: they ran side by side, not in turn
+    assert max(times[0] for _, times in results.values()) < min(times[-1] for _, times in results.values())
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert "pyruntime_max_streams 8" in metrics
+    mean_batch = float(next(ln.split()[1] for ln in metrics.splitlines() if ln.startswith("pyruntime_batch_size_mean ")))
+    assert mean_batch > 1
+
+
+def test_server_client_gone_frees_its_stream_in_every_stage(lm):
+  import httpx
+
+  from pyruntime.server import BackgroundServer, create_app
+  with BackgroundServer(create_app(lm)) as srv:
+    with httpx.Client(base_url=srv.url, timeout=300) as c:
+      body = {"model": "default", "prompt": PROMPTS[4], "max_tokens": 100, "stream": True, "ignore_eos": True}
+      with c.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith('data: {"id"'): pass
+    # the connection is closed: the server cancels the stream, every stage frees its slot
+    wait_idle(lm)
+    for s in lm.stage_stats(): assert s["open_streams"] == 0, s

@@ -23,13 +23,13 @@
 #endif
 
 _Static_assert(sizeof(mo_record_header) == MO_HEADER_LEN, "MO01 header is 40 bytes");
-_Static_assert(offsetof(mo_record_header, version) == 4, "SPEC offset");
-_Static_assert(offsetof(mo_record_header, header_len) == 6, "SPEC offset");
-_Static_assert(offsetof(mo_record_header, object_id) == 8, "SPEC offset");
-_Static_assert(offsetof(mo_record_header, sequence) == 16, "SPEC offset");
-_Static_assert(offsetof(mo_record_header, extent) == 24, "SPEC offset");
-_Static_assert(offsetof(mo_record_header, flags) == 32, "SPEC offset");
-_Static_assert(offsetof(mo_record_header, reserved) == 36, "SPEC offset");
+_Static_assert(offsetof(mo_record_header, version) == 4, "MO01 header offset (docs/wire-format.md)");
+_Static_assert(offsetof(mo_record_header, header_len) == 6, "MO01 header offset (docs/wire-format.md)");
+_Static_assert(offsetof(mo_record_header, object_id) == 8, "MO01 header offset (docs/wire-format.md)");
+_Static_assert(offsetof(mo_record_header, sequence) == 16, "MO01 header offset (docs/wire-format.md)");
+_Static_assert(offsetof(mo_record_header, extent) == 24, "MO01 header offset (docs/wire-format.md)");
+_Static_assert(offsetof(mo_record_header, flags) == 32, "MO01 header offset (docs/wire-format.md)");
+_Static_assert(offsetof(mo_record_header, reserved) == 36, "MO01 header offset (docs/wire-format.md)");
 _Static_assert(sizeof(mo_superblock) == MO_SUPERBLOCK_FIXED, "superblock fixed part");
 _Static_assert(sizeof(struct mo_ring_ctrl) <= MO_CTRL_SIZE, "control block fits");
 _Static_assert(offsetof(struct mo_ring_ctrl, tail) - offsetof(struct mo_ring_ctrl, head) >= MO_LINE,
@@ -284,7 +284,7 @@ static inline void fill_view(mo_view *out, const mo_record_header *h, uint64_t e
   out->expected_sequence = expected;
 }
 
-/* The consumer's validation of one record (SPEC section 1), on a private copy of the header so a
+/* The consumer's validation of one record (docs/wire-format.md), on a private copy of the header so a
  * misbehaving producer cannot change it between the check and the use. */
 static inline mo_status check_header(const mo_record_header *h, uint64_t avail, uint64_t max_extent,
                                      uint32_t alignment, uint64_t expected) {

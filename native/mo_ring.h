@@ -3,7 +3,7 @@
  *
  * pyruntime's stage processes hand records to each other through rings that live in one POSIX
  * shared-memory object (an *arena*).  This header is the whole contract: the byte layout of the
- * arena, the record wire format (SPEC.md section 1), the memory-ordering protocol between the two
+ * arena, the record wire format (docs/wire-format.md), the memory-ordering protocol between the two
  * sides, and the C API.  The library never allocates: the caller maps the memory and owns every
  * handle struct.  C11, Linux (futex), little-endian hosts.
  *
@@ -21,7 +21,7 @@
  *    arena.  mo_arena_check() refuses anything else (wrong magic, layout version, size, a ring
  *    that does not fit) with MO_ARENA_INVALID and a reason string.
  *
- * 2. Records (SPEC section 1, exact)
+ * 2. Records (docs/wire-format.md, exact)
  *
  *    offset size field
  *         0    4 magic       "MO01"
@@ -161,7 +161,7 @@ typedef enum mo_status {
   MO_PEER_DEAD = 4,                             /* "PeerDead": the other side's process died */
   MO_BUSY = 5,                                  /* "RingBusy": the side is claimed by a live process */
   MO_INTERRUPTED = 6,                           /* "Interrupted": a signal handler interrupted a wait */
-  /* consumer validation (SPEC section 1): the record is reported, the cursor does not move */
+  /* consumer validation (docs/wire-format.md): the record is reported, the cursor does not move */
   MO_EOF_BEFORE_FULL_HEADER = 10,               /* "EofBeforeFullHeader" */
   MO_INVALID_OBJECT_MAGIC = 11,                 /* "InvalidObjectMagic" */
   MO_INVALID_OBJECT_HEADER = 12,                /* "InvalidObjectHeader": version, header_len, reserved */
@@ -295,7 +295,7 @@ mo_status mo_segment_name_check(const char *name, uint64_t len, const char **rea
 uint64_t mo_record_size(uint64_t extent);
 /* Write an MO01 header (40 bytes) at hdr. */
 void mo_record_encode(void *hdr, uint64_t object_id, uint64_t sequence, uint64_t extent, uint32_t flags);
-/* Validate the record at rec, of which avail bytes are readable, against SPEC section 1; fills
+/* Validate the record at rec, of which avail bytes are readable, against docs/wire-format.md; fills
  * *out.  Never reads past rec + avail.  This is the consumer's check, exposed for fuzzing. */
 mo_status mo_record_check(const void *rec, uint64_t avail, uint64_t max_extent, uint32_t alignment,
                           uint64_t expected_sequence, mo_view *out);
@@ -431,7 +431,7 @@ mo_status mo_bench_consume(mo_consumer *c, uint64_t n, uint32_t batch, char *cop
 #include <stdatomic.h>
 
 /* The header of an MO01 record as it lies in the ring (natural alignment gives exactly the
- * SPEC offsets on every ABI we build for; checked with static asserts in mo_ring.c). */
+ * docs/wire-format.md offsets on every ABI we build for; checked with static asserts in mo_ring.c). */
 typedef struct mo_record_header {
   uint32_t magic;
   uint16_t version;

@@ -1,4 +1,4 @@
-"""The boundary schema: what crosses a cut between two pipeline stages (SPEC §2).
+"""The boundary schema: what crosses a cut between two pipeline stages (docs/stage-ownership.md#boundary-schemas).
 
 A model of L blocks is cut into contiguous ranges. The cut in front of block `point` carries, per token:
 - point 0 (head ingress): the token ids, `token_ids` u32;
@@ -68,7 +68,7 @@ class Boundary:
   def token_bytes(self) -> int: return sum(DTYPES[dt].itemsize * w for dt, w in self.tensors.values())
 
   def validate(self) -> Boundary:
-    """The SPEC §2 rules for the boundary's own architecture: a residual boundary carries exactly what it must."""
+    """The rules (docs/stage-ownership.md) for the boundary's own architecture: a residual boundary carries exactly what it must."""
     if self.kind == "residual" and tuple(self.tensors) != residual_tensors(self.arch):
       raise errors.BoundarySchemaMismatch(f"a {self.arch} residual boundary carries exactly {list(residual_tensors(self.arch))}, "
                                           f"got {list(self.tensors)}")

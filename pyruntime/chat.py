@@ -1,4 +1,4 @@
-"""Prompt rendering: the GGUF's own chat template, fallbacks by tokenizer family, raw mode (SPEC §4).
+"""Prompt rendering: the GGUF's own chat template, fallbacks by tokenizer family, raw mode (docs/serving.md#prompt-rendering).
 
 Templates are rendered the way Hugging Face transformers renders them (sandboxed jinja2,
 trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII)

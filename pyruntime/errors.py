@@ -47,7 +47,7 @@ class ShmSpaceError(ArenaError):
   """/dev/shm has too little free space for the arena (it would SIGBUS later)."""
 
 
-# --- payloads and boundaries (SPEC §1, §2) ----------------------------------------------------
+# --- payloads and boundaries (docs/wire-format.md, docs/stage-ownership.md) ----------------------------------------------------
 class PayloadError(PyruntimeError): pass
 class PayloadNotU32Aligned(PayloadError): pass
 class ActivationExtentInvalid(PayloadError): pass
@@ -72,7 +72,7 @@ class SlotInvalid(StreamError):
   """An OPEN record names a KV slot outside the stage's slots or one already in use."""
 
 
-# --- model sources (SPEC §3 WorkerFatal reasons) ----------------------------------------------
+# --- model sources (docs/control-channel.md#model-sources) ----------------------------------------------
 class ModelSourceError(PyruntimeError): pass
 class GgufLocalPathMissing(ModelSourceError): pass
 class GgufDownloadFailed(ModelSourceError): pass
@@ -80,7 +80,7 @@ class DefaultModelMissing(ModelSourceError): pass
 class ModelLoadFailed(ModelSourceError): pass
 
 
-# --- generation and serving (SPEC §4) ---------------------------------------------------------
+# --- generation and serving (docs/serving.md) ---------------------------------------------------------
 class GenerationError(PyruntimeError): pass
 
 class InvalidOption(GenerationError):
@@ -122,7 +122,7 @@ class StreamFailed(GenerationError):
     self.stage, self.reason, self.detail = stage, reason, detail
 
 
-# --- the stage worker's control channel (SPEC §3 WorkerFatal reasons) ---------------------------
+# --- the stage worker's control channel (docs/control-channel.md) ---------------------------
 class WorkerError(PyruntimeError): pass
 class UnknownCommand(WorkerError): pass
 class InvalidCommand(WorkerError):

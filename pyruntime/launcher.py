@@ -589,7 +589,7 @@ class Launcher:
 
 
 def check_split(split: Sequence[tuple[int, int]], num_blocks: int) -> None:
-  """Ranges must be non-empty, contiguous, and cover 0..L-1 exactly once (SPEC §2)."""
+  """Ranges must be non-empty, contiguous, and cover 0..L-1 exactly once (docs/stage-ownership.md)."""
   if not split: raise errors.LayerRangeInvalid("the split has no stages")
   expect = 0
   for i, (start, end) in enumerate(split):

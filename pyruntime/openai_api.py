@@ -2,7 +2,7 @@
 
 `parse_request` turns a decoded JSON body into the keyword arguments of `Launcher.generate`,
 raising `InvalidOption(field)` for a bad value and `UnsupportedFeature(field)` for anything we
-do not do (never silently ignored, SPEC §4). `error_body` maps every error to OpenAI's error
+do not do (never silently ignored, docs/serving.md). `error_body` maps every error to OpenAI's error
 shape and an HTTP status. `ChatShaper` / `CompletionShaper` build OpenAI's response objects and
 stream chunks from the launcher's `Delta` / `Done` events.
 """
@@ -22,7 +22,7 @@ from pyruntime import errors
 
 CHAT, COMPLETION = "chat", "completion"
 
-# The launcher's sampling options (SPEC §4); the names are the request field names.
+# The launcher's sampling options (docs/serving.md#sampling); the names are the request field names.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
                    "repetition_penalty", "penalty_last_n")
 # ignore_eos: vLLM's extension (generate through end tokens), which serving benchmarks use for fixed-length outputs

@@ -1,7 +1,8 @@
 """A sampling CPU profiler for a stage's hot loop, on when PYRUNTIME_PROFILE is set.
 
-Every PYRUNTIME_PROFILE_INTERVAL_MS (default 5) a daemon thread samples the data loop
-thread's current line; every PYRUNTIME_PROFILE_REPORT_S (default 10) and at exit it emits a
+Every PYRUNTIME_PROFILE_INTERVAL_MS (default 5) a daemon thread samples the line of our own code
+(the innermost frame in the pyruntime package; time inside tinygrad or numpy counts for the line
+that called it) that the stage's main thread, which runs the data loop, is at; every PYRUNTIME_PROFILE_REPORT_S (default 10) and at exit it emits a
 `ProfileReport` event with the hottest lines and the process's CPU time over wall time.
 Sampling Python frames costs nothing in the loop itself, which is the point.
 """
@@ -15,8 +16,13 @@ import threading
 import time
 from typing import Any, Callable
 
+PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
-def start_profiler(emit: Callable[..., Any], thread_name: str = "data-loop", top: int = 25) -> None:
+
+def start_profiler(emit: Callable[..., Any], thread: threading.Thread | None = None, top: int = 25) -> Callable[[], None]:
+  """Start sampling `thread` (default: the main thread). Returns the function that emits a report (the stage calls it on
+  its way out too: an exit by os._exit skips atexit)."""
+  target = thread or threading.main_thread()
   interval = float(os.environ.get("PYRUNTIME_PROFILE_INTERVAL_MS", "5")) / 1000
   report_every = float(os.environ.get("PYRUNTIME_PROFILE_REPORT_S", "10"))
   counts: collections.Counter[str] = collections.Counter()
@@ -33,8 +39,10 @@ def start_profiler(emit: Callable[..., Any], thread_name: str = "data-loop", top
     last = time.monotonic()
     while True:
       time.sleep(interval)
-      target = next((t for t in threading.enumerate() if t.name == thread_name), None)
-      frame = sys._current_frames().get(target.ident) if target is not None and target.ident else None
+      frame = sys._current_frames().get(target.ident) if target.ident else None
+      inner = frame
+      while frame is not None and PACKAGE not in frame.f_code.co_filename: frame = frame.f_back
+      frame = frame or inner
       if frame is not None:
         with lock: counts[f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"] += 1
       if time.monotonic() - last >= report_every:
@@ -43,3 +51,4 @@ def start_profiler(emit: Callable[..., Any], thread_name: str = "data-loop", top
 
   threading.Thread(target=sample, name="profiler", daemon=True).start()
   atexit.register(report)
+  return report

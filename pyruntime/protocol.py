@@ -96,9 +96,10 @@ def ring_bytes(context_length: int, dim: int, itemsize: int, vocab_size: int, ma
   head = max(4 * context_length, open_max)
   mid = max(PREFILL_CHUNK * dim * itemsize, open_max)
   tail = max(4 * vocab_size, open_max)
+  # + one record more: a record never splits across the ring's end, so the wrap-around can waste up to one record
   return {"head": head, "mid": mid, "tail": tail,
-          "head_capacity": 2 * max_streams * (head + 64), "mid_capacity": 3 * max_streams * (mid + 64),
-          "tail_capacity": 3 * max_streams * (tail + 64)}
+          "head_capacity": (2 * max_streams + 1) * (head + 64), "mid_capacity": (3 * max_streams + 1) * (mid + 64),
+          "tail_capacity": (3 * max_streams + 1) * (tail + 64)}
 
 
 class Command:

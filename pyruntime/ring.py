@@ -8,7 +8,7 @@
       ...; r.release()                           # the record's bytes may be reused from here on
 
 An arena is one shared-memory object holding N rings; each ring has one producer (Writer) and one
-consumer (Reader), normally in different processes.  Records are MO01 (SPEC section 1).
+consumer (Reader), normally in different processes.  Records are MO01 (docs/wire-format.md).
 
 Timeouts everywhere: None waits without limit (but still ends with RingClosed or PeerDead), 0
 never waits (WouldBlock), a positive number of seconds waits at most that long (RingTimeout).

@@ -1,6 +1,6 @@
 """Tail sampling, on the device that holds the logits, one token id out.
 
-Order (per SPEC §4 and the stage brief): penalties -> temperature -> top_k -> top_p -> min_p -> draw.
+Order (docs/serving.md#sampling): penalties -> temperature -> top_k -> top_p -> min_p -> draw.
 - temperature == 0: greedy; penalised greedy applies the penalties before the argmax.
 - penalties follow llama.cpp over the last `penalty_last_n` tokens of the history (None or -1: the whole history,
   0: none): repetition divides a positive logit by the penalty and multiplies a non-positive one; then

@@ -1,4 +1,4 @@
-"""`pyruntime serve`: an OpenAI-compatible HTTP server over one `Launcher` (SPEC §4).
+"""`pyruntime serve`: an OpenAI-compatible HTTP server over one `Launcher` (docs/serving.md).
 
     app = create_app(launcher, queue_size=16)     # a Starlette app; uvicorn runs it
 

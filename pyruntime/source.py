@@ -1,4 +1,4 @@
-"""Model sources: the bundled default model, a local GGUF path, or a Hugging Face file (SPEC §3).
+"""Model sources: the bundled default model, a local GGUF path, or a Hugging Face file (docs/control-channel.md#model-sources).
 
 A Hugging Face source is `[hf://]owner/repo/path/file.gguf[@revision]`. It is downloaded once into
 the cache (`PYRUNTIME_CACHE`, default ~/.cache/pyruntime) through `<file>.partial` and an atomic

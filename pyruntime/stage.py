@@ -1,6 +1,6 @@
 """One pipeline stage process: `python -m pyruntime.stage`.
 
-Control is JSON lines: commands on stdin, events on stdout, logs on stderr (SPEC §3). The
+Control is JSON lines: commands on stdin, events on stdout, logs on stderr (docs/control-channel.md). The
 control channel sets the stage up, tears it down and reports errors and telemetry; once the
 rings are installed the stage runs its own data loop and no control message moves per token.
 Any error ends the stage with one `WorkerFatal` event naming the reason and a non-zero exit,
@@ -106,6 +106,7 @@ class Stage:
     self.loaded: Any = None          # the record RingReadable loaded, in step mode
     self.looping = False             # the data loop runs (InstallRing in mode "loop")
     self.decode_mode = "batched"
+    self.profile_report: Callable[[], None] | None = None
     self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "decode_steps": 0,
                   "decode_rows": 0, "max_batch": 0, "prefill_chunks": 0, "stream_errors": 0, "started": time.monotonic()}
     C = Command
@@ -402,6 +403,7 @@ class Stage:
 
   # --- lifecycle ----------------------------------------------------------------------------------
   def die(self, f: Fatal, code: int = 3) -> None:
+    if self.profile_report is not None: self.profile_report()  # os._exit skips atexit
     self.ch.emit(Event.WORKER_FATAL, stage=self.index, reason=f.reason, message=f.message, **f.extra)
     self.close_rings()
     os._exit(code)
@@ -454,7 +456,7 @@ def main() -> None:
   _die_with_parent()
   if os.environ.get("PYRUNTIME_PROFILE"):
     from pyruntime.profiler import start_profiler
-    start_profiler(channel.emit)
+    stage.profile_report = start_profiler(channel.emit)
   commands: queue.Queue = queue.Queue()
 
   def read_stdin() -> None:

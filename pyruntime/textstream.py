@@ -1,4 +1,4 @@
-"""Stop strings over a stream of text deltas, and the token budget of a request (SPEC §4).
+"""Stop strings over a stream of text deltas, and the token budget of a request (docs/serving.md).
 
 Text already sent to a client cannot be taken back, so a stop string that may be starting at the
 end of the text seen so far is held back until the next delta decides it. Deltas come from

@@ -3,7 +3,7 @@
 Each input is raw bytes published at the ring's write position with Writer._publish_raw (the test-only
 path of native/mo_ring.c: no framing, zero-padded to 8 bytes, wrapping at the end of the data region),
 sometimes after steering the position close to the end of the region so that headers straddle it and
-padding records come into play.  The consumer must never crash, and must do exactly what SPEC section 1
+padding records come into play.  The consumer must never crash, and must do exactly what docs/wire-format.md
 and native/mo_ring.h say, which a small Python model of the consumer (`expect`) predicts:
 
   - a valid record: read it, with the object id, sequence, extent, flags and payload the bytes say;

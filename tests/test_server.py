@@ -1,5 +1,5 @@
 """End to end: `pyruntime serve`'s app on 127.0.0.1 with the real SmolLM2-135M on 2 stages, driven
-by the official `openai` client, unchanged (SPEC §4, issue 5)."""
+by the official `openai` client, unchanged (docs/serving.md)."""
 from __future__ import annotations
 
 import os

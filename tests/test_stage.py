@@ -1,5 +1,7 @@
-"""The stage worker's control channel (SPEC §3): named WorkerFatal reasons, clean exits."""
+"""The stage worker's control channel (docs/control-channel.md): named WorkerFatal reasons, clean exits."""
 from __future__ import annotations
+
+import os
 
 import pytest
 from stageproc import StageProc
@@ -219,3 +221,15 @@ def test_step_commands_drive_one_record_at_a_time(stage, tiny):
     assert token == next(model.generate(list(prompt)))
   finally:
     arena.close()
+
+
+def test_profiler_samples_the_data_loop_thread(tiny):
+  """PYRUNTIME_PROFILE=1: ProfileReport events count samples of the stage's main thread, where its loop runs."""
+  sp = StageProc(env=dict(os.environ, PYRUNTIME_PROFILE="1", PYRUNTIME_PROFILE_INTERVAL_MS="2", PYRUNTIME_PROFILE_REPORT_S="0.3"))
+  try:
+    sp.send(Command.INITIALIZE_WORKER, device="CPU")
+    sp.expect(Event.WORKER_READY)
+    report = sp.expect(Event.PROFILE_REPORT, timeout=30)
+    assert report["samples"] > 0 and report["lines"] and "stage.py" in " ".join(x["where"] for x in report["lines"])
+  finally:
+    sp.close()

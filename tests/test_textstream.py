@@ -1,4 +1,4 @@
-"""Stop strings over streamed deltas, and the generation budget (SPEC §4)."""
+"""Stop strings over streamed deltas, and the generation budget (docs/serving.md)."""
 from __future__ import annotations
 
 import importlib.util

@@ -58,7 +58,7 @@ static void teardown(fixture *f) { free(f->base); }
 
 static uint8_t pattern(uint64_t seq, uint64_t i) { return (uint8_t)(seq * 131 + i * 7 + 1); }
 
-/* --- framing: the header bytes are exactly SPEC section 1 -------------------------------- */
+/* --- framing: the header bytes are exactly docs/wire-format.md -------------------------------- */
 static void test_framing(void) {
   fixture f;
   setup(&f, 4096, 1024, 4);

@@ -213,11 +213,6 @@ class Admission:
   def release(self) -> None:
     with self.lock: self.in_flight -= 1
 
-  def counts(self) -> dict[str, int]:
-    """Streams running in the pipeline and waiting for a slot (the launcher's view)."""
-    try: st = self.launcher.scheduler_stats()
-    except Exception: return {"running": 0, "waiting": 0}  # noqa: BLE001 - a closed launcher runs nothing
-    return {"running": int(st.get("running", 0)), "waiting": int(st.get("waiting", 0))}
 
 
 # --- HTTP ------------------------------------------------------------------------------------------
@@ -388,10 +383,13 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
     split = list(getattr(launcher, "split", None) or [])
     stages = [{"stage": i, "status": "alive" if a else "dead", "layers": list(split[i]) if i < len(split) else None}
               for i, a in enumerate(alive)]
-    counts = state.admission.counts()
+    sched = state.scheduler_stats()
     return JSONResponse({"status": "ok" if ok else "unavailable", "model": launcher.model_name, "stages": stages,
-                         "queue_depth": counts["waiting"], "running": counts["running"], "max_streams": state.admission.limit - queue_size,
-                         "last_error": state.last_error}, status_code=200 if ok else 503)
+                         "queue_depth": sched.get("waiting", 0), "running": sched.get("running", 0),
+                         "max_streams": sched.get("max_streams", 0), "batch_size": sched.get("last_batch", 0),
+                         "mean_batch_size": round(sched.get("mean_batch", 0.0), 3),
+                         "tokens_per_s": round(sched.get("tokens_per_s", 0.0), 3), "last_error": state.last_error},
+                        status_code=200 if ok else 503)
 
   async def metrics(request: Request) -> Response:
     text = state.metrics.render(stats=state.scheduler_stats(), occupancy=state.occupancy(), alive=state.alive())

@@ -401,7 +401,7 @@ def test_queue_full_is_429_and_order_is_kept(make_server, fake):
   assert fake.running.wait(10)
   b, box_b = in_thread(c.post, "/v1/completions", json={"prompt": "second", "max_tokens": 2})
   state = srv.server.config.app.state.pyruntime
-  wait_for(lambda: state.admission.counts()["waiting"] == 1)
+  wait_for(lambda: state.scheduler_stats()["waiting"] == 1)
   r = c.post("/v1/completions", json={"prompt": "third", "max_tokens": 2})
   assert r.status_code == 429
   assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["retry-after"]
@@ -423,7 +423,7 @@ def test_fifo_order(server, fake):
   for i, word in enumerate(["p0", "p1", "p2", "p3"]):
     threads.append(in_thread(c.post, "/v1/completions", json={"prompt": word, "max_tokens": 1}))
     if i == 0: assert fake.running.wait(10)
-    else: wait_for(lambda i=i: state.admission.counts()["waiting"] == i)
+    else: wait_for(lambda i=i: state.scheduler_stats()["waiting"] == i)
   fake.gate.set()
   for t, _ in threads: t.join(10)
   assert [box["result"].json()["choices"][0]["text"] for _, box in threads] == ["p0", "p1", "p2", "p3"]
@@ -470,7 +470,7 @@ def test_disconnect_while_queued_drops_the_job(server, fake):
   assert fake.running.wait(10)
   with pytest.raises(httpx.ReadTimeout):
     httpx.post(srv.url + "/v1/completions", json={"prompt": "abandoned", "max_tokens": 2}, timeout=0.5)
-  wait_for(lambda: state.admission.counts()["waiting"] == 0)
+  wait_for(lambda: state.scheduler_stats()["waiting"] == 0)
   fake.gate.set()
   a.join(10)
   assert box["result"].json()["choices"][0]["text"] == "running running"

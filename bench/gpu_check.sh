@@ -3,7 +3,9 @@
 #   bash bench/gpu_check.sh            results under ${OUT:-./gpu_check_out}
 # 1. builds and installs pyruntime, 2. runs the exactness tests of the stage model on CUDA,
 # 3. a 2-stage CUDA generation whose token ids must equal tinygrad's single-process model on CUDA,
-# 4. the pipeline benchmark on CUDA (1, 2, 3 stages against the single-process model).
+# 4. the pipeline benchmark on CUDA (1, 2, 3 stages against the single-process model),
+# 5. the serving benchmark on CUDA (1, 2, 4, 8 concurrent streaming clients; batch invariance of every stream is
+#    checked by step 2's test_batched_decode_is_batch_invariant and by step 3 in decode=reference mode).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu_check_out}; mkdir -p "$OUT"
@@ -19,7 +21,7 @@ import os, sys, json
 from pyruntime.launcher import Launcher, Done
 from pyruntime.source import resolve_model
 path = resolve_model(None)
-with Launcher(path, split=[(0, 17), (17, 30)], devices=sys.argv[1], max_context=512) as lm:
+with Launcher(path, split=[(0, 17), (17, 30)], devices=sys.argv[1], max_context=512, decode="reference") as lm:
     done = next(ev for ev in lm.generate("What is the capital of France?", max_tokens=32) if isinstance(ev, Done))
 os.environ["DEV"] = "CUDA"
 from tinygrad.llm.model import Transformer
@@ -32,3 +34,4 @@ print(json.dumps({"devices": sys.argv[1], "text": done.text, "equal_to_single_pr
                   "ttft_s": done.timings.ttft_s, "decode_tokens_per_s": done.timings.decode_tokens_per_s}))
 PY
 DEV=CUDA PYRUNTIME_DEVICE=CUDA python3 bench/pipeline.py --json 2>&1 | tee "$OUT/bench_pipeline_cuda.json" | tail -3
+DEV=CUDA PYRUNTIME_DEVICE=CUDA python3 bench/serve.py --json --tokens 64 2>&1 | tee "$OUT/bench_serve_cuda.json" | tail -3

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
   if url is None:
     from pyruntime.launcher import Launcher
     from pyruntime.server import BackgroundServer, create_app
-    lm = Launcher(a.model, stages=a.stages, max_streams=a.max_streams, max_context=a.max_context).start()
+    lm = Launcher(a.model, stages=a.stages, max_streams=a.max_streams, max_context=a.max_context, warmup=True).start()
     server = BackgroundServer(create_app(lm, queue_size=64)).start()
     url = server.url
   try:

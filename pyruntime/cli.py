@@ -67,11 +67,11 @@ class LoadProgress:
     if not self.quiet: sys.stderr.write("\r\x1b[K" + text); sys.stderr.flush()
 
 
-def _launcher(a: argparse.Namespace, quiet: bool = False) -> Any:
+def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) -> Any:
   from pyruntime.launcher import Launcher, parse_split
   return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
                   boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, max_context=a.max_context,
-                  on_event=LoadProgress(quiet))
+                  warmup=warmup, on_event=LoadProgress(quiet))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

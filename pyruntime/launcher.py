@@ -197,7 +197,7 @@ def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, temp
 class Launcher:
   def __init__(self, model: str | os.PathLike | None = None, *, stages: int = 2, split: Sequence[tuple[int, int]] | None = None,
                devices: str | Sequence[str] | None = None, boundary_dtype: str = "float32", max_streams: int = 8,
-               decode: str = "batched", max_context: int | None = None, on_event: Callable[[dict], None] | None = None,
+               decode: str = "batched", warmup: bool = False, max_context: int | None = None, on_event: Callable[[dict], None] | None = None,
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0):
     if boundary_dtype not in ("float32", "float16"): raise errors.InvalidOption("boundary_dtype", "float32 or float16")
     if not isinstance(max_streams, int) or isinstance(max_streams, bool) or not 1 <= max_streams <= 256:
@@ -205,6 +205,7 @@ class Launcher:
     if decode not in ("batched", "reference"): raise errors.InvalidOption("decode", f"'batched' or 'reference', not {decode!r}")
     self.model_source, self.stages_wanted, self.split_wanted = model, stages, split
     self.devices_wanted, self.boundary_dtype, self.max_streams, self.decode = devices, boundary_dtype, max_streams, decode
+    self.warmup = warmup  # capture every batch shape's kernels at start (a server's choice) rather than on first use
     self.max_context_wanted, self.on_event, self.cache_dir = max_context, on_event, cache_dir
     self.stage_env, self.load_timeout_s = dict(stage_env or {}), load_timeout_s
     self.events: list[dict] = []          # every event seen, in order: the plain way to look at them
@@ -255,6 +256,10 @@ class Launcher:
       self.split = [tuple(r) for r in (self.split_wanted or suggest_split(self.header, self.stages_wanted, by="memory"))]
       check_split(self.split, self.num_blocks)
       self.devices = parse_devices(self.devices_wanted, len(self.split))
+      # stages on devices of their own compute at once when the streams are cut into one micro-batch per stage; stages
+      # that share the CPU would only take cores from each other
+      self.micro_batches = len(self.split) if len(set(self.devices)) == len(self.devices) and not any(
+        d.upper().startswith("CPU") for d in self.devices) else 1
       self.context_length = int(min(self.max_context_wanted or 1 << 62, self.header.get("context_length")))
       self.tokenizer = Tokenizer.from_gguf_kv(self.header.kv)
       self.dim = int(self.header.get("embedding_length"))
@@ -271,10 +276,12 @@ class Launcher:
       for h, (start, end), dev in zip(self.handles, self.split, self.devices, strict=True):
         h.send(Command.INITIALIZE_WORKER, device=dev, abi_version=ABI_VERSION)
         h.send(Command.CONFIGURE_ROLE, stage=h.index, start=start, end=end, slots=self.max_streams, boundary_dtype=self.boundary_dtype,
-               max_context=self.context_length, decode=self.decode)
+               max_context=self.context_length, decode=self.decode, warmup=self.warmup,
+               micro_batches=self.micro_batches)
         h.send(Command.LOAD_WEIGHTS, model=str(self.path))
       for h in self.handles:  # the stages load in parallel; we just collect
         h.info = self._expect(h, Event.WEIGHTS_LOADED, self.load_timeout_s)
+        if self.warmup: h.info["warm_up"] = self._expect(h, Event.WARMED_UP, self.load_timeout_s)
       for h in self.handles:
         upstream = self.handles[h.index - 1].info["boundary"] if h.index > 0 else None
         h.send(Command.INSTALL_RING, arena=self.arena.name, ingress=h.index, egress=h.index + 1, ingress_boundary=upstream)

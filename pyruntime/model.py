@@ -24,9 +24,11 @@ import ctypes
 import os
 import pathlib
 import threading
+import time
+from typing import Callable
 
 import numpy as np
-from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, nn
+from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, function, nn
 from tinygrad.device import Buffer
 from tinygrad.helpers import DEV, flat_mv, getenv, prod
 from tinygrad.llm.gguf import ggml_data_to_tensor
@@ -159,6 +161,7 @@ def _host_mv(arr: np.ndarray) -> memoryview:
 
 
 _TRACE_REUSE = bool(getenv("PYRUNTIME_TRACE_REUSE", 1))
+PRECOMPILE = bool(getenv("PYRUNTIME_PRECOMPILE", 0))
 
 
 def _buffers(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.BUFFER]
@@ -312,13 +315,14 @@ class StageModel:
       x = self._embed(inp, toks)
     else:
       x = inp.float() if self._bdtype != dtypes.float32 else inp
-    x = self._blocks(x, start_pos)
+    x = self._blocks(x, lambda b, h: b(h, start_pos))
     # .contiguous(): the JIT's output must be a buffer of its own (not a view into the (T, vocab) logits or a function call)
     if self.is_tail: return self.output(self.output_norm(x))[:, -1, :].contiguous()
     return (x.cast(self._bdtype) if self._bdtype != dtypes.float32 else x).contiguous()
 
-  def _blocks(self, x: Tensor, start_pos: int | UOp) -> Tensor:
-    """x through this stage's blocks. Tracing a block into its tinygrad function costs ~0.5 s of Python; blocks with
+  def _blocks(self, x: Tensor, call: Callable[[TransformerBlock, Tensor], Tensor]) -> Tensor:
+    """x through this stage's blocks, `call(block, x)` tracing each into a tinygrad function. Tracing a block into its
+    tinygrad function costs ~0.5 s of Python; blocks with
     the same tensor types and shapes trace to the same function body, so the first one of each kind is traced and
     the others call that body with their own weights and cache (PYRUNTIME_TRACE_REUSE=0 traces every block)."""
     traced: dict[tuple, tuple[UOp, TransformerBlock]] = {}
@@ -329,7 +333,7 @@ class StageModel:
         bufmap = {ua: ub for k in sa for ua, ub in zip(_buffers(sa[k].uop), _buffers(sb[k].uop), strict=True) if ua is not ub}
         x = Tensor(fn.replace(src=(fn.src[0], x.uop, *(u.substitute(bufmap) for u in fn.src[2:]))).gettuple(0))
         continue
-      out = b(x, start_pos)
+      out = call(b, x)
       fn = out.uop.src[0] if out.uop.op is Ops.GETTUPLE else None
       # reuse only what has the layout we rely on: FUNCTION(body, x, *inputs)
       if fn is not None and fn.op is Ops.FUNCTION and len(fn.src) > 2 and fn.src[1] is x.uop: traced[sig] = (fn, b)
@@ -346,6 +350,8 @@ class StageModel:
     cfg, S = self.config, self.slots
     self._v_kv_len = UOp.variable("kv_len", 1, cfg.max_context)
     self._batch_jits: dict[int, TinyJit] = {}
+    self._shape_for: dict[int, int] = {}   # rows -> batch shape, chosen by measured step time (warm_up)
+    self.shape_ms: dict[int, float] = {}   # measured step time of each batch shape
     self._batch_pos = self._empty((S,), dtypes.int32)
     self._batch_rope = self._empty((S, cfg.rope_dim), dtypes.float32)
     self._arange = Tensor.arange(cfg.max_context, dtype=dtypes.int32, device=self.device).contiguous().realize()
@@ -354,7 +360,9 @@ class StageModel:
     else: self._batch_in = self._empty((S, 1, cfg.dim), self._bdtype)
 
   def batch_rows(self, n: int) -> int:
-    """The batch shape that holds n rows: a power of two (at most the slot count)."""
+    """The batch shape n rows run in: the cheapest measured shape that holds them (see warm_up), else the smallest
+    power of two (at most the slot count). Any shape >= n gives every row the same numbers (batch invariance)."""
+    if (shape := self._shape_for.get(n)) is not None: return shape
     return min(self.slots, 1 << (n - 1).bit_length())
 
   def _run_batch(self, inp: Tensor, positions: Tensor, rope: Tensor, rows: int, kv_len: UOp, kvs: list[Tensor]) -> Tensor:
@@ -373,9 +381,15 @@ class StageModel:
     seen = self._arange[:kv_len].reshape(1, 1, 1, kv_len)
     mask = (seen > pos).where(float("-inf"), 0.0).cast(x.dtype)
     here = (seen == pos).reshape(rows, 1, 1, kv_len, 1)
-    for b, kv in zip(self.blk, kvs, strict=True):
-      h = x + self._batch_attention(b, b.attn_norm(x), cos, sin, mask, here, kv[:rows], kv_len)
-      x = (h + b._feed_forward(b.ffn_norm(h))).contiguous()
+    for b, kv in zip(self.blk, kvs, strict=True): b.batch_kv = kv[:rows]
+
+    def call(b: TransformerBlock, x: Tensor) -> Tensor:
+      @function(precompile=PRECOMPILE, allow_implicit=True)
+      def _run(x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, here: Tensor, kv_len: UOp) -> Tensor:
+        h = x + self._batch_attention(b, b.attn_norm(x), cos, sin, mask, here, b.batch_kv, kv_len)
+        return (h + b._feed_forward(b.ffn_norm(h))).contiguous()
+      return _run(x, cos, sin, mask, here, kv_len)
+    x = self._blocks(x, call)
     if self.is_tail: return self.output(self.output_norm(x))[:, -1, :].contiguous()
     return (x.cast(self._bdtype) if self._bdtype != dtypes.float32 else x).contiguous()
 
@@ -548,6 +562,29 @@ class StageModel:
     n = prod(shape)
     view = buf if buf.size == n else buf.view(n, buf.dtype, 0).ensure_allocated()
     return Tensor(UOp.from_buffer(view)).reshape(shape)
+
+  def warm_up(self, batched: bool = True) -> list[int]:
+    """Capture the JITs of every batch shape now (a prefill chunk, and a decode step of 1, 2, 4, ... rows; or with
+    batched=False the reference's T=1 decode), so no stream ever waits for a kernel compilation mid-flight; then time
+    each shape and let n rows run in the cheapest shape that holds them (a larger shape can be cheaper: kernel
+    heuristics differ by shape). Leaves every slot empty. Returns the shapes."""
+    shapes = sorted({min(self.slots, 1 << k) for k in range(self.slots.bit_length() + 1)}) if batched else []
+    zeros = np.zeros(1, np.uint32) if self.is_head else np.zeros((1, self.dim), DTYPES[self.boundary_dtype])
+    for slot in range(self.slots):
+      self.reset_slot(slot)
+      self.forward(slot, zeros, 0, prefill=True)
+    if not batched: self.forward(0, zeros, 1, prefill=False)
+
+    def step(rows: int) -> float:
+      t0 = time.perf_counter()
+      self.forward_batch(list(range(rows)), np.repeat(zeros, rows, axis=0), [1] * rows).numpy()
+      for slot in range(rows): self._pos[slot] = 1
+      return time.perf_counter() - t0
+    for rows in shapes: step(rows)  # capture
+    self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
+    self._shape_for = {n: min((r for r in shapes if r >= n), key=lambda r: (self.shape_ms[r], r)) for n in range(1, self.slots + 1)}
+    for slot in range(self.slots): self.reset_slot(slot)
+    return shapes
 
   def rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
     """The rows of a forward_batch result that belong to `slots`, each a realized view of its own (no copy)."""

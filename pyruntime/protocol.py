@@ -124,6 +124,7 @@ class Event:
   WORKER_READY = "WorkerReady"
   ROLE_CONFIGURED = "RoleConfigured"
   WEIGHTS_LOADED = "WeightsLoaded"
+  WARMED_UP = "WarmedUp"
   DOWNLOAD_PROGRESS = "DownloadProgress"
   RING_INSTALLED = "RingInstalled"
   RING_UNINSTALLED = "RingUninstalled"

@@ -605,7 +605,7 @@ def serve(args: Any) -> int:
   if max_body < 0: raise errors.InvalidOption("max_body_bytes", f"must be >= 0, got {max_body}")
   for name, v in (("timeout_request_head", t_head), ("timeout_request_body", t_body), ("timeout_keep_alive", t_keep_alive)):
     if not v > 0: raise errors.InvalidOption(name, f"must be > 0 seconds, got {v}")
-  lm = _launcher(args)
+  lm = _launcher(args, warmup=True)  # a server captures every batch shape's kernels before it takes requests
   lm.start()
   try:
     app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body)

@@ -82,6 +82,7 @@ class Stream:
   position: int = 0                  # the next position expected on ingress
   pending: collections.deque = field(default_factory=collections.deque)  # (position, rows) taken from the ring, not yet computed
   failed: bool = False               # an ERROR went downstream; what still arrives is dropped until the CLOSE
+  waiting_since: int = 0             # ring sequence of the oldest record waiting
   sampler: Any = None
   history: list[int] = field(default_factory=list)
   end_ids: frozenset[int] = frozenset()
@@ -106,6 +107,7 @@ class Stage:
     self.loaded: Any = None          # the record RingReadable loaded, in step mode
     self.looping = False             # the data loop runs (InstallRing in mode "loop")
     self.decode_mode = "batched"
+    self.micro_batches = 1
     self.profile_report: Callable[[], None] | None = None
     self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "decode_steps": 0,
                   "decode_rows": 0, "max_batch": 0, "prefill_chunks": 0, "stream_errors": 0, "started": time.monotonic()}
@@ -133,10 +135,13 @@ class Stage:
     try:
       role = {"stage": int(cmd["stage"]), "start": int(cmd["start"]), "end": int(cmd["end"]),
               "slots": int(cmd.get("slots", 4)), "boundary_dtype": str(cmd.get("boundary_dtype", "float32")),
-              "max_context": cmd.get("max_context"), "decode": str(cmd.get("decode", "batched"))}
+              "max_context": cmd.get("max_context"), "decode": str(cmd.get("decode", "batched")), "warmup": bool(cmd.get("warmup", False)),
+              "micro_batches": int(cmd.get("micro_batches", 1))}
     except (KeyError, TypeError, ValueError) as e: raise Fatal("InvalidCommand", f"ConfigureRole needs stage, start, end: {e}") from e
     if role["decode"] not in DECODE_MODES: raise Fatal("InvalidCommand", f"decode must be one of {DECODE_MODES}, not {role['decode']!r}")
     self.decode_mode = role["decode"]
+    if role["micro_batches"] < 1: raise Fatal("InvalidCommand", f"micro_batches must be >= 1, not {role['micro_batches']}")
+    self.micro_batches = role["micro_batches"]
     if role["start"] < 0 or role["end"] <= role["start"]:
       raise Fatal("LayerRangeInvalid", f"layer range [{role['start']}, {role['end']}) is empty or negative")
     self.role = role
@@ -163,6 +168,11 @@ class Stage:
                  num_blocks=m.num_blocks, start=m.start, end=m.end, is_head=m.is_head, is_tail=m.is_tail, dim=m.dim,
                  vocab_size=m.vocab_size, context_length=m.context_length, resident_bytes=m.resident_bytes,
                  boundary=m.boundary.to_dict())
+    if r["warmup"]:  # every batch shape's kernels now, not when a stream first needs them
+      t0 = time.monotonic()
+      shapes = m.warm_up(batched=self.decode_mode == "batched")
+      self.ch.emit(Event.WARMED_UP, stage=self.index, batch_shapes=shapes, shape_ms={str(k): round(v, 2) for k, v in m.shape_ms.items()},
+                   elapsed_s=round(time.monotonic() - t0, 3))
 
   def install_ring(self, cmd: dict) -> None:
     if self.model is None: raise Fatal("WeightsNotLoaded", "InstallRing before LoadWeights")
@@ -240,6 +250,7 @@ class Stage:
       self.model.check_rows(x)
     except errors.PyruntimeError as e:
       return self.fail_stream(stream_id, st, e)
+    if not st.pending: st.waiting_since = rec.sequence  # decode rows are taken oldest first
     st.pending.append((pos, x.copy()))  # the ring space is released right after: keep our own copy
     st.position += len(x)
 
@@ -273,8 +284,11 @@ class Stage:
     if (st := self.streams.pop(stream_id, None)) is not None: self.model.reset_slot(st.slot)
 
   def run_step(self) -> None:
-    decode = [(sid, st) for sid, st in self.streams.items() if st.next_is_decode()]
-    if decode: self.decode_step(decode)
+    decode = sorted(((sid, st) for sid, st in self.streams.items() if st.next_is_decode()), key=lambda x: x[1].waiting_since)
+    # micro-batches: with stages on devices of their own, a step takes at most 1/micro_batches of the streams, so the
+    # groups alternate between stages and every stage computes at once (stages sharing one CPU gain nothing by that)
+    cap = -(-len(self.streams) // self.micro_batches)
+    if decode: self.decode_step(decode[:cap])
     if (prefill := next(((sid, st) for sid, st in self.streams.items() if st.pending and not st.next_is_decode()), None)):
       self.prefill_chunk(*prefill)
 

@@ -34,12 +34,16 @@
 
 #include "mo_ring.c"
 
+#ifndef FAST_COPY_NOGIL /* -D for experiments */
 #define FAST_COPY_NOGIL 65536 /* payloads this large are copied with the GIL released */
+#endif
 /* An empty ring is first watched this long with the GIL held (at most the handle's spin_ns):
  * a record that comes within it is taken without the GIL release and re-take (~0.1-0.2 us on
  * the critical path of a ping-pong).  Other Python threads of the process wait at most this
  * long; past it the wait continues in C without the GIL, as before. */
+#ifndef FAST_GIL_SPIN_NS /* -D for experiments */
 #define FAST_GIL_SPIN_NS 5000
+#endif
 
 /* --- argument helpers ------------------------------------------------------------------------ */
 

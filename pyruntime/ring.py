@@ -12,7 +12,9 @@ consumer (Reader), normally in different processes.  Records are MO01 (SPEC sect
 
 Timeouts everywhere: None waits without limit (but still ends with RingClosed or PeerDead), 0
 never waits (WouldBlock), a positive number of seconds waits at most that long (RingTimeout).
-Blocking calls release the GIL and let signal handlers (Ctrl-C, SIGTERM) run.
+Blocking calls release the GIL and let signal handlers (Ctrl-C, SIGTERM) run.  (With the
+pyruntime._ringfast binding, an unbounded read first watches the empty ring for at most 5 us with
+the GIL held -- see native/mo_fast.c, FAST_GIL_SPIN_NS -- then waits without it.)
 
 Writers and Readers are not thread-safe: use each from one thread at a time.
 """

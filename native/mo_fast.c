@@ -34,6 +34,10 @@
 
 #include "mo_ring.c"
 
+/* What pyruntime/ring.py expects of this module (FAST_API there): bump on any change to the
+ * methods or types it uses, so that a stale build is ignored rather than half-used. */
+#define FAST_API 2
+
 #ifndef FAST_COPY_NOGIL /* -D for experiments */
 #define FAST_COPY_NOGIL 65536 /* payloads this large are copied with the GIL released */
 #endif
@@ -652,7 +656,8 @@ PyMODINIT_FUNC PyInit__ringfast(void) {
   PyObject *m = PyModule_Create(&fastmodule);
   if (!m) return NULL;
   /* sizes of the handle structs as compiled here: ring.py checks them against cffi's */
-  if (PyModule_AddIntConstant(m, "SIZEOF_PRODUCER", (long)sizeof(mo_producer)) < 0 ||
+  if (PyModule_AddIntConstant(m, "API", FAST_API) < 0 ||
+      PyModule_AddIntConstant(m, "SIZEOF_PRODUCER", (long)sizeof(mo_producer)) < 0 ||
       PyModule_AddIntConstant(m, "SIZEOF_CONSUMER", (long)sizeof(mo_consumer)) < 0 ||
       PyModule_AddIntConstant(m, "SIZEOF_VIEW", (long)sizeof(mo_view)) < 0) {
     Py_DECREF(m);

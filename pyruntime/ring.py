@@ -51,15 +51,19 @@ __all__ = ["Arena", "Writer", "Reader", "Record", "RecordBatch", "RingSpec", "cl
            "HEADER_LEN", "record_size", "encode_header"]
 
 
+_FAST_API = 2  # FAST_API in native/mo_fast.c
+
+
 def _load_fast():
-  """pyruntime._ringfast (native/mo_fast.c) if it is built and agrees with cffi on the handle
-  layout; else None, and the ring runs on cffi alone."""
+  """pyruntime._ringfast (native/mo_fast.c) if it is built, is the API version this file uses (a
+  stale build of older sources is ignored) and agrees with cffi on the handle layout; else
+  None, and the ring runs on cffi alone."""
   try:
     from . import _ringfast
   except ImportError:
     return None
-  same = (_ringfast.SIZEOF_PRODUCER, _ringfast.SIZEOF_CONSUMER, _ringfast.SIZEOF_VIEW) == \
-      (ffi.sizeof("mo_producer"), ffi.sizeof("mo_consumer"), ffi.sizeof("mo_view"))
+  same = (getattr(_ringfast, "API", 0), _ringfast.SIZEOF_PRODUCER, _ringfast.SIZEOF_CONSUMER, _ringfast.SIZEOF_VIEW) == \
+      (_FAST_API, ffi.sizeof("mo_producer"), ffi.sizeof("mo_consumer"), ffi.sizeof("mo_view"))
   return _ringfast if same else None
 
 

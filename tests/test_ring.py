@@ -290,6 +290,26 @@ def test_writers_and_readers_die_with_their_last_reference(ring_binding):
       gc.enable()
 
 
+
+def test_a_fast_extension_of_another_api_version_is_ignored(monkeypatch):
+  """A stale pyruntime._ringfast (older sources, or another checkout's build found on the path)
+  is not half-used: ring.py falls back to cffi alone."""
+  import types
+
+  import pyruntime
+  from pyruntime import ring
+  from pyruntime._ring import ffi
+  fake = types.ModuleType("pyruntime._ringfast")
+  fake.SIZEOF_PRODUCER, fake.SIZEOF_CONSUMER, fake.SIZEOF_VIEW = (ffi.sizeof(t) for t in ("mo_producer", "mo_consumer", "mo_view"))
+  monkeypatch.setitem(sys.modules, "pyruntime._ringfast", fake)
+  monkeypatch.setattr(pyruntime, "_ringfast", fake, raising=False)
+  assert ring._load_fast() is None  # no API constant: the first fast path's build
+  fake.API = ring._FAST_API - 1
+  assert ring._load_fast() is None
+  fake.API = ring._FAST_API
+  assert ring._load_fast() is fake
+
+
 # --- batches ---------------------------------------------------------------------------------
 def test_deferred_commits_publish_with_one_store():
   with make(RingSpec(4096, 256)) as a:

@@ -17,6 +17,14 @@
  * BufferError for a payload that is not a contiguous buffer, OverflowError for an integer out of
  * its C type's range.
  *
+ * Records: `Record` is a record slot (a mo_view the consumer fills) with its header fields as C
+ * getters and the buffer protocol over its payload, so `rec.payload` / `rec.object_id` cost no
+ * cffi call.  Consumer.read / next_record and Producer.write are vectorcall entry points that do
+ * the common case (no arguments but the record) entirely in C and hand anything else -- keyword
+ * arguments, a timeout, a status that is not MO_OK -- to a Python function given at bind time,
+ * which owns the semantics (timeouts, signals, named errors).  Those hold the Writer/Reader only
+ * through a weak reference: no reference cycle, the Python objects die as before.
+ *
  * The library is compiled into this module (one translation unit: the hot paths inline) with
  * hidden visibility, so it does not clash with the copy inside pyruntime._ring.  Both copies
  * work on the same handle structs declared in mo_ring.h: the layout has one source.
@@ -26,7 +34,20 @@
 
 #include "mo_ring.c"
 
+/* What pyruntime/ring.py expects of this module (FAST_API there): bump on any change to the
+ * methods or types it uses, so that a stale build is ignored rather than half-used. */
+#define FAST_API 2
+
+#ifndef FAST_COPY_NOGIL /* -D for experiments */
 #define FAST_COPY_NOGIL 65536 /* payloads this large are copied with the GIL released */
+#endif
+/* An empty ring is first watched this long with the GIL held (at most the handle's spin_ns):
+ * a record that comes within it is taken without the GIL release and re-take (~0.1-0.2 us on
+ * the critical path of a ping-pong).  Other Python threads of the process wait at most this
+ * long; past it the wait continues in C without the GIL, as before. */
+#ifndef FAST_GIL_SPIN_NS /* -D for experiments */
+#define FAST_GIL_SPIN_NS 5000
+#endif
 
 /* --- argument helpers ------------------------------------------------------------------------ */
 
@@ -87,12 +108,71 @@ static void payload_put(payload_ref *pr) {
   if (pr->has_view) PyBuffer_Release(&pr->view);
 }
 
+
+/* --- hand-off to Python ----------------------------------------------------------------------- */
+
+/* Call fn(owner, status, *args, **kw) where owner is the object behind weak reference `wr`
+ * (the Writer/Reader) and args/kwnames are the vectorcall arguments received.  The Python
+ * function does what the C entry point did not: it owns timeouts, retries and error raising. */
+static PyObject *call_slow(PyObject *fn, PyObject *wr, long status, PyObject *const *args, size_t nargsf,
+                           PyObject *kwnames) {
+  if (!fn || !wr) {
+    PyErr_SetString(PyExc_RuntimeError, "pyruntime._ringfast: handle used before bind()");
+    return NULL;
+  }
+  PyObject *owner = PyWeakref_GetObject(wr); /* borrowed */
+  if (!owner || owner == Py_None) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "pyruntime._ringfast: the Writer/Reader is gone");
+    return NULL;
+  }
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  PyObject *small[8];
+  PyObject **stack = small;
+  if (nargs + nkw + 2 > (Py_ssize_t)(sizeof small / sizeof small[0])) {
+    stack = PyMem_Malloc((size_t)(nargs + nkw + 2) * sizeof(PyObject *));
+    if (!stack) return PyErr_NoMemory();
+  }
+  PyObject *st = PyLong_FromLong(status);
+  if (!st) {
+    if (stack != small) PyMem_Free(stack);
+    return NULL;
+  }
+  Py_INCREF(owner);
+  stack[0] = owner;
+  stack[1] = st;
+  for (Py_ssize_t i = 0; i < nargs + nkw; i++) stack[2 + i] = args[i];
+  PyObject *r = PyObject_Vectorcall(fn, stack, (size_t)(nargs + 2), kwnames);
+  Py_DECREF(owner);
+  Py_DECREF(st);
+  if (stack != small) PyMem_Free(stack);
+  return r;
+}
+
+/* bind(owner, slow...): keep a weak reference to owner and the Python fallbacks. */
+static int bind_slow(PyObject *owner, PyObject **wr, PyObject **slots[], PyObject *const *fns, Py_ssize_t n) {
+  PyObject *ref = PyWeakref_NewRef(owner, NULL);
+  if (!ref) return -1;
+  Py_XSETREF(*wr, ref);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (!PyCallable_Check(fns[i])) {
+      PyErr_SetString(PyExc_TypeError, "bind(): the fallbacks must be callable");
+      return -1;
+    }
+    Py_INCREF(fns[i]);
+    Py_XSETREF(*slots[i], fns[i]);
+  }
+  return 0;
+}
+
 /* --- Producer -------------------------------------------------------------------------------- */
 
 typedef struct {
   PyObject_HEAD
   mo_producer *p;
-  PyObject *owner; /* keeps the handle's memory alive */
+  PyObject *owner;      /* keeps the handle's memory alive */
+  PyObject *wr;         /* weak reference to the Writer (bind) */
+  PyObject *write_slow; /* fn(writer, status, *args, **kw): everything fast_write does not do */
 } Producer;
 
 static int handle_init(PyObject *args, void **handle, PyObject **owner) {
@@ -116,6 +196,8 @@ static int Producer_init(Producer *self, PyObject *args, PyObject *kw) {
 
 static void Producer_dealloc(Producer *self) {
   Py_XDECREF(self->owner);
+  Py_XDECREF(self->wr);
+  Py_XDECREF(self->write_slow);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -187,7 +269,37 @@ static PyObject *Producer_commit(Producer *self, PyObject *const *args, Py_ssize
   return PyLong_FromLongLong(r);
 }
 
+/* bind(writer, write_slow) */
+static PyObject *Producer_bind(Producer *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (!nargs_ok("bind", nargs, 2)) return NULL;
+  PyObject **slots[] = {&self->write_slow};
+  if (bind_slow(args[0], &self->wr, slots, args + 1, 1) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* fast_write(object_id, payload, flags=0, timeout=None) -> sequence: Writer.write itself.
+ * Two positional arguments (no flags, no time limit) are done here; a failed conversion or a
+ * status other than MO_OK goes to write_slow(writer, -status or 0, *args, **kw), which raises
+ * the named error or finishes the write (after MO_INTERRUPTED). */
+static PyObject *Producer_fast_write(Producer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+  if (MO_LIKELY(nargs == 2 && !kwnames)) {
+    uint64_t object_id;
+    payload_ref pr;
+    if (MO_LIKELY(arg_u64(args[0], &object_id) == 0 && payload_get(args[1], &pr) == 0)) {
+      int64_t r = producer_write(self->p, object_id, 0, pr.ptr, pr.len, -1);
+      payload_put(&pr);
+      if (MO_LIKELY(r >= 0)) return PyLong_FromLongLong(r);
+      return call_slow(self->write_slow, self->wr, (long)-r, args, (size_t)nargs, kwnames);
+    }
+    PyErr_Clear(); /* the Python side raises the API's own error for it */
+  }
+  return call_slow(self->write_slow, self->wr, 0, args, (size_t)nargs, kwnames);
+}
+
 static PyMethodDef Producer_methods[] = {
+  {"bind", (PyCFunction)(void (*)(void))Producer_bind, METH_FASTCALL, "bind(writer, write_slow)"},
+  {"fast_write", (PyCFunction)(void (*)(void))Producer_fast_write, METH_FASTCALL | METH_KEYWORDS,
+   "fast_write(object_id, payload, flags=0, timeout=None) -> sequence (Writer.write)"},
   {"put", (PyCFunction)(void (*)(void))Producer_put, METH_FASTCALL, "put(object_id, payload) -> sequence or -status"},
   {"write", (PyCFunction)(void (*)(void))Producer_write, METH_FASTCALL,
    "write(object_id, payload, flags, timeout_ns) -> sequence or -status"},
@@ -216,6 +328,10 @@ typedef struct {
   PyObject_HEAD
   mo_consumer *c;
   PyObject *owner;
+  PyObject *recs;      /* list: recs[k] is the Record over c->views[k] (set_records) */
+  PyObject *wr;        /* weak reference to the Reader (bind) */
+  PyObject *read_slow; /* fn(reader, status, *args, **kw) */
+  PyObject *next_slow;
 } Consumer;
 
 static int Consumer_init(Consumer *self, PyObject *args, PyObject *kw) {
@@ -225,13 +341,31 @@ static int Consumer_init(Consumer *self, PyObject *args, PyObject *kw) {
 
 static void Consumer_dealloc(Consumer *self) {
   Py_XDECREF(self->owner);
+  Py_XDECREF(self->recs);
+  Py_XDECREF(self->wr);
+  Py_XDECREF(self->read_slow);
+  Py_XDECREF(self->next_slow);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Take the next record into c->views[c->slot]: try under the GIL, wait without it. */
+/* Take the next record into c->views[c->slot]: try under the GIL, watch the ring for up to
+ * FAST_GIL_SPIN_NS (and the handle's spin_ns) still holding it, then wait without it. */
 static mo_status consumer_take(mo_consumer *c, int64_t timeout_ns) {
   mo_status st = mo_consumer_take_timed(c, 0);
   if (MO_LIKELY(st != MO_WOULD_BLOCK) || timeout_ns == 0) return st;
+  uint64_t spin = c->spin_ns < FAST_GIL_SPIN_NS ? c->spin_ns : FAST_GIL_SPIN_NS;
+  if (spin && timeout_ns < 0) { /* a bounded wait keeps its deadline in C */
+    int64_t end = now_ns() + (int64_t)spin;
+    for (uint32_t i = 1;; i++) {
+      cpu_relax();
+      /* the producer's cursor, as the library's own spin watches it; take() loads it with acquire */
+      if (atomic_load_explicit(&c->r.ctrl->head, RELAXED) != c->rpos) {
+        st = mo_consumer_take_timed(c, 0);
+        if (st != MO_WOULD_BLOCK) return st; /* else: only padding was published */
+      }
+      if ((i & 63) == 0 && now_ns() >= end) break;
+    }
+  }
   Py_BEGIN_ALLOW_THREADS
   st = mo_consumer_take_timed(c, timeout_ns);
   Py_END_ALLOW_THREADS
@@ -264,7 +398,99 @@ static PyObject *Consumer_release(Consumer *self, PyObject *unused) {
   return PyLong_FromUnsignedLongLong(mo_consumer_release(self->c));
 }
 
+/* bind(reader, read_slow, next_slow) */
+static PyObject *Consumer_bind(Consumer *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (!nargs_ok("bind", nargs, 3)) return NULL;
+  PyObject **slots[] = {&self->read_slow, &self->next_slow};
+  if (bind_slow(args[0], &self->wr, slots, args + 1, 2) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* set_records(list): recs[k] is the Record over views[k]; called whenever views change. */
+static PyObject *Consumer_set_records(Consumer *self, PyObject *recs) {
+  if (!PyList_CheckExact(recs)) {
+    PyErr_SetString(PyExc_TypeError, "set_records() needs a list");
+    return NULL;
+  }
+  Py_INCREF(recs);
+  Py_XSETREF(self->recs, recs);
+  Py_RETURN_NONE;
+}
+
+/* recs[k], new reference, or NULL (no error set) when there is no such Record. */
+static PyObject *record_at(Consumer *self, uint32_t k) {
+  if (MO_UNLIKELY(!self->recs || (Py_ssize_t)k >= PyList_GET_SIZE(self->recs))) return NULL;
+  PyObject *r = PyList_GET_ITEM(self->recs, k);
+  Py_INCREF(r);
+  return r;
+}
+
+/* fast_read(timeout=None) -> Record: Reader.read itself.  Without arguments, and while a view
+ * slot is free, done here; else read_slow(reader, status or 0, *args, **kw). */
+static PyObject *Consumer_fast_read(Consumer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+  mo_consumer *c = self->c;
+  if (MO_LIKELY(nargs == 0 && !kwnames && c->slot < c->nviews && self->recs &&
+                (Py_ssize_t)c->slot < PyList_GET_SIZE(self->recs))) {
+    uint32_t k = c->slot;
+    mo_status st = consumer_take(c, -1);
+    if (MO_LIKELY(st == MO_OK)) {
+      PyObject *r = record_at(self, k);
+      if (r) return r;
+    }
+    return call_slow(self->read_slow, self->wr, (long)st, args, (size_t)nargs, kwnames);
+  }
+  return call_slow(self->read_slow, self->wr, 0, args, (size_t)nargs, kwnames);
+}
+
+/* fast_next(timeout=None) -> Record: Reader.next_record itself (release, then read into slot 0). */
+static PyObject *Consumer_fast_next(Consumer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+  if (MO_LIKELY(nargs == 0 && !kwnames && self->recs && PyList_GET_SIZE(self->recs) > 0)) {
+    mo_consumer_release(self->c);
+    mo_status st = consumer_take(self->c, -1);
+    if (MO_LIKELY(st == MO_OK)) {
+      PyObject *r = record_at(self, 0);
+      if (r) return r;
+    }
+    return call_slow(self->next_slow, self->wr, (long)st, args, (size_t)nargs, kwnames);
+  }
+  return call_slow(self->next_slow, self->wr, 0, args, (size_t)nargs, kwnames);
+}
+
+/* read_many(out, max, timeout_ns) -> records taken into out (a writable buffer of at least max
+ * mo_view), or -status.  Tries under the GIL, waits without it. */
+static PyObject *Consumer_read_many(Consumer *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (!nargs_ok("read_many", nargs, 3)) return NULL;
+  uint32_t max;
+  int64_t timeout_ns;
+  if (arg_u32(args[1], &max) < 0 || arg_i64(args[2], &timeout_ns) < 0) return NULL;
+  Py_buffer out;
+  if (PyObject_GetBuffer(args[0], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+  if ((uint64_t)out.len < (uint64_t)max * sizeof(mo_view)) {
+    PyBuffer_Release(&out);
+    PyErr_SetString(PyExc_ValueError, "read_many(): out holds fewer than max views");
+    return NULL;
+  }
+  uint32_t n = 0;
+  mo_status st = mo_consumer_read_many(self->c, out.buf, max, 0, &n);
+  if (st == MO_WOULD_BLOCK && timeout_ns != 0) {
+    Py_BEGIN_ALLOW_THREADS
+    st = mo_consumer_read_many(self->c, out.buf, max, timeout_ns, &n);
+    Py_END_ALLOW_THREADS
+  }
+  PyBuffer_Release(&out);
+  if (st != MO_OK) return PyLong_FromLong(-(long)st);
+  return PyLong_FromUnsignedLong(n);
+}
+
 static PyMethodDef Consumer_methods[] = {
+  {"bind", (PyCFunction)(void (*)(void))Consumer_bind, METH_FASTCALL, "bind(reader, read_slow, next_slow)"},
+  {"set_records", (PyCFunction)Consumer_set_records, METH_O, "set_records(list): recs[k] is the Record over views[k]"},
+  {"fast_read", (PyCFunction)(void (*)(void))Consumer_fast_read, METH_FASTCALL | METH_KEYWORDS,
+   "fast_read(timeout=None) -> Record (Reader.read)"},
+  {"fast_next", (PyCFunction)(void (*)(void))Consumer_fast_next, METH_FASTCALL | METH_KEYWORDS,
+   "fast_next(timeout=None) -> Record (Reader.next_record)"},
+  {"read_many", (PyCFunction)(void (*)(void))Consumer_read_many, METH_FASTCALL,
+   "read_many(out, max, timeout_ns) -> records taken into out, or -status"},
   {"take", (PyCFunction)(void (*)(void))Consumer_take, METH_FASTCALL, "take(timeout_ns) -> status"},
   {"take_next", (PyCFunction)(void (*)(void))Consumer_take_next, METH_FASTCALL,
    "take_next(timeout_ns) -> status (release, then take into views[0])"},
@@ -284,6 +510,138 @@ static PyTypeObject ConsumerType = {
   .tp_methods = Consumer_methods,
 };
 
+/* --- Record ---------------------------------------------------------------------------------- */
+
+/* One record slot: the mo_view at `v` (filled by the consumer), read through C getters, and the
+ * buffer protocol over its payload (read-only; `np.frombuffer(rec)`, `bytes(rec)` copy or view
+ * without an intermediate memoryview).  While any buffer over a payload is alive the Record
+ * holds one export of `data` (the Reader's view of the ring's data region), so the mapping
+ * outlives the arena's close exactly as a slice of that view would. */
+typedef struct {
+  PyObject_HEAD
+  const mo_view *v;
+  PyObject *owner;     /* keeps *v's memory alive (the cffi array of views) */
+  PyObject *data;      /* read-only memoryview of the ring's data region */
+  Py_ssize_t exports;  /* buffers handed out over payloads */
+  Py_buffer hold;      /* export of data, held while exports > 0 */
+} Record;
+
+static int Record_init(Record *self, PyObject *args, PyObject *kw) {
+  (void)kw;
+  PyObject *addr, *own, *data;
+  if (!PyArg_ParseTuple(args, "OOO", &addr, &own, &data)) return -1;
+  if (self->exports) {
+    PyErr_SetString(PyExc_BufferError, "Record: payload buffers are exported");
+    return -1;
+  }
+  void *v = PyLong_AsVoidPtr(addr);
+  if (!v) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "null view");
+    return -1;
+  }
+  Py_INCREF(own);
+  Py_XSETREF(self->owner, own);
+  Py_INCREF(data);
+  Py_XSETREF(self->data, data);
+  self->v = v;
+  return 0;
+}
+
+static void Record_dealloc(Record *self) {
+  Py_XDECREF(self->owner);
+  Py_XDECREF(self->data);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Record_getbuffer(Record *self, Py_buffer *view, int flags) {
+  if (!self->v || !self->data) {
+    PyErr_SetString(PyExc_BufferError, "Record: not initialised");
+    view->obj = NULL;
+    return -1;
+  }
+  if (self->exports == 0 && PyObject_GetBuffer(self->data, &self->hold, PyBUF_SIMPLE) < 0) {
+    view->obj = NULL;
+    return -1; /* e.g. ValueError: the data view was released (arena closed) */
+  }
+  uint64_t o = self->v->data_offset, e = self->v->extent;
+  if (o > (uint64_t)self->hold.len || e > (uint64_t)self->hold.len - o) {
+    if (self->exports == 0) PyBuffer_Release(&self->hold);
+    PyErr_SetString(PyExc_BufferError, "Record: the payload lies outside the ring's data region");
+    view->obj = NULL;
+    return -1;
+  }
+  if (PyBuffer_FillInfo(view, (PyObject *)self, (char *)self->hold.buf + o, (Py_ssize_t)e, 1, flags) < 0) {
+    if (self->exports == 0) PyBuffer_Release(&self->hold);
+    return -1;
+  }
+  self->exports++;
+  return 0;
+}
+
+static void Record_releasebuffer(Record *self, Py_buffer *view) {
+  (void)view;
+  if (--self->exports == 0) PyBuffer_Release(&self->hold);
+}
+
+static PyBufferProcs Record_as_buffer = {
+  .bf_getbuffer = (getbufferproc)Record_getbuffer,
+  .bf_releasebuffer = (releasebufferproc)Record_releasebuffer,
+};
+
+#define RECORD_U64(field)                                                              \
+  static PyObject *Record_get_##field(Record *self, void *closure) {                    \
+    (void)closure;                                                                     \
+    if (MO_UNLIKELY(!self->v)) Py_RETURN_NONE;                                         \
+    return PyLong_FromUnsignedLongLong(self->v->field);                                \
+  }
+RECORD_U64(object_id)
+RECORD_U64(sequence)
+RECORD_U64(extent)
+RECORD_U64(flags)
+RECORD_U64(position)
+RECORD_U64(data_offset)
+
+/* payload: a read-only memoryview over the payload in the ring (no copy): a slice of `data`, as
+ * the cffi binding makes it (one memoryview object; a memoryview over the Record itself would
+ * need a managed buffer object as well, ~50 ns more). */
+static PyObject *Record_get_payload(Record *self, void *closure) {
+  (void)closure;
+  if (MO_UNLIKELY(!self->v || !self->data)) {
+    PyErr_SetString(PyExc_ValueError, "Record: not initialised");
+    return NULL;
+  }
+  uint64_t o = self->v->data_offset, e = self->v->extent;
+  if (MO_UNLIKELY(o > (uint64_t)PY_SSIZE_T_MAX || e > (uint64_t)PY_SSIZE_T_MAX - o)) {
+    PyErr_SetString(PyExc_BufferError, "Record: the payload lies outside the ring's data region");
+    return NULL;
+  }
+  return PySequence_GetSlice(self->data, (Py_ssize_t)o, (Py_ssize_t)(o + e));
+}
+
+static PyGetSetDef Record_getset[] = {
+  {"object_id", (getter)Record_get_object_id, NULL, "object id from the header", NULL},
+  {"sequence", (getter)Record_get_sequence, NULL, "sequence number from the header", NULL},
+  {"flags", (getter)Record_get_flags, NULL, "flags from the header", NULL},
+  {"extent", (getter)Record_get_extent, NULL, "payload bytes", NULL},
+  {"position", (getter)Record_get_position, NULL, "free-running byte position of the header", NULL},
+  {"data_offset", (getter)Record_get_data_offset, NULL, "payload offset in the data region", NULL},
+  {"payload", (getter)Record_get_payload, NULL, "read-only view of the payload in shared memory (no copy)", NULL},
+  {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject RecordType = {
+  PyVarObject_HEAD_INIT(NULL, 0)
+  .tp_name = "pyruntime._ringfast.Record",
+  .tp_doc = "Record(view_address, owner, data): one record slot read through C (pyruntime.ring subclasses it)",
+  .tp_basicsize = sizeof(Record),
+  .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+  .tp_new = PyType_GenericNew,
+  .tp_init = (initproc)Record_init,
+  .tp_dealloc = (destructor)Record_dealloc,
+  .tp_getset = Record_getset,
+  .tp_as_buffer = &Record_as_buffer,
+};
+
 /* --- module ---------------------------------------------------------------------------------- */
 
 static struct PyModuleDef fastmodule = {
@@ -293,11 +651,13 @@ static struct PyModuleDef fastmodule = {
 };
 
 PyMODINIT_FUNC PyInit__ringfast(void) {
-  if (PyType_Ready(&ProducerType) < 0 || PyType_Ready(&ConsumerType) < 0) return NULL;
+  if (PyType_Ready(&ProducerType) < 0 || PyType_Ready(&ConsumerType) < 0 || PyType_Ready(&RecordType) < 0)
+    return NULL;
   PyObject *m = PyModule_Create(&fastmodule);
   if (!m) return NULL;
   /* sizes of the handle structs as compiled here: ring.py checks them against cffi's */
-  if (PyModule_AddIntConstant(m, "SIZEOF_PRODUCER", (long)sizeof(mo_producer)) < 0 ||
+  if (PyModule_AddIntConstant(m, "API", FAST_API) < 0 ||
+      PyModule_AddIntConstant(m, "SIZEOF_PRODUCER", (long)sizeof(mo_producer)) < 0 ||
       PyModule_AddIntConstant(m, "SIZEOF_CONSUMER", (long)sizeof(mo_consumer)) < 0 ||
       PyModule_AddIntConstant(m, "SIZEOF_VIEW", (long)sizeof(mo_view)) < 0) {
     Py_DECREF(m);
@@ -312,6 +672,12 @@ PyMODINIT_FUNC PyInit__ringfast(void) {
   Py_INCREF(&ConsumerType);
   if (PyModule_AddObject(m, "Consumer", (PyObject *)&ConsumerType) < 0) {
     Py_DECREF(&ConsumerType);
+    Py_DECREF(m);
+    return NULL;
+  }
+  Py_INCREF(&RecordType);
+  if (PyModule_AddObject(m, "Record", (PyObject *)&RecordType) < 0) {
+    Py_DECREF(&RecordType);
     Py_DECREF(m);
     return NULL;
   }

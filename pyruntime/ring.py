@@ -12,12 +12,15 @@ consumer (Reader), normally in different processes.  Records are MO01 (docs/wire
 
 Timeouts everywhere: None waits without limit (but still ends with RingClosed or PeerDead), 0
 never waits (WouldBlock), a positive number of seconds waits at most that long (RingTimeout).
-Blocking calls release the GIL and let signal handlers (Ctrl-C, SIGTERM) run.
+Blocking calls release the GIL and let signal handlers (Ctrl-C, SIGTERM) run.  (With the
+pyruntime._ringfast binding, an unbounded read first watches the empty ring for at most 5 us with
+the GIL held -- see native/mo_fast.c, FAST_GIL_SPIN_NS -- then waits without it.)
 
 Writers and Readers are not thread-safe: use each from one thread at a time.
 """
 from __future__ import annotations
 
+import abc
 import mmap
 import operator
 import os
@@ -48,15 +51,19 @@ __all__ = ["Arena", "Writer", "Reader", "Record", "RecordBatch", "RingSpec", "cl
            "HEADER_LEN", "record_size", "encode_header"]
 
 
+_FAST_API = 2  # FAST_API in native/mo_fast.c
+
+
 def _load_fast():
-  """pyruntime._ringfast (native/mo_fast.c) if it is built and agrees with cffi on the handle
-  layout; else None, and the ring runs on cffi alone."""
+  """pyruntime._ringfast (native/mo_fast.c) if it is built, is the API version this file uses (a
+  stale build of older sources is ignored) and agrees with cffi on the handle layout; else
+  None, and the ring runs on cffi alone."""
   try:
     from . import _ringfast
   except ImportError:
     return None
-  same = (_ringfast.SIZEOF_PRODUCER, _ringfast.SIZEOF_CONSUMER, _ringfast.SIZEOF_VIEW) == \
-      (ffi.sizeof("mo_producer"), ffi.sizeof("mo_consumer"), ffi.sizeof("mo_view"))
+  same = (getattr(_ringfast, "API", 0), _ringfast.SIZEOF_PRODUCER, _ringfast.SIZEOF_CONSUMER, _ringfast.SIZEOF_VIEW) == \
+      (_FAST_API, ffi.sizeof("mo_producer"), ffi.sizeof("mo_consumer"), ffi.sizeof("mo_view"))
   return _ringfast if same else None
 
 
@@ -546,16 +553,23 @@ class Writer:
 
 class _FastWriter(Writer):
   """Writer whose per-record calls go through pyruntime._ringfast: same handle, same behaviour,
-  no cffi call per record (the GIL is released only to wait or to copy a large payload)."""
+  no cffi call per record (the GIL is released only to wait or to copy a large payload).
+  `write(object_id, payload)` is a C entry point (an instance slot); other arguments and every
+  status but MO_OK come back to _write_slow."""
 
-  __slots__ = ("_fw", "_fput")
+  __slots__ = ("_fw", "_fput", "write")
 
   def __init__(self, arena: Arena, ring):
     super().__init__(arena, ring)
-    self._fw = _fast.Producer(int(ffi.cast("uintptr_t", self._p)), self._p)
-    self._fput = self._fw.put
+    fw = _fast.Producer(int(ffi.cast("uintptr_t", self._p)), self._p)
+    self._fw, self._fput = fw, fw.put
+    fw.bind(self, _FastWriter._write_slow)
+    self.write = fw.fast_write
 
-  def write(self, object_id: int, payload, flags: int = 0, timeout: float | None = None) -> int:
+  def _write_slow(self, status: int, object_id: int, payload, flags: int = 0, timeout: float | None = None) -> int:
+    """Writer.write after the C entry point: status 0 = not tried (arguments the C side does not
+    take, or a conversion it refused: the error is raised here, as Writer.write raises it)."""
+    if status: return self._write_failed(status, object_id, payload, flags, timeout)
     try:
       if timeout is None and not flags:
         r = self._fput(object_id, payload)
@@ -587,9 +601,12 @@ class _FastWriter(Writer):
 
 
 # --- consumer ------------------------------------------------------------------------------------
-class Record:
+class Record(metaclass=abc.ABCMeta):
   """One record, in place in the ring.  Valid until the Reader's next release(); the Reader reuses
-  Record objects after that, so copy what you keep (`bytes(rec.payload)`, `rec.array(...).copy()`)."""
+  Record objects after that, so copy what you keep (`bytes(rec.payload)`, `rec.array(...).copy()`).
+
+  This class reads its fields through cffi; with pyruntime._ringfast the Reader hands out
+  _FastRecord objects instead (same attributes, read in C; isinstance(rec, Record) holds)."""
 
   __slots__ = ("_reader", "_v")
 
@@ -622,6 +639,29 @@ class Record:
             f"extent={self.extent})")
 
 
+if _fast is not None:
+  class _FastRecord(_fast.Record):
+    """Record whose fields and payload are read in C (native/mo_fast.c): the getters object_id,
+    sequence, flags, extent, position and payload come from the extension; the buffer protocol
+    of the object itself is the payload (read-only)."""
+
+    __slots__ = ()
+
+    def array(self, dtype, shape=None) -> np.ndarray:
+      """Zero-copy read-only numpy view of the payload."""
+      a = np.frombuffer(self, dtype=dtype)
+      return a if shape is None else a.reshape(shape)
+
+    def tobytes(self) -> bytes:
+      return bytes(self)
+
+    def __repr__(self) -> str:
+      return (f"Record(object_id={self.object_id}, sequence={self.sequence}, flags={self.flags:#x}, "
+              f"extent={self.extent})")
+
+  Record.register(_FastRecord)
+
+
 _VIEW_FIELDS = ["object_id", "sequence", "extent", "flags", "reserved", "position", "data_offset",
                 "expected_sequence", "magic", "version", "header_len", "payload"]
 _VIEW_FORMATS = {"flags": "<u4", "reserved": "<u4", "magic": "<u4", "version": "<u2", "header_len": "<u2"}
@@ -637,9 +677,10 @@ class RecordBatch:
 
   __slots__ = ("_reader", "_raw", "views")
 
-  def __init__(self, reader: "Reader", raw: bytes):
+  def __init__(self, reader: "Reader", raw):
+    """raw: the mo_view array, as bytes (copied out of cffi) or a VIEW_DTYPE array (filled in place)."""
     self._reader, self._raw = reader, raw
-    self.views = np.frombuffer(raw, dtype=VIEW_DTYPE)
+    self.views = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=VIEW_DTYPE)
 
   def __len__(self) -> int: return len(self.views)
 
@@ -666,9 +707,8 @@ class RecordBatch:
     if i < 0: i += n
     if not 0 <= i < n: raise IndexError(i)
     v = ffi.new("mo_view *")
-    size = VIEW_DTYPE.itemsize
-    ffi.memmove(v, self._raw[i * size:(i + 1) * size], size)
-    return Record(self._reader, v)
+    ffi.memmove(v, self.views[i:i + 1], VIEW_DTYPE.itemsize)
+    return self._reader._record_of(v)
 
   def __iter__(self) -> Iterator[Record]:
     for i in range(len(self.views)): yield self[i]
@@ -743,6 +783,10 @@ class Reader:
     self._c.views, self._c.nviews = pool, cap
     self._recs = [Record(self, pool + k) for k in range(cap)]
     self._cap = cap
+
+  def _record_of(self, v) -> Record:
+    """A Record over a cffi mo_view that the caller keeps (RecordBatch items)."""
+    return Record(self, v)
 
   def read(self, timeout: float | None = None) -> Record:
     """The next record, validated, in place.  It stays valid until release().  Raises WouldBlock
@@ -883,34 +927,51 @@ class Reader:
 
 
 class _FastReader(Reader):
-  """Reader whose per-record calls go through pyruntime._ringfast (see _FastWriter)."""
+  """Reader whose per-record calls go through pyruntime._ringfast: `read()` and `next_record()`
+  without arguments are C entry points (instance slots) that return a _FastRecord; anything else
+  (a timeout, a grown pool, a status that is not MO_OK) comes back to _read_slow/_next_slow."""
 
-  __slots__ = ("_fc", "_ftake", "_ftake_next")
+  __slots__ = ("_fc", "_ftake", "read", "next_record")
 
   def __init__(self, arena: Arena, ring):
-    super().__init__(arena, ring)
-    self._fc = _fast.Consumer(int(ffi.cast("uintptr_t", self._c)), self._c)
-    self._ftake, self._ftake_next = self._fc.take, self._fc.take_next
+    super().__init__(arena, ring)  # _grow(8) below runs before _fc exists
+    fc = _fast.Consumer(int(ffi.cast("uintptr_t", self._c)), self._c)
+    self._fc, self._ftake = fc, fc.take
+    fc.set_records(self._recs)
+    fc.bind(self, _FastReader._read_slow, _FastReader._next_slow)
+    self.read, self.next_record = fc.fast_read, fc.fast_next
 
-  def read(self, timeout: float | None = None) -> Record:
-    n = self._n
-    if n == self._cap: self._grow(2 * n)
-    st = self._ftake(-1 if timeout is None else _timeout_ns(timeout))
-    if st:
-      while st == _INTERRUPTED:
-        st = self._ftake(_remaining_ns(self._c, timeout))
-      if st: raise self._fail(st, self._recs[n]._v)
-    self._n = n + 1
-    return self._recs[n]
+  def _grow(self, cap: int) -> None:
+    pool = ffi.new("mo_view[]", cap)
+    self._pools.append(pool)
+    self._c.views, self._c.nviews = pool, cap
+    base, size, data = int(ffi.cast("uintptr_t", pool)), VIEW_DTYPE.itemsize, self._data
+    self._recs = [_FastRecord(base + k * size, pool, data) for k in range(cap)]
+    self._cap = cap
+    fc = getattr(self, "_fc", None)
+    if fc is not None: fc.set_records(self._recs)
 
-  def next_record(self, timeout: float | None = None) -> Record:
-    st = self._ftake_next(-1 if timeout is None else _timeout_ns(timeout))
-    if st:
-      self._n = 0
-      while st == _INTERRUPTED:
-        st = self._ftake(_remaining_ns(self._c, timeout))
-      if st: raise self._fail(st, self._recs[0]._v)
-    self._n = 1
+  def _record_of(self, v) -> Record:
+    return _FastRecord(int(ffi.cast("uintptr_t", v)), v, self._data)
+
+  def _read_slow(self, status: int, timeout: float | None = None) -> Record:
+    """Reader.read after the C entry point: status 0 = not tried (arguments, or no free slot)."""
+    c = self._c
+    if not status:
+      t = -1 if timeout is None else _timeout_ns(timeout)
+      if c.slot == self._cap: self._grow(2 * self._cap)
+      status = self._ftake(t)
+    while status == _INTERRUPTED:
+      status = self._ftake(_remaining_ns(c, timeout))
+    if status: raise self._fail(status, c.views + c.slot)
+    return self._recs[c.slot - 1]
+
+  def _next_slow(self, status: int, timeout: float | None = None) -> Record:
+    """Reader.next_record after the C entry point: status 0 = not tried (arguments)."""
+    if not status: status = self._fc.take_next(-1 if timeout is None else _timeout_ns(timeout))
+    while status == _INTERRUPTED:
+      status = self._ftake(_remaining_ns(self._c, timeout))
+    if status: raise self._fail(status, self._c.views)
     return self._recs[0]
 
   def release(self) -> int:
@@ -918,3 +979,12 @@ class _FastReader(Reader):
     return self._fc.release()
 
   release_many = release
+
+  def read_many(self, max_records: int = 1024, timeout: float | None = None) -> RecordBatch:
+    if max_records < 1: raise ValueError("max_records must be >= 1")
+    out = np.empty(max_records, dtype=VIEW_DTYPE)  # the batch's own array: C fills it in place
+    n = self._fc.read_many(out, max_records, -1 if timeout is None else _timeout_ns(timeout))
+    while n == -_INTERRUPTED:
+      n = self._fc.read_many(out, max_records, _remaining_ns(self._c, timeout))
+    if n < 0: raise self._fail(-n, ffi.from_buffer("mo_view[]", out)[0])
+    return RecordBatch(self, out[:n])

@@ -120,7 +120,7 @@ from pyruntime import ring
 from pyruntime.ring import Arena, RingSpec
 assert ring.BINDING == "fast", ring.BINDING
 N = 20000
-with Arena.create([RingSpec(1 << 12, 512, 1)], prefix="pyruntime-test") as a:
+with Arena.create([RingSpec(1 << 12, 512, 1), RingSpec(1 << 12, 64, 8)], prefix="pyruntime-test") as a:
   w, r = a.writer(0), a.reader(0)
   def produce():
     for j in range(N):
@@ -139,7 +139,25 @@ with Arena.create([RingSpec(1 << 12, 512, 1)], prefix="pyruntime-test") as a:
     j += 1
   t.join()
   assert j == N
+  # the other C entry points: read() with a growing pool, read(timeout), read_many, the Record's
+  # buffer protocol, batch items, a payload view that outlives the arena's close
+  import numpy as np
+  w2, r2 = a.writer(1), a.reader(1)
+  for j in range(40): w2.write(j, bytes([j]) * 8)
+  recs = [r2.read() for _ in range(20)] + [r2.read(timeout=1) for _ in range(20)]
+  assert [x.object_id for x in recs] == list(range(40)) and all(bytes(x) == bytes([k]) * 8 for k, x in enumerate(recs))
+  assert [x.array(np.uint8)[0] for x in recs[:3]] == [0, 1, 2] and isinstance(recs[0], ring.Record)
+  r2.release()
+  w2.write_many(np.arange(30), np.zeros((30, 8), np.uint8))
+  b = r2.read_many(64)
+  assert len(b) == 30 and b[29].object_id == 29 and bytes(b[29].payload) == bytes(8)
+  r2.release()
+  w2.write(99, b"keepkeep")
+  kept = r2.next_record()
+  view = kept.payload
+  arr = kept.array(np.uint8)
 print("fast path ok")
+assert bytes(view) == b"keepkeep" and bytes(arr) == b"keepkeep"
 """
   env = dict(ENV, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0", PYTHONPATH=str(tmp_path),
              PYTHONMALLOC="malloc")

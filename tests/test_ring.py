@@ -231,6 +231,85 @@ def test_many_outstanding_records_keep_their_views():
     assert r.release() == 100
 
 
+
+def test_records_are_records_and_read_the_same_in_both_bindings(ring_binding):
+  """read(), next_record(), read(timeout) and batch items give Record instances with the same
+  fields, payload views and repr, whichever binding made them."""
+  from pyruntime import ring
+  with make(RingSpec(1 << 16, 64)) as a:
+    w, r = a.writer(0), a.reader(0)
+    w.write(7, b"abcdefgh")
+    w.write(object_id=8, payload=bytearray(b"12345678"), flags=5, timeout=1.0)
+    w.write(9, np.arange(2, dtype=np.float32))
+    recs = [r.read(), r.read(timeout=1), r.read(timeout=None)]
+    assert all(isinstance(x, ring.Record) for x in recs)
+    assert [(x.object_id, x.sequence, x.flags, x.extent, x.position) for x in recs] == \
+        [(7, 0, 0, 8, 0), (8, 1, 5, 8, 48), (9, 2, 0, 8, 96)]
+    assert [bytes(x.payload) for x in recs[:2]] == [b"abcdefgh", b"12345678"]
+    assert recs[0].tobytes() == b"abcdefgh" and recs[2].array(np.float32).tolist() == [0.0, 1.0]
+    assert repr(recs[1]) == "Record(object_id=8, sequence=1, flags=0x5, extent=8)"
+    view = recs[0].payload
+    assert view.readonly and view.format == "B" and view.obj is not None
+    with pytest.raises(TypeError):
+      view[0] = 0
+    assert r.release() == 3
+    w.write_many([1, 2], [b"aaaa", b"bbbb"])
+    b = r.read_many(8)
+    item = b[1]
+    assert isinstance(item, ring.Record) and (item.object_id, bytes(item.payload)) == (2, b"bbbb")
+    assert [bytes(p) for p in b.payloads()] == [b"aaaa", b"bbbb"]
+    r.release()
+    w.write(3, b"zzzz")
+    with pytest.raises(errors.OutputExtentAlignmentViolation):
+      w.write(3, b"zzz")  # wrong alignment for this ring: the named error, not a TypeError
+    assert r.next_record().object_id == 3
+    with pytest.raises(errors.WouldBlock):
+      r.next_record(timeout=0)
+    with pytest.raises(ValueError):
+      w.write(1, [1, 2, 3])  # not a buffer
+    with pytest.raises(ValueError):
+      r.read(timeout=-1)
+
+
+def test_writers_and_readers_die_with_their_last_reference(ring_binding):
+  """The fast entry points hold their Writer/Reader weakly: no reference cycle keeps them alive."""
+  import gc
+  import weakref
+  with make() as a:
+    gc.disable()
+    try:
+      w, r = a.writer(0), a.reader(0)
+      w.write(1, b"abcd")
+      r.read()
+      refs = [weakref.ref(w)]
+      if ring_binding == "fast": refs.append(weakref.ref(r))  # cffi Records point back at their Reader
+      w.close(), r.close()
+      del w, r
+      assert [x() for x in refs] == [None] * len(refs)
+    finally:
+      gc.enable()
+
+
+
+def test_a_fast_extension_of_another_api_version_is_ignored(monkeypatch):
+  """A stale pyruntime._ringfast (older sources, or another checkout's build found on the path)
+  is not half-used: ring.py falls back to cffi alone."""
+  import types
+
+  import pyruntime
+  from pyruntime import ring
+  from pyruntime._ring import ffi
+  fake = types.ModuleType("pyruntime._ringfast")
+  fake.SIZEOF_PRODUCER, fake.SIZEOF_CONSUMER, fake.SIZEOF_VIEW = (ffi.sizeof(t) for t in ("mo_producer", "mo_consumer", "mo_view"))
+  monkeypatch.setitem(sys.modules, "pyruntime._ringfast", fake)
+  monkeypatch.setattr(pyruntime, "_ringfast", fake, raising=False)
+  assert ring._load_fast() is None  # no API constant: the first fast path's build
+  fake.API = ring._FAST_API - 1
+  assert ring._load_fast() is None
+  fake.API = ring._FAST_API
+  assert ring._load_fast() is fake
+
+
 # --- batches ---------------------------------------------------------------------------------
 def test_deferred_commits_publish_with_one_store():
   with make(RingSpec(4096, 256)) as a:

@@ -210,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="seconds a request body may take to arrive before it gets 408")
   p.add_argument("--timeout-keep-alive", type=float, default=server.TIMEOUT_KEEP_ALIVE,
                  help="seconds an idle keep-alive connection is kept open")
+  p.add_argument("--shutdown-grace", type=float, default=server.SHUTDOWN_GRACE_S,
+                 help="on SIGTERM, seconds running requests get to finish (new ones get 503) before they are ended")
+  p.add_argument("--restart-attempts", type=int, default=server.RESTART_ATTEMPTS,
+                 help="when a stage dies, restart the pipeline, giving up after this many failed attempts in a row; 0: never restart")
   p.set_defaults(fn=cmd_serve)
   p = command("bench", "benchmarks: ring | pipeline")
   p.add_argument("what", choices=["ring", "pipeline"], help="which benchmark")

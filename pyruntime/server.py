@@ -2,14 +2,19 @@
 
     app = create_app(launcher, queue_size=16)     # a Starlette app; uvicorn runs it
 
-Requests are validated on arrival (`openai_api.parse_request`, then `launcher.generate`, which
-tokenizes and checks the context before anything runs), so a bad request is answered at once
-even while another one is generating. A valid request becomes a `Job` in a bounded FIFO queue
-(429 when full); one worker thread takes jobs in order and drives the launcher's blocking
-generator, handing each event to the request's asyncio queue with `loop.call_soon_threadsafe`.
-A client that goes away (streaming or not) cancels its job: the worker `close()`s the
-generator, which frees the launcher's stream, and the next job runs. An exception inside one job
-ends that request only (a 500, or an SSE error event once streaming has begun).
+Requests are validated on arrival (`openai_api.parse_request`, then `launcher.submit`, which
+tokenizes and checks the context before anything runs), so a bad request is answered at once.
+A valid request becomes a `Job` (up to max_streams run, queue_size more wait, then 429); the
+launcher's driver thread hands each event to the request's asyncio queue with
+`loop.call_soon_threadsafe`. A client that goes away cancels its stream. An error ends that
+request only (a 500, or an SSE error event once streaming has begun).
+
+Healing (`create_app(..., restart=factory)`): a supervisor thread watches the stages; when one
+dies it closes the failed launcher and builds a new one with the factory (backoff, attempt
+limit), then swaps it in; meanwhile /health says `recovering` and requests get 503 + Retry-After.
+Draining (`draining_server`, what `serve` runs): SIGTERM stops admission (503), waits up to a
+grace period for running requests, ends the rest with an SSE error event and [DONE], then lets
+uvicorn exit.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from typing import Any
 
@@ -45,26 +46,147 @@ def _sampling(a: argparse.Namespace) -> dict[str, Any]:
               presence_penalty=a.presence_penalty, penalty_last_n=a.penalty_last_n, stop=a.stop)
 
 
+class Term:
+  """What is half-written on the terminal, so that a message (an error, Ctrl-C) starts on a line of its own without
+  an empty line before it: the progress bar or spinner on stderr is cleared, a reply left open on stdout is ended."""
+  stdout_open = False            # the last text written to stdout did not end with a newline
+  status: Any = None             # the LoadProgress / Spinner drawing on stderr now, if any
+
+  @classmethod
+  def out(cls, text: str) -> None:
+    if not text: return
+    sys.stdout.write(text); sys.stdout.flush()
+    cls.stdout_open = not text.endswith("\n")
+
+  @classmethod
+  def message(cls, text: str) -> None:
+    """A line on stderr, after whatever is half-written."""
+    if cls.status is not None: cls.status.clear()
+    if cls.stdout_open:
+      sys.stdout.write("\n"); sys.stdout.flush()
+      cls.stdout_open = False
+    sys.stderr.write(text + "\n"); sys.stderr.flush()
+
+
+def _elapsed(t0: float) -> str: return f"{time.monotonic() - t0:.1f} s"
+
+
 class LoadProgress:
-  """A one-line progress bar on stderr while the stages load (only on a terminal)."""
-  def __init__(self, quiet: bool) -> None:
-    self.quiet, self.loaded, self.total, self.t0 = quiet or not sys.stderr.isatty(), 0, 0, time.monotonic()
+  """Progress while the stages load, on stderr. On a terminal, one line redrawn in place (also between events, so the
+  clock runs); otherwise one plain line per step: the start, each stage loaded, every HEARTBEAT_S while waiting, the end.
+  The stage count is known from the start (the arena has a ring per stage plus one), and every time shown is measured
+  from one clock, this object's creation, the moment loading begins."""
+  HEARTBEAT_S = 15.0
+
+  def __init__(self, quiet: bool, stream: Any = None) -> None:
+    self.stream = stream if stream is not None else sys.stderr
+    self.quiet, self.tty = quiet, bool(getattr(self.stream, "isatty", lambda: False)())
+    self.loaded, self.total, self.t0 = 0, 0, time.monotonic()
+    self.downloading: str | None = None
+    self.lock = threading.Lock()
+    self.drawn = False           # a bar is on the terminal's current line
+    self.done = threading.Event()
+    self.ticker: threading.Thread | None = None
 
   def __call__(self, ev: dict) -> None:
+    if self.quiet: return
     kind = ev.get("event")
-    if kind == "StageSpawned": self.total += 1
-    elif kind == "WeightsLoaded": self.loaded += 1
-    elif kind == "DownloadProgress" and ev.get("total"):
-      return self.draw(f"downloading {ev['bytes'] / ev['total']:6.1%}")
-    elif kind == "LauncherReady":
-      if not self.quiet: sys.stderr.write(f"\r\x1b[Kloaded {self.total} stages in {ev['load_s']:.1f} s\n")
-      return
-    else: return
-    bar = "#" * self.loaded + "." * max(0, self.total - self.loaded)
-    self.draw(f"loading stages [{bar}] {self.loaded}/{self.total}  {time.monotonic() - self.t0:5.1f} s")
+    with self.lock:
+      if kind == "ArenaCreated":
+        self.total = int(ev.get("stages", int(ev.get("rings", 1)) - 1))
+        self.downloading = None
+        if not self.tty: self.line(f"loading {self.total} stage{'s' * (self.total != 1)}")
+        self.start_ticker()
+      elif kind == "WeightsLoaded":
+        self.loaded += 1
+        if not self.tty:
+          where = f" (blocks {ev['start']}:{ev['end']})" if "start" in ev and "end" in ev else ""
+          self.line(f"stage {ev.get('stage', '?')}{where} loaded [{self.loaded}/{self.total}] {_elapsed(self.t0)}")
+      elif kind == "DownloadProgress" and ev.get("total"):
+        pct = ev["bytes"] / ev["total"]
+        if self.tty: self.downloading = f"downloading {pct:6.1%}"
+        elif pct >= 1 or self.downloading is None: self.downloading = "-"; self.line(f"downloading the model: {pct:.0%}")
+        self.start_ticker()
+      elif kind == "LauncherReady":
+        self.finish(f"loaded {self.total} stage{'s' * (self.total != 1)} in {_elapsed(self.t0)}")
+        return
+      elif kind in ("StageFailed", "LauncherClosed"):
+        self.finish(None)
+        return
+      else: return
+      if self.tty: self.draw()
 
-  def draw(self, text: str) -> None:
-    if not self.quiet: sys.stderr.write("\r\x1b[K" + text); sys.stderr.flush()
+  def text(self) -> str:
+    if self.downloading and self.downloading != "-" and not self.total: return f"{self.downloading}  {_elapsed(self.t0)}"
+    bar = "#" * self.loaded + "." * max(0, self.total - self.loaded)
+    return f"loading stages [{bar}] {self.loaded}/{self.total}  {_elapsed(self.t0)}"
+
+  def line(self, text: str) -> None:
+    self.stream.write(f"pyruntime: {text}\n"); self.stream.flush()
+
+  def draw(self) -> None:
+    self.stream.write("\r\x1b[K" + self.text()); self.stream.flush()
+    self.drawn = True
+    Term.status = self
+
+  def clear(self) -> None:
+    if self.drawn:
+      self.stream.write("\r\x1b[K"); self.stream.flush()
+      self.drawn = False
+    if Term.status is self: Term.status = None
+
+  def finish(self, final: str | None) -> None:
+    self.done.set()
+    if self.tty: self.clear()
+    if final and self.tty: self.stream.write(final + "\n"); self.stream.flush()
+    elif final: self.line(final)
+
+  def start_ticker(self) -> None:
+    if self.ticker is not None or self.done.is_set(): return
+    self.ticker = threading.Thread(target=self.tick, name="load-progress", daemon=True)
+    self.ticker.start()
+
+  def tick(self) -> None:
+    period = 0.5 if self.tty else self.HEARTBEAT_S
+    while not self.done.wait(period):
+      with self.lock:
+        if self.done.is_set(): return
+        if self.tty: self.draw()
+        else: self.line(f"still loading: {self.loaded}/{self.total} stages loaded, {_elapsed(self.t0)}")
+
+
+class Spinner:
+  """'thinking' with a turning mark on stderr while a reply has produced no text yet (terminal only)."""
+  FRAMES = "|/-\\"
+
+  def __init__(self, label: str = "thinking") -> None:
+    self.label, self.stop_ev, self.drawn = label, threading.Event(), False
+    self.lock = threading.Lock()
+    self.thread: threading.Thread | None = None
+    if sys.stderr.isatty():
+      self.thread = threading.Thread(target=self.run, name="spinner", daemon=True)
+      self.thread.start()
+
+  def run(self) -> None:
+    t0, i = time.monotonic(), 0
+    while not self.stop_ev.wait(0.1 if i else 0.0):
+      with self.lock:
+        if self.stop_ev.is_set(): return
+        sys.stderr.write(f"\r\x1b[K{self.FRAMES[i % 4]} {self.label} {_elapsed(t0)}"); sys.stderr.flush()
+        self.drawn = True
+        Term.status = self
+      i += 1
+
+  def clear(self) -> None:
+    with self.lock:
+      if self.drawn:
+        sys.stderr.write("\r\x1b[K"); sys.stderr.flush()
+        self.drawn = False
+      if Term.status is self: Term.status = None
+
+  def stop(self) -> None:
+    self.stop_ev.set()
+    self.clear()
 
 
 def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) -> Any:
@@ -79,8 +201,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
   with _launcher(a, quiet=a.json) as lm:
     done = None
     for ev in lm.generate(a.prompt, raw=a.raw, **_sampling(a)):
-      if isinstance(ev, Delta) and not a.json:
-        sys.stdout.write(ev.text); sys.stdout.flush()
+      if isinstance(ev, Delta) and not a.json: Term.out(ev.text)
       elif isinstance(ev, Done): done = ev
     if a.json:
       print(json.dumps({"model": lm.model_name, "split": [list(r) for r in lm.split], "prompt_token_ids": done.prompt_token_ids,
@@ -90,7 +211,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                                     "decode_tokens_per_s": done.timings.decode_tokens_per_s}}))
     else:
       t = done.timings
-      sys.stdout.write("\n")
+      sys.stdout.write("\n"); sys.stdout.flush()
+      Term.stdout_open = False
       sys.stderr.write(f"[{done.finish_reason}] {done.usage.prompt_tokens} prompt + {done.usage.completion_tokens} completion tokens, "
                        f"load {t.load_s:.1f} s, first token {t.ttft_s:.2f} s, {t.decode_tokens_per_s:.1f} tokens/s\n")
   return 0
@@ -107,13 +229,18 @@ def cmd_chat(a: argparse.Namespace) -> int:
       if not line.strip(): break
       messages.append({"role": "user", "content": line})
       reply = []
+      spinner = Spinner()   # until the first text of the reply: the model is working
       try:
         for ev in lm.generate(messages=messages, **_sampling(a)):
-          if isinstance(ev, Delta): sys.stdout.write(ev.text); sys.stdout.flush(); reply.append(ev.text)
-          elif isinstance(ev, Done) and ev.finish_reason == "length": sys.stdout.write(" [length]")
+          if isinstance(ev, Delta) and ev.text:
+            spinner.stop(); Term.out(ev.text); reply.append(ev.text)
+          elif isinstance(ev, Done) and ev.finish_reason == "length": spinner.stop(); Term.out(" [length]")
       except errors.ContextLengthExceeded as e:
-        sys.stderr.write(f"\n{e}\n"); messages.pop(); continue
-      sys.stdout.write("\n")
+        Term.message(str(e)); messages.pop(); continue
+      finally:
+        spinner.stop()
+      sys.stdout.write("\n"); sys.stdout.flush()
+      Term.stdout_open = False
       messages.append({"role": "assistant", "content": "".join(reply)})
   return 0
 
@@ -210,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="seconds a request body may take to arrive before it gets 408")
   p.add_argument("--timeout-keep-alive", type=float, default=server.TIMEOUT_KEEP_ALIVE,
                  help="seconds an idle keep-alive connection is kept open")
+  p.add_argument("--shutdown-grace", type=float, default=server.SHUTDOWN_GRACE_S,
+                 help="on SIGTERM, seconds running requests get to finish (new ones get 503) before they are ended")
+  p.add_argument("--restart-attempts", type=int, default=server.RESTART_ATTEMPTS,
+                 help="when a stage dies, restart the pipeline, giving up after this many failed attempts in a row; 0: never restart")
   p.set_defaults(fn=cmd_serve)
   p = command("bench", "benchmarks: ring | pipeline | serve")
   p.add_argument("what", choices=["ring", "pipeline", "serve"], help="which benchmark")
@@ -226,10 +357,10 @@ def main(argv: list[str] | None = None) -> int:
   try:
     return a.fn(a)
   except errors.PyruntimeError as e:
-    sys.stderr.write(f"\npyruntime: {e.code}: {e}\n")
+    Term.message(f"pyruntime: {e.code}: {e}")
     return 2
   except KeyboardInterrupt:
-    sys.stderr.write("\ninterrupted\n")
+    Term.message("interrupted")
     return 130
 
 

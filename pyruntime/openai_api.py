@@ -50,6 +50,25 @@ class QueueFull(errors.PyruntimeError):
     self.size = size
 
 
+class ServiceUnavailable(errors.PyruntimeError):
+  """The server takes no new requests for now (503, with a Retry-After of `retry_after` seconds)."""
+  def __init__(self, message: str, retry_after: int = 1):
+    super().__init__(message)
+    self.retry_after = retry_after
+
+
+class ServerRecovering(ServiceUnavailable):
+  """A stage died; the server is restarting the pipeline."""
+
+
+class ServerDraining(ServiceUnavailable):
+  """The server is shutting down: it finishes the running requests and takes no new ones."""
+
+
+class ServerShuttingDown(errors.PyruntimeError):
+  """A running request the server ended because it shut down before the request finished."""
+
+
 class RequestTooLarge(errors.PyruntimeError):
   """The request body is longer than the server's limit (refused once the limit is passed, unread beyond it)."""
   def __init__(self, limit: int, length: int | None = None):
@@ -260,6 +279,8 @@ def error_body(exc: BaseException, kind: str | None = None) -> tuple[int, dict[s
   if isinstance(exc, RequestTimeout): return shape(408, str(exc), bad, None, "request_timeout")
   if isinstance(exc, ModelNotFound): return shape(404, str(exc), bad, "model", "model_not_found")
   if isinstance(exc, QueueFull): return shape(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
+  if isinstance(exc, ServiceUnavailable): return shape(503, str(exc), "server_error", None, "service_unavailable")
+  if isinstance(exc, ServerShuttingDown): return shape(503, str(exc), "server_error", None, "server_shutting_down")
   if isinstance(exc, errors.StageFailed): return shape(500, str(exc), "server_error", None, "stage_failed")
   if isinstance(exc, errors.LauncherClosed):
     return shape(503, f"the model is not running: {exc}", "server_error", None, "service_unavailable")

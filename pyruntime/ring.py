@@ -601,7 +601,7 @@ class _FastWriter(Writer):
 
 
 # --- consumer ------------------------------------------------------------------------------------
-class Record(metaclass=abc.ABCMeta):
+class Record(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC only so the fast binding's record type can register
   """One record, in place in the ring.  Valid until the Reader's next release(); the Reader reuses
   Record objects after that, so copy what you keep (`bytes(rec.payload)`, `rec.array(...).copy()`).
 

@@ -2,14 +2,19 @@
 
     app = create_app(launcher, queue_size=16)     # a Starlette app; uvicorn runs it
 
-Requests are validated on arrival (`openai_api.parse_request`, then `launcher.generate`, which
-tokenizes and checks the context before anything runs), so a bad request is answered at once
-even while another one is generating. A valid request becomes a `Job` in a bounded FIFO queue
-(429 when full); one worker thread takes jobs in order and drives the launcher's blocking
-generator, handing each event to the request's asyncio queue with `loop.call_soon_threadsafe`.
-A client that goes away (streaming or not) cancels its job: the worker `close()`s the
-generator, which frees the launcher's stream, and the next job runs. An exception inside one job
-ends that request only (a 500, or an SSE error event once streaming has begun).
+Requests are validated on arrival (`openai_api.parse_request`, then `launcher.submit`, which
+tokenizes and checks the context before anything runs), so a bad request is answered at once.
+A valid request becomes a `Job` (up to max_streams run, queue_size more wait, then 429); the
+launcher's driver thread hands each event to the request's asyncio queue with
+`loop.call_soon_threadsafe`. A client that goes away cancels its stream. An error ends that
+request only (a 500, or an SSE error event once streaming has begun).
+
+Healing (`create_app(..., restart=factory)`): a supervisor thread watches the stages; when one
+dies it closes the failed launcher and builds a new one with the factory (backoff, attempt
+limit), then swaps it in; meanwhile /health says `recovering` and requests get 503 + Retry-After.
+Draining (`draining_server`, what `serve` runs): SIGTERM stops admission (503), waits up to a
+grace period for running requests, ends the rest with an SSE error event and [DONE], then lets
+uvicorn exit.
 """
 from __future__ import annotations
 
@@ -44,6 +49,10 @@ from pyruntime.openai_api import (
   QueueFull,
   RequestTimeout,
   RequestTooLarge,
+  ServerDraining,
+  ServerRecovering,
+  ServerShuttingDown,
+  ServiceUnavailable,
   error_body,
   parse_json,
   parse_request,
@@ -57,6 +66,12 @@ MAX_BODY_BYTES = 4 << 20        # a request body beyond this is refused with 413
 TIMEOUT_REQUEST_HEAD = 10.0     # seconds from connecting (or from the first byte of a keep-alive request) to a complete head
 TIMEOUT_REQUEST_BODY = 60.0     # seconds for the whole body, once the head is in
 TIMEOUT_KEEP_ALIVE = 5.0        # seconds an idle keep-alive connection is kept
+SHUTDOWN_GRACE_S = 30.0         # on SIGTERM, how long running requests may take to finish before they are ended
+RESTART_ATTEMPTS = 5            # consecutive failed attempts to restart the pipeline before the server gives up (503 for good)
+RESTART_BACKOFF_S = 1.0         # wait before the 2nd attempt; doubled for each further one
+RESTART_BACKOFF_MAX_S = 60.0
+HEALTH_POLL_S = 0.5             # how often the supervisor looks at the stages when nothing reports a failure
+STABLE_S = 60.0                 # a pipeline that ran this long resets the count of consecutive restarts
 
 
 # --- metrics (Prometheus text exposition format 0.0.4) -----------------------------------------------
@@ -151,17 +166,20 @@ class LauncherLike(Protocol):
   def scheduler_stats(self) -> dict: ...
   def alive(self) -> list[bool]: ...
   def ring_occupancy(self) -> list[float]: ...
+  def close(self) -> None: ...   # ends its stages; the server calls it on a failed launcher it replaces, and at its own end
 
 
 class Job:
   """One accepted request: its stream's events, handed from the launcher's driver thread to the request's asyncio queue."""
-  def __init__(self, loop: asyncio.AbstractEventLoop, admission: Admission):
-    self.loop, self.admission = loop, admission
+  def __init__(self, loop: asyncio.AbstractEventLoop, admission: Admission, launcher: Any = None):
+    self.loop, self.admission, self.launcher = loop, admission, launcher
     self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     self.stream: Any = None
+    self.on_finished: Callable[[Job], None] | None = None   # the server's registry of running requests
     self.accepted = time.monotonic()
     self.first = True
     self.ended = False
+    self._end_lock = threading.Lock()
 
   def on_event(self, ev: Any) -> None:
     """Called by the launcher (its driver thread): metrics, then the request's queue. Never blocks."""
@@ -177,21 +195,36 @@ class Job:
     elif isinstance(ev, BaseException):
       m.error(ev.code if isinstance(ev, errors.PyruntimeError) else type(ev).__name__)
       self.admission.note_error(ev)
-    if isinstance(ev, (Done, BaseException)): self.end()
+    if isinstance(ev, (Done, BaseException)) and not self.end(): return  # ended already (aborted by the server)
     try: self.loop.call_soon_threadsafe(self.events.put_nowait, ("error" if isinstance(ev, BaseException) else "event", ev))
     except RuntimeError: pass  # the event loop is gone (server shutting down)
 
-  def end(self) -> None:
-    """The request is over (answered, failed or abandoned): its place is free. Idempotent."""
-    if not self.ended:
+  def end(self) -> bool:
+    """The request is over (answered, failed or abandoned): its place is free. Idempotent: True the first time."""
+    with self._end_lock:
+      if self.ended: return False
       self.ended = True
-      self.admission.release()
+    self.admission.release()
+    return True
 
   def cancel(self) -> None:
+    """The response is over (its handler's `finally`): stop the stream if it still runs, free its place."""
     if not self.ended and self.stream is not None:
       with self.admission.metrics.lock: self.admission.metrics.cancelled += 1
     if self.stream is not None: self.stream.cancel()  # frees the stream's slot in every stage; a no-op once it ended
     self.end()
+    if self.on_finished is not None: self.on_finished(self)
+
+  def abort(self, e: BaseException) -> None:
+    """End a running request from outside (the server shuts down): the stream stops and the response ends with
+    `e` (streaming: an SSE error event, then [DONE]). From any thread."""
+    if not self.end(): return
+    self.admission.metrics.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
+    if self.stream is not None:
+      try: self.stream.cancel()
+      except Exception: pass  # noqa: BLE001 - a launcher that already failed has nothing left to stop
+    try: self.loop.call_soon_threadsafe(self.events.put_nowait, ("abort", e))
+    except RuntimeError: pass  # the event loop is gone
 
 
 class Admission:
@@ -256,8 +289,9 @@ class SSEResponse:
       for c in self.shaper.first_chunks(): await chunk(sse(c))
       while not closed:
         kind, ev = await self.job.events.get()
-        if kind == "error":
+        if kind in ("error", "abort"):
           await chunk(sse(error_body(ev, self.kind)[1]))
+          if kind == "abort": await chunk(SSE_DONE)   # the server ended it: a clean end of the stream, not a cut
           break
         if isinstance(ev, Delta) and ev.text: await chunk(sse(self.shaper.delta_chunk(ev.text)))
         elif isinstance(ev, Done):
@@ -275,14 +309,162 @@ class SSEResponse:
 
 
 class ServerState:
-  def __init__(self, launcher: LauncherLike, queue_size: int):
+  """What the app serves with: the current launcher, its admission and metrics, the requests running, and the phase:
+
+    ok          requests are served
+    recovering  a stage died: the running requests got their error, new ones get 503 (Retry-After) while a new
+                pipeline starts (only with a `restart` factory; else the server stays `unavailable`)
+    unavailable the pipeline is down and will not come back (no factory, or the restarts were used up)
+    draining    shutting down: new requests get 503, running ones finish (or are ended at the grace period)
+  """
+  def __init__(self, launcher: LauncherLike, queue_size: int, *, restart: Callable[[], LauncherLike] | None = None,
+               restart_attempts: int = RESTART_ATTEMPTS, restart_backoff_s: float = RESTART_BACKOFF_S,
+               restart_backoff_max_s: float = RESTART_BACKOFF_MAX_S):
+    if restart_attempts < 1: raise errors.InvalidOption("restart_attempts", f"must be >= 1, got {restart_attempts}")
+    if not restart_backoff_s >= 0: raise errors.InvalidOption("restart_backoff_s", f"must be >= 0, got {restart_backoff_s}")
     self.launcher, self.queue_size = launcher, queue_size
     self.metrics = Metrics()
     self.last_error: dict[str, Any] | None = None
     self.admission = Admission(launcher, queue_size, self.metrics, on_error=self._note_error)
     self.created = int(time.time())
     self.model_id, self.model_names = served_model_names(launcher)
+    self.lock = threading.Lock()
+    self.jobs: set[Job] = set()
+    self.draining = False
+    self.gave_up = False
+    self.restarts = 0                  # pipelines started after a failure, in all
+    self.restart = restart
+    self.restart_attempts, self.restart_backoff_s, self.restart_backoff_max_s = restart_attempts, restart_backoff_s, restart_backoff_max_s
+    self.recovery: dict[str, Any] | None = None   # while recovering: {"attempt", "since", "next_attempt_at"}
+    self._wake = threading.Event()
+    self._stop = threading.Event()
+    self._supervisor: threading.Thread | None = None
+    if restart is not None:
+      # This thread starts every later pipeline and lives as long as the server: a stage's parent-death signal
+      # follows the thread that spawned it, so a short-lived thread would take its stages down when it ends.
+      self._supervisor = threading.Thread(target=self._supervise, name="pipeline-supervisor", daemon=True)
+      self._supervisor.start()
 
+  # --- phase --------------------------------------------------------------------------------------
+  @property
+  def phase(self) -> str:
+    if self.draining: return "draining"
+    if self.recovery is not None: return "recovering"
+    alive = self.alive()
+    if alive and all(alive): return "ok"
+    return "recovering" if self.restart is not None and not self.gave_up and not self._stop.is_set() else "unavailable"
+
+  def unavailable(self) -> ServiceUnavailable | None:
+    """Why a new request is refused now (503), or None."""
+    if self.draining: return ServerDraining("the server is shutting down; retry on another instance", retry_after=5)
+    phase = self.phase
+    if phase == "recovering":
+      self._wake.set()
+      wait = 1
+      if self.recovery and self.recovery.get("next_attempt_at"): wait = max(1, int(self.recovery["next_attempt_at"] - time.monotonic() + 1))
+      return ServerRecovering("a stage of the pipeline failed; the server is restarting it, retry shortly", retry_after=wait)
+    return None
+
+  def failed(self, launcher: Any = None) -> None:
+    """A request saw its launcher fail (StageFailed, or LauncherClosed on submit): look at once."""
+    self._wake.set()
+
+  # --- requests -----------------------------------------------------------------------------------
+  def add_job(self, job: Job) -> None:
+    job.on_finished = self._job_finished
+    with self.lock: self.jobs.add(job)
+
+  def _job_finished(self, job: Job) -> None:
+    with self.lock: self.jobs.discard(job)
+
+  def drain(self, grace_s: float, flush_s: float = 5.0) -> int:
+    """Stop admitting; wait up to `grace_s` for the running requests to finish; end the rest (an SSE error event and
+    [DONE]); wait up to `flush_s` for their responses to go out. Returns how many were ended."""
+    self.draining = True
+    deadline = time.monotonic() + max(0.0, grace_s)
+    while time.monotonic() < deadline:
+      with self.lock:
+        if not self.jobs: return 0
+      time.sleep(0.05)
+    with self.lock: running = list(self.jobs)
+    for job in running: job.abort(ServerShuttingDown(f"the server shut down before this request finished (grace period {grace_s:g} s)"))
+    deadline = time.monotonic() + flush_s
+    while time.monotonic() < deadline:
+      with self.lock:
+        if not self.jobs: break
+      time.sleep(0.02)
+    return len(running)
+
+  def close(self) -> None:
+    """Stop the supervisor and the current launcher (and any pipeline it is starting). Idempotent."""
+    self._stop.set(); self._wake.set()
+    try: getattr(self.launcher, "close", lambda: None)()
+    except Exception: pass  # noqa: BLE001
+    if self._supervisor is not None and self._supervisor is not threading.current_thread():
+      self._supervisor.join(timeout=900)
+
+  # --- the supervisor -----------------------------------------------------------------------------
+  def _supervise(self) -> None:
+    consecutive, started = 0, time.monotonic()
+    try:
+      while not self._stop.is_set():
+        self._wake.wait(HEALTH_POLL_S)
+        self._wake.clear()
+        if self._stop.is_set() or self.draining: continue
+        alive = self.alive()
+        if alive and all(alive): continue
+        if time.monotonic() - started > STABLE_S: consecutive = 0
+        consecutive = self._recover(consecutive)
+        started = time.monotonic()
+        if self.gave_up: break
+    finally:
+      if self._stop.is_set():   # this thread spawned the current stages: end them in order before it goes
+        try: getattr(self.launcher, "close", lambda: None)()
+        except Exception: pass  # noqa: BLE001
+
+  def _recover(self, consecutive: int) -> int:
+    """Close the failed launcher, then build new ones (exponential backoff) until one starts or the attempts are used."""
+    old = self.launcher
+    self.recovery = {"attempt": 0, "since": time.time(), "next_attempt_at": None}
+    _log(f"a stage failed ({(self.last_error or {}).get('message', 'stage not alive')}); restarting the pipeline")
+    try: getattr(old, "close", lambda: None)()   # it closed itself on the failure; make sure: stages ended, arena unlinked
+    except Exception: pass  # noqa: BLE001
+    try:
+      while not self._stop.is_set() and not self.draining:
+        if consecutive >= self.restart_attempts:
+          self.gave_up = True
+          _log(f"the pipeline failed to restart {consecutive} times in a row; giving up (503 until restarted)")
+          return consecutive
+        delay = 0.0 if consecutive == 0 else min(self.restart_backoff_s * 2 ** (consecutive - 1), self.restart_backoff_max_s)
+        consecutive += 1
+        self.recovery.update(attempt=consecutive, next_attempt_at=time.monotonic() + delay)
+        if delay and self._stop.wait(delay): return consecutive
+        t0 = time.monotonic()
+        try:
+          assert self.restart is not None
+          new = self.restart()
+        except Exception as e:  # noqa: BLE001 - a failed start is one failed attempt
+          self._note_error(e)
+          _log(f"restart attempt {consecutive} failed: {type(e).__name__}: {e}")
+          continue
+        if self._stop.is_set() or self.draining:
+          new.close()  # type: ignore[attr-defined]
+          return consecutive
+        self.swap(new)
+        _log(f"pipeline restarted in {time.monotonic() - t0:.1f} s (attempt {consecutive})")
+        return consecutive
+      return consecutive
+    finally:
+      self.recovery = None
+
+  def swap(self, launcher: LauncherLike) -> None:
+    with self.lock:
+      self.launcher = launcher
+      self.admission.launcher = launcher
+      self.admission.limit = int(getattr(launcher, "max_streams", 1)) + self.queue_size
+      self.restarts += 1
+
+  # --- observation --------------------------------------------------------------------------------
   def check_model(self, name: str | None) -> None:
     """ModelNotFound (404) unless a request names the served model: its id, 'default', or its display name."""
     if name is not None and name not in self.model_names: raise ModelNotFound(name, self.model_id)
@@ -292,6 +474,7 @@ class ServerState:
                             "message": str(e)}
     if isinstance(e, errors.StageFailed): info.update(stage=e.stage, reason=e.reason)
     self.last_error = info
+    if isinstance(e, (errors.StageFailed, errors.LauncherClosed)): self._wake.set()
 
   def alive(self) -> list[bool]:
     try: return [bool(a) for a in self.launcher.alive()]
@@ -304,6 +487,10 @@ class ServerState:
   def occupancy(self) -> list[float]:
     try: return [float(v) for v in self.launcher.ring_occupancy()]
     except Exception: return []  # noqa: BLE001 - the arena is gone once the launcher closed
+
+
+def _log(text: str) -> None:
+  sys.stderr.write(f"pyruntime: {text}\n"); sys.stderr.flush()
 
 
 def served_model_names(launcher: Any) -> tuple[str, frozenset[str]]:
@@ -323,15 +510,28 @@ def _error(e: BaseException, kind: str | None = None, headers: dict[str, str] | 
   return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _unavailable(e: ServiceUnavailable, kind: str | None = None) -> JSONResponse:
+  return _error(e, kind, headers={"retry-after": str(e.retry_after)})
+
+
 def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX_BODY_BYTES,
-               timeout_request_body: float = TIMEOUT_REQUEST_BODY) -> Starlette:
+               timeout_request_body: float = TIMEOUT_REQUEST_BODY, restart: Callable[[], LauncherLike] | None = None,
+               restart_attempts: int = RESTART_ATTEMPTS, restart_backoff_s: float = RESTART_BACKOFF_S,
+               restart_backoff_max_s: float = RESTART_BACKOFF_MAX_S) -> Starlette:
   """The OpenAI-compatible app over a started launcher (or anything with its interface).
 
   A body longer than `max_body_bytes` is answered 413 (request_too_large) without being read past
-  the limit; one that takes longer than `timeout_request_body` seconds to arrive, 408."""
+  the limit; one that takes longer than `timeout_request_body` seconds to arrive, 408.
+
+  `restart`: a factory returning a new, started launcher. With it the server heals: when a stage dies the running
+  requests end with their error, new ones get 503 with Retry-After while a supervisor thread closes the failed
+  launcher and builds a new one (the first attempt at once, then waits of `restart_backoff_s` doubling up to
+  `restart_backoff_max_s`; after `restart_attempts` failures in a row it gives up). The app then owns the
+  launchers: `app.state.pyruntime.close()` ends the current one."""
   if max_body_bytes < 0: raise errors.InvalidOption("max_body_bytes", f"must be >= 0, got {max_body_bytes}")
   if not timeout_request_body > 0: raise errors.InvalidOption("timeout_request_body", f"must be > 0, got {timeout_request_body}")
-  state = ServerState(launcher, queue_size)
+  state = ServerState(launcher, queue_size, restart=restart, restart_attempts=restart_attempts, restart_backoff_s=restart_backoff_s,
+                      restart_backoff_max_s=restart_backoff_max_s)
 
   async def generate(request: Request, kind: str) -> Any:
     try:
@@ -339,12 +539,18 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
       state.check_model(req.model)
     except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-shaped answer
       return _error(e, kind)
-    job = Job(asyncio.get_running_loop(), state.admission)
+    if (refused := state.unavailable()) is not None: return _unavailable(refused, kind)
+    launcher = state.launcher
+    job = Job(asyncio.get_running_loop(), state.admission, launcher)
     if not state.admission.try_acquire(): return _error(QueueFull(queue_size), kind, headers={"retry-after": "1"})
+    state.add_job(job)
     try:  # validation, tokenisation and the context check run off the event loop: one request never stalls the others
       job.stream = await run_in_threadpool(lambda: launcher.submit(**req.generate, on_event=job.on_event))
     except Exception as e:  # noqa: BLE001
-      job.end()
+      job.cancel()
+      if isinstance(e, (errors.LauncherClosed, errors.StageFailed)):
+        state.failed(launcher)  # it failed between our look and the submit
+        if (refused := state.unavailable()) is not None: return _unavailable(refused, kind)
       if not isinstance(e, (errors.InvalidOption, errors.UnsupportedFeature, errors.ContextLengthExceeded, MalformedRequest, ModelNotFound)):
         state.metrics.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
       return _error(e, kind)
@@ -355,7 +561,7 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
     async def collect() -> None:
       while True:
         what, ev = await job.events.get()
-        if what == "error": result["error"] = ev; return
+        if what in ("error", "abort"): result["error"] = ev; return
         if isinstance(ev, Done): result["done"] = ev; return
 
     try: gone = await run_until_disconnect(request.receive, collect)
@@ -370,26 +576,29 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   async def completions(request: Request) -> Any: return await generate(request, COMPLETION)
 
   async def models(request: Request) -> JSONResponse:
-    return JSONResponse(api.models_list(state.model_id, state.created, launcher.context_length))
+    return JSONResponse(api.models_list(state.model_id, state.created, state.launcher.context_length))
 
   async def model(request: Request) -> JSONResponse:
     try: state.check_model(request.path_params["model"])
     except ModelNotFound as e: return _error(e)
-    return JSONResponse(api.model_card(state.model_id, state.created, launcher.context_length))
+    return JSONResponse(api.model_card(state.model_id, state.created, state.launcher.context_length))
 
   async def health(request: Request) -> JSONResponse:
+    lm = state.launcher
     alive = state.alive()
-    ok = bool(alive) and all(alive)
-    split = list(getattr(launcher, "split", None) or [])
+    phase = state.phase
+    split = list(getattr(lm, "split", None) or [])
     stages = [{"stage": i, "status": "alive" if a else "dead", "layers": list(split[i]) if i < len(split) else None}
               for i, a in enumerate(alive)]
     sched = state.scheduler_stats()
-    return JSONResponse({"status": "ok" if ok else "unavailable", "model": launcher.model_name, "stages": stages,
-                         "queue_depth": sched.get("waiting", 0), "running": sched.get("running", 0),
-                         "max_streams": sched.get("max_streams", 0), "batch_size": sched.get("last_batch", 0),
-                         "mean_batch_size": round(sched.get("mean_batch", 0.0), 3),
-                         "tokens_per_s": round(sched.get("tokens_per_s", 0.0), 3), "last_error": state.last_error},
-                        status_code=200 if ok else 503)
+    body: dict[str, Any] = {"status": phase, "model": lm.model_name, "stages": stages, "queue_depth": sched.get("waiting", 0),
+                            "running": sched.get("running", 0), "max_streams": sched.get("max_streams", 0),
+                            "batch_size": sched.get("last_batch", 0), "mean_batch_size": round(sched.get("mean_batch", 0.0), 3),
+                            "tokens_per_s": round(sched.get("tokens_per_s", 0.0), 3), "last_error": state.last_error,
+                            "restarts": state.restarts}
+    if (rec := state.recovery) is not None: body["recovery"] = {"attempt": rec["attempt"], "since": int(rec["since"])}
+    headers = {"retry-after": str(r.retry_after)} if phase != "ok" and (r := state.unavailable()) is not None else None
+    return JSONResponse(body, status_code=200 if phase == "ok" else 503, headers=headers)
 
   async def metrics(request: Request) -> Response:
     text = state.metrics.render(stats=state.scheduler_stats(), occupancy=state.occupancy(), alive=state.alive())
@@ -591,30 +800,64 @@ class BackgroundServer:
   def __exit__(self, *exc: Any) -> None: self.stop()
 
 
-def serve(args: Any) -> int:
-  """`pyruntime serve`: load the stages (in this, the main thread: their parent-death signal follows the
-  spawning thread), then run uvicorn here until Ctrl-C / SIGTERM, then stop every stage."""
+def draining_server(config: Any, state: ServerState, grace_s: float) -> Any:
+  """A uvicorn.Server whose first SIGTERM (or Ctrl-C) drains instead of closing the listener at once: new requests get
+  503 while the running ones get up to `grace_s` seconds to finish; those still running then end with an SSE error
+  event and [DONE] (a JSON error when not streaming); then uvicorn shuts down as usual. A second signal is uvicorn's
+  own: exit now."""
   import uvicorn
 
+  class DrainingServer(uvicorn.Server):
+    drain_thread: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+      if self.drain_thread is not None or self.should_exit: return super().handle_exit(sig, frame)
+      _log(f"signal {sig}: draining: no new requests; {len(state.jobs)} running get up to {grace_s:g} s to finish")
+      self.drain_thread = threading.Thread(target=self._drain, name="drain", daemon=True)
+      self.drain_thread.start()
+
+    def _drain(self) -> None:
+      try:
+        if (ended := state.drain(grace_s)): _log(f"ended {ended} request(s) still running after {grace_s:g} s")
+      finally:
+        self.should_exit = True
+
+  return DrainingServer(config)
+
+
+def serve(args: Any) -> int:
+  """`pyruntime serve`: load the stages (in this, the main thread: their parent-death signal follows the
+  spawning thread), then run uvicorn here until SIGTERM / Ctrl-C (which drain first), then stop every stage.
+  A pipeline whose stage dies is rebuilt by the server's supervisor thread (see create_app's `restart`)."""
   from pyruntime.cli import _launcher
   queue_size = getattr(args, "queue_size", 16)
   if queue_size < 0: raise errors.InvalidOption("queue_size", f"must be >= 0, got {queue_size}")
   max_body = getattr(args, "max_body_bytes", MAX_BODY_BYTES)
   t_head, t_body = getattr(args, "timeout_request_head", TIMEOUT_REQUEST_HEAD), getattr(args, "timeout_request_body", TIMEOUT_REQUEST_BODY)
   t_keep_alive = getattr(args, "timeout_keep_alive", TIMEOUT_KEEP_ALIVE)
+  grace = getattr(args, "shutdown_grace", SHUTDOWN_GRACE_S)
+  attempts = getattr(args, "restart_attempts", RESTART_ATTEMPTS)
   if max_body < 0: raise errors.InvalidOption("max_body_bytes", f"must be >= 0, got {max_body}")
   for name, v in (("timeout_request_head", t_head), ("timeout_request_body", t_body), ("timeout_keep_alive", t_keep_alive)):
     if not v > 0: raise errors.InvalidOption(name, f"must be > 0 seconds, got {v}")
+  if not grace >= 0: raise errors.InvalidOption("shutdown_grace", f"must be >= 0 seconds, got {grace}")
+  if attempts < 0: raise errors.InvalidOption("restart_attempts", f"must be >= 0, got {attempts}")
   lm = _launcher(args, warmup=True)  # a server captures every batch shape's kernels before it takes requests
   lm.start()
+  state: ServerState | None = None
   try:
-    app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body)
+    app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body,
+                     restart=(lambda: _launcher(args, warmup=True).start()) if attempts > 0 else None, restart_attempts=max(1, attempts))
+    state = app.state.pyruntime
     if args.host not in ("127.0.0.1", "localhost", "::1"):
       sys.stderr.write(f"pyruntime: serving on {args.host}, beyond this host; there is no authentication\n")
-    sys.stderr.write(f"pyruntime: {lm.model_name} (model id {app.state.pyruntime.model_id!r}) on {len(lm.split)} stages "
+    sys.stderr.write(f"pyruntime: {lm.model_name} (model id {state.model_id!r}) on {len(lm.split)} stages "
                      f"{json.dumps([list(r) for r in lm.split])}, context {lm.context_length}: http://{args.host}:{args.port}/v1\n")
-    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, lifespan="on", timeout_graceful_shutdown=5,
-                                  timeout_keep_alive=t_keep_alive, timeout_request_head=t_head)).run()
+    sys.stderr.flush()
+    config = uvicorn_config(app, host=args.host, port=args.port, lifespan="on", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=t_keep_alive, timeout_request_head=t_head)
+    draining_server(config, state, grace).run()
   finally:
+    if state is not None: state.close()
     lm.close()
   return 0

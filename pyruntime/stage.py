@@ -44,6 +44,7 @@ COMMAND_POLL_S = 0.05  # while records flow, how often the data loop looks for a
 GROUP_WAIT_S = 5.0     # how long to wait for the rest of a step's group (MORE): the upstream writes a group in one go
 DECODE_MODES = ("batched", "reference")  # reference: tinygrad's own T=1 decode kernels, one stream at a time (its exact tokens)
 MAX_TAKE = 256         # records taken from the ring per loop turn, so a flooding upstream cannot starve the compute
+MAX_COMMAND_BYTES = 64 << 20  # one control line; a longer one is refused (InvalidCommand) rather than buffered without end
 
 
 class Fatal(Exception):
@@ -58,6 +59,54 @@ def fatal_from(e: BaseException) -> Fatal:
     extra = {"expected": e.expected, "actual": e.actual} if isinstance(e, errors.SequenceViolation) else {}
     return Fatal(e.code, str(e), **extra)
   return Fatal("UnhandledWorkerException", f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+
+
+# --- control-channel arguments ----------------------------------------------------------------------
+# Every argument a command reads is checked here, at the process boundary, so a malformed one ends the stage with
+# its named reason (InvalidCommand unless the command says otherwise) instead of a TypeError deep inside.
+_MISSING: Any = object()
+
+
+def show(v: Any, n: int = 80) -> str:
+  """A short repr for messages; never raises (an int past Python's digit limit has no repr)."""
+  try: s = repr(v)
+  except Exception: s = f"<{type(v).__name__}>"  # noqa: BLE001
+  return s if len(s) <= n else s[:n] + "..."
+
+
+def arg(cmd: dict, name: str, kind: type | tuple[type, ...], default: Any = _MISSING, *, reason: str = "InvalidCommand") -> Any:
+  """cmd[name], which must be of `kind` (bool is not an int); `default` when absent (or null, if the default is None)."""
+  v = cmd.get(name, default)
+  if v is _MISSING: raise Fatal(reason, f"{cmd.get('command')} needs {name!r}")
+  if v is None and default is None: return None
+  kinds = kind if isinstance(kind, tuple) else (kind,)
+  if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+    what = " or ".join({"str": "a string", "int": "an integer", "float": "a number", "list": "a list", "dict": "an object",
+                        "bool": "true or false"}.get(k.__name__, k.__name__) for k in kinds)
+    raise Fatal(reason, f"{cmd.get('command')}: {name!r} must be {what}, not {show(v)}")
+  return v
+
+
+def arg_int(cmd: dict, name: str, default: Any = _MISSING, *, lo: int = 0, hi: int = 1 << 31, reason: str = "InvalidCommand") -> Any:
+  v = arg(cmd, name, int, default, reason=reason)
+  if v is not None and not lo <= v <= hi: raise Fatal(reason, f"{cmd.get('command')}: {name!r} must be in [{lo}, {hi}], not {show(v)}")
+  return v
+
+
+def arg_seconds(cmd: dict, name: str, default: float) -> float:
+  v = arg(cmd, name, (int, float), default)
+  if not 0 <= v <= 3600:  # NaN and infinities fail it too
+    raise Fatal("InvalidCommand", f"{cmd.get('command')}: {name!r} must be seconds in [0, 3600], not {show(v)}")
+  return float(v)
+
+
+def token_ids(cmd: dict, vocab_size: int) -> list[int]:
+  """cmd['token_ids']: a list of ids inside the vocabulary (TokenIdInvalid naming the first that is not)."""
+  ids = arg(cmd, "token_ids", list, reason="TokenIdInvalid")
+  for i, t in enumerate(ids):
+    if type(t) is not int or not 0 <= t < vocab_size:
+      raise Fatal("TokenIdInvalid", f"token_ids[{i}] = {show(t)} is not a token id of this vocabulary (0..{vocab_size - 1})")
+  return ids
 
 
 class Channel:
@@ -124,23 +173,29 @@ class Stage:
 
   # --- setup commands ---------------------------------------------------------------------------
   def initialize(self, cmd: dict) -> None:
-    if (abi := cmd.get("abi_version", ABI_VERSION)) != ABI_VERSION:
-      raise Fatal("UnsupportedHelperAbi", f"launcher speaks ABI {abi}, this worker speaks {ABI_VERSION}")
-    if cpus := cmd.get("cpus"): os.sched_setaffinity(0, cpus)  # before tinygrad sizes its CPU thread pool
-    if device := cmd.get("device"): os.environ["DEV"] = device
+    if (abi := cmd.get("abi_version", ABI_VERSION)) != ABI_VERSION or type(abi) is not int:
+      raise Fatal("UnsupportedHelperAbi", f"launcher speaks ABI {show(abi)}, this worker speaks {ABI_VERSION}")
+    cpus = arg(cmd, "cpus", list, None)
+    device = arg(cmd, "device", str, None)
+    if device is not None and (not device or "\0" in device): raise Fatal("InvalidCommand", f"InitializeWorker: no device named {show(device)}")
+    if cpus:
+      if not all(type(c) is int and 0 <= c < 1 << 16 for c in cpus):
+        raise Fatal("InvalidCommand", f"InitializeWorker: 'cpus' must list CPU numbers, not {show(cpus)}")
+      try: os.sched_setaffinity(0, cpus)  # before tinygrad sizes its CPU thread pool
+      except OSError as e: raise Fatal("InvalidCommand", f"InitializeWorker: cannot run on CPUs {show(cpus)}: {e}") from e
+    if device: os.environ["DEV"] = device
     self.device = device
     self.ch.emit(Event.WORKER_READY, pid=os.getpid(), device=device, abi_version=ABI_VERSION)
 
   def configure(self, cmd: dict) -> None:
-    try:
-      role = {"stage": int(cmd["stage"]), "start": int(cmd["start"]), "end": int(cmd["end"]),
-              "slots": int(cmd.get("slots", 4)), "boundary_dtype": str(cmd.get("boundary_dtype", "float32")),
-              "max_context": cmd.get("max_context"), "decode": str(cmd.get("decode", "batched")), "warmup": bool(cmd.get("warmup", False)),
-              "micro_batches": int(cmd.get("micro_batches", 1))}
-    except (KeyError, TypeError, ValueError) as e: raise Fatal("InvalidCommand", f"ConfigureRole needs stage, start, end: {e}") from e
+    role = {"stage": arg_int(cmd, "stage", hi=1 << 16), "start": arg_int(cmd, "start", hi=1 << 20), "end": arg_int(cmd, "end", hi=1 << 20),
+            "slots": arg_int(cmd, "slots", 4, lo=1, hi=1024), "boundary_dtype": arg(cmd, "boundary_dtype", str, "float32"),
+            "max_context": arg_int(cmd, "max_context", None, lo=1, hi=1 << 24), "decode": arg(cmd, "decode", str, "batched"),
+            "warmup": arg(cmd, "warmup", bool, False), "micro_batches": arg_int(cmd, "micro_batches", 1, lo=1, hi=1024)}
+    if role["boundary_dtype"] not in ("float32", "float16"):
+      raise Fatal("InvalidCommand", f"boundary_dtype must be float32 or float16, not {show(role['boundary_dtype'])}")
     if role["decode"] not in DECODE_MODES: raise Fatal("InvalidCommand", f"decode must be one of {DECODE_MODES}, not {role['decode']!r}")
     self.decode_mode = role["decode"]
-    if role["micro_batches"] < 1: raise Fatal("InvalidCommand", f"micro_batches must be >= 1, not {role['micro_batches']}")
     self.micro_batches = role["micro_batches"]
     if role["start"] < 0 or role["end"] <= role["start"]:
       raise Fatal("LayerRangeInvalid", f"layer range [{role['start']}, {role['end']}) is empty or negative")
@@ -152,11 +207,16 @@ class Stage:
     from pyruntime.gguf import read_header
     from pyruntime.model import StageModel
     from pyruntime.source import resolve_model
+    if self.model is not None: raise Fatal("InvalidCommand", "LoadWeights: the weights are loaded already")
     t0 = time.monotonic()
-    path = resolve_model(cmd.get("model"), cache_dir=cmd.get("cache_dir"),
-                         on_progress=lambda done, total: self.ch.emit(Event.DOWNLOAD_PROGRESS, stage=self.index, bytes=done, total=total))
-    try: self.header = read_header(path)
-    except (OSError, ValueError) as e: raise Fatal("ModelLoadFailed", f"{path}: {e}") from e
+    source = arg(cmd, "model", str, None, reason="ModelLoadFailed")  # None: the default model
+    cache_dir = arg(cmd, "cache_dir", str, None, reason="ModelLoadFailed")
+    try:
+      path = resolve_model(source, cache_dir=cache_dir,
+                           on_progress=lambda done, total: self.ch.emit(Event.DOWNLOAD_PROGRESS, stage=self.index, bytes=done, total=total))
+      self.header = read_header(path)
+    except errors.PyruntimeError: raise
+    except Exception as e: raise Fatal("ModelLoadFailed", f"{show(source, 200)}: {type(e).__name__}: {e}") from e  # noqa: BLE001
     r = self.role
     try:
       self.model = StageModel.load(path, r["start"], r["end"], device=self.device, max_context=r["max_context"],
@@ -176,12 +236,26 @@ class Stage:
 
   def install_ring(self, cmd: dict) -> None:
     if self.model is None: raise Fatal("WeightsNotLoaded", "InstallRing before LoadWeights")
+    if self.arena is not None: raise Fatal("InvalidCommand", "InstallRing: the rings are installed already (UninstallRing first)")
     from pyruntime.ring import Arena
-    if (upstream := cmd.get("ingress_boundary")) is not None: self.model.boundary.check_ingress(upstream)
-    self.arena = Arena.attach(cmd["arena"])
-    self.reader, self.writer = self.arena.reader(int(cmd["ingress"])), self.arena.writer(int(cmd["egress"]))
-    mode = cmd.get("mode", "loop")
-    self.ch.emit(Event.RING_INSTALLED, stage=self.index, arena=cmd["arena"], ingress=cmd["ingress"], egress=cmd["egress"], mode=mode)
+    name, ingress, egress = arg(cmd, "arena", str), arg_int(cmd, "ingress", hi=1 << 16), arg_int(cmd, "egress", hi=1 << 16)
+    mode = arg(cmd, "mode", str, "loop")
+    if mode not in ("loop", "step"): raise Fatal("InvalidCommand", f"InstallRing: mode must be 'loop' or 'step', not {show(mode)}")
+    if ingress == egress: raise Fatal("InvalidCommand", f"InstallRing: ingress and egress are both ring {ingress}")
+    if (upstream := arg(cmd, "ingress_boundary", dict, None)) is not None:
+      try: self.model.boundary.check_ingress(upstream)
+      except errors.PyruntimeError: raise
+      except Exception as e: raise errors.BoundarySchemaMismatch(f"not a stage boundary description: {show(upstream, 200)}") from e  # noqa: BLE001
+    self.arena = Arena.attach(name)
+    try:
+      for i in (ingress, egress):
+        if i >= self.arena.ring_count: raise Fatal("InvalidCommand", f"InstallRing: arena {name} has rings 0..{self.arena.ring_count - 1}, not {i}")
+      self.reader = self.arena.reader(ingress)
+      self.writer = self.arena.writer(egress)
+    except BaseException:
+      self.close_rings()
+      raise
+    self.ch.emit(Event.RING_INSTALLED, stage=self.index, arena=name, ingress=ingress, egress=egress, mode=mode)
     self.looping = mode == "loop"
 
   def uninstall_ring(self, cmd: dict) -> None:
@@ -341,7 +415,7 @@ class Stage:
     if self.reader is None: raise Fatal("RingNotInstalled", "RingReadable before InstallRing")
     if self.looping: raise Fatal("InvalidCommand", "RingReadable needs InstallRing with mode 'step'")
     if self.loaded is None:
-      try: self.loaded = self.reader.read(timeout=float(cmd.get("timeout_s", 0)))
+      try: self.loaded = self.reader.read(timeout=arg_seconds(cmd, "timeout_s", 0.0))
       except (errors.WouldBlock, errors.RingTimeout):
         return self.ch.emit(Event.RING_IDLE, stage=self.index)
     r = self.loaded
@@ -372,16 +446,25 @@ class Stage:
     return self.tokenizer
 
   def _prompt_ids(self, cmd: dict) -> list[int]:
-    if "token_ids" in cmd: return [int(t) for t in cmd["token_ids"]]
+    tok = self._tok()
+    if "token_ids" in cmd:
+      if (ids := token_ids(cmd, tok.vocab_size)): return ids
+      raise errors.EmptyPrompt("token_ids is empty")
     from pyruntime.chat import build_prompt_ids
-    return build_prompt_ids(self._tok(), self.header.kv, prompt=cmd.get("prompt"), messages=cmd.get("messages"),
-                            raw=bool(cmd.get("raw", False)))
+    prompt, messages, raw = arg(cmd, "prompt", str, None), arg(cmd, "messages", list, None), arg(cmd, "raw", bool, False)
+    if messages is not None and not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+      raise errors.InvalidOption("messages", "each message must be an object with a string 'role'")
+    try: return build_prompt_ids(tok, self.header.kv, prompt=prompt, messages=messages, raw=raw)
+    except errors.PyruntimeError: raise
+    except Exception as e: raise errors.InvalidOption("messages", f"the chat template cannot render them: {type(e).__name__}: {e}") from e  # noqa: BLE001
 
   def encode_prompt(self, cmd: dict) -> None:
     self.ch.emit(Event.PROMPT_ENCODED, stage=self.index, token_ids=self._prompt_ids(cmd))
 
   def decode_tokens(self, cmd: dict) -> None:
-    self.ch.emit(Event.TOKENS_DECODED, stage=self.index, text=self._tok().decode([int(t) for t in cmd.get("token_ids", [])]))
+    tok = self._tok()
+    ids = arg(cmd, "token_ids", list, reason="TokenIdInvalid")
+    self.ch.emit(Event.TOKENS_DECODED, stage=self.index, text=tok.decode(ids))  # the tokenizer names an id it does not know
 
   def infer_prompt(self, cmd: dict) -> None:
     """The reference's whole-prompt path, for a stage that owns every block: tokens stream as events."""
@@ -391,8 +474,8 @@ class Stage:
     from pyruntime.sampling import Sampler, SamplingParams
     from pyruntime.textstream import budget
     tok, ids = self._tok(), self._prompt_ids(cmd)
-    n_max = budget(int(cmd.get("max_tokens", 256)), self.model.context_length, len(ids))
-    sampler = Sampler(SamplingParams.from_dict(cmd.get("sampling", {})), self.model.vocab_size, self.model.device)
+    n_max = budget(arg_int(cmd, "max_tokens", 256, lo=1, hi=1 << 24), self.model.context_length, len(ids))
+    sampler = Sampler(SamplingParams.from_dict(arg(cmd, "sampling", dict, {})), self.model.vocab_size, self.model.device)
     slot, history, out_ids, t0 = 0, list(ids), [], time.monotonic()
     self.model.reset_slot(slot)
     x, pos, finish = np.asarray(ids, dtype=np.uint32), 0, "length"
@@ -418,33 +501,69 @@ class Stage:
   # --- lifecycle ----------------------------------------------------------------------------------
   def die(self, f: Fatal, code: int = 3) -> None:
     if self.profile_report is not None: self.profile_report()  # os._exit skips atexit
-    self.ch.emit(Event.WORKER_FATAL, stage=self.index, reason=f.reason, message=f.message, **f.extra)
-    self.close_rings()
-    os._exit(code)
+    try:
+      self.ch.emit(Event.WORKER_FATAL, stage=self.index, reason=f.reason, message=f.message, **f.extra)
+      self.close_rings()
+    finally:
+      os._exit(code)
+
+  def dispatch(self, line: str) -> bool:
+    """Run one command line; False for ShutdownWorker. Any malformed line raises Fatal with its reason."""
+    if not line.strip(): return True
+    try: cmd = json.loads(line)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer past the digit limit, nesting past the stack
+      raise Fatal("InvalidCommand", f"not a JSON object: {type(e).__name__}: {show(str(e), 200)}") from None
+    if not isinstance(cmd, dict): raise Fatal("InvalidCommand", f"a command is a JSON object, not {type(cmd).__name__}")
+    name = cmd.get("command")
+    if not isinstance(name, str): raise Fatal("InvalidCommand", f"'command' must be a string naming a command, not {show(name)}")
+    if name == Command.SHUTDOWN_WORKER: return False
+    if (handler := self.commands.get(name)) is None: raise Fatal("UnknownCommand", f"unknown command {show(name)}")
+    handler(cmd)
+    return True
 
   def serve(self, commands: queue.Queue) -> None:
     """Commands and records both run here, on the main thread: tinygrad's state (its kernel cache
-    database among it) belongs to the thread that created it. Between records we look for commands."""
+    database among it) belongs to the thread that created it. Between records we look for commands.
+    The queue holds command lines, a Fatal (the reader could not read a line) or None (stdin closed)."""
     while True:
-      if self.looping:
-        try: line = commands.get_nowait()
-        except queue.Empty:
-          try: self.poll_ring()
-          except Exception as e: self.die(fatal_from(e))  # noqa: BLE001 - every failure reaches the launcher
-          continue
-      else: line = commands.get()
-      if line is None: break  # stdin closed: the launcher is gone
-      if not line.strip(): continue
       try:
-        cmd = json.loads(line)
-        name = cmd.get("command") if isinstance(cmd, dict) else None
-      except json.JSONDecodeError as e: self.die(Fatal("InvalidCommand", f"not a JSON object: {e}"))
-      if name == Command.SHUTDOWN_WORKER: break
-      if (handler := self.commands.get(name)) is None: self.die(Fatal("UnknownCommand", f"unknown command {name!r}"))
-      try: handler(cmd)
-      except Exception as e: self.die(fatal_from(e))  # noqa: BLE001
+        if self.looping:
+          try: item = commands.get_nowait()
+          except queue.Empty:
+            self.poll_ring()
+            continue
+        else: item = commands.get()
+        if item is None: break  # stdin closed: the launcher is gone
+        if isinstance(item, Fatal): raise item
+        if not self.dispatch(item): break
+      except BaseException as e:  # noqa: BLE001 - every failure reaches the launcher by name
+        self.die(fatal_from(e))
     self.close_rings()
     self.ch.emit(Event.WORKER_STOPPED, stage=self.index)
+
+
+def read_commands(fd: int, commands: queue.Queue) -> None:
+  """The control-in thread: bytes from `fd` split into lines and decoded here (strict UTF-8), so a bad line reaches
+  the main thread as a Fatal rather than killing this thread and leaving the stage waiting for ever. Plain os.read,
+  no io buffer: a daemon thread blocked inside a BufferedReader aborts the interpreter at exit."""
+  buf = b""
+  try:
+    while True:
+      chunk = os.read(fd, 1 << 16)
+      if not chunk:
+        if buf: lines = [buf]; buf = b""
+        else: break
+      else:
+        *lines, buf = (buf + chunk).split(b"\n")
+      if len(buf) > MAX_COMMAND_BYTES or any(len(raw) > MAX_COMMAND_BYTES for raw in lines):
+        return commands.put(Fatal("InvalidCommand", f"a command line longer than {MAX_COMMAND_BYTES} bytes"))
+      for raw in lines:
+        try: commands.put(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+          return commands.put(Fatal("InvalidCommand", f"a command line that is not UTF-8: {e}"))
+  except BaseException as e:  # noqa: BLE001 - reading stdin failed: the main thread ends the stage by name
+    return commands.put(Fatal("InvalidCommand", f"cannot read the control channel: {type(e).__name__}: {e}"))
+  commands.put(None)
 
 
 def _die_with_parent() -> None:
@@ -472,11 +591,7 @@ def main() -> None:
     from pyruntime.profiler import start_profiler
     stage.profile_report = start_profiler(channel.emit)
   commands: queue.Queue = queue.Queue()
-
-  def read_stdin() -> None:
-    for line in sys.stdin: commands.put(line)
-    commands.put(None)
-  threading.Thread(target=read_stdin, name="control-in", daemon=True).start()
+  threading.Thread(target=read_commands, args=(0, commands), name="control-in", daemon=True).start()
   stage.serve(commands)
 
 

@@ -70,3 +70,56 @@ def test_bad_serve_limits_are_refused_before_loading_the_model():
                         ("--timeout-request-body", "0")):
     out = subprocess.run([*CLI, "serve", "--model", "/nowhere/model.gguf", option, value], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "InvalidOption" in out.stderr and option[2:].replace("-", "_") in out.stderr, out.stderr
+
+
+def test_errors_print_on_their_own_line_without_an_empty_one_first():
+  out = subprocess.run([*CLI, "generate", "hi", "--model", "/nowhere/model.gguf"], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 2
+  assert out.stderr.startswith("pyruntime: GgufLocalPathMissing: "), repr(out.stderr)
+  assert "\n\n" not in out.stderr and out.stdout == ""
+
+
+def test_load_progress_without_a_terminal_is_a_line_per_step():
+  import io
+
+  from pyruntime.cli import LoadProgress
+
+  class Pipe(io.StringIO):
+    def isatty(self) -> bool: return False
+  err = Pipe()
+  p = LoadProgress(False, err)
+  p.HEARTBEAT_S = 0.05
+  p({"event": "StageSpawned", "stage": 0, "pid": 1})
+  p({"event": "ArenaCreated", "name": "/x", "rings": 4})   # a ring per stage, plus the tail's: 3 stages, known at once
+  import time
+  time.sleep(0.3)
+  for i in (2, 0, 1): p({"event": "WeightsLoaded", "stage": i, "start": i, "end": i + 1})
+  p({"event": "LauncherReady", "load_s": 99.0})
+  lines = err.getvalue().splitlines()
+  assert lines[0] == "pyruntime: loading 3 stages"
+  assert any(line.startswith("pyruntime: still loading: 0/3 stages loaded, ") for line in lines[1:-4])   # not silence while it waits
+  loaded = [line for line in lines if " loaded [" in line]
+  assert [line.split(" loaded ")[0] for line in loaded] == ["pyruntime: stage 2 (blocks 2:3)", "pyruntime: stage 0 (blocks 0:1)",
+                                                            "pyruntime: stage 1 (blocks 1:2)"]
+  assert [line.split("[")[1].split("]")[0] for line in loaded] == ["1/3", "2/3", "3/3"]   # the total never changes
+  assert lines[-1].startswith("pyruntime: loaded 3 stages in ") and "99" not in lines[-1]  # one clock: its own, not load_s
+  assert "\r" not in err.getvalue() and "\x1b" not in err.getvalue()
+  n = len(err.getvalue())
+  time.sleep(0.2)
+  assert len(err.getvalue()) == n   # the heartbeat stopped with the load
+
+
+def test_generate_without_a_terminal_shows_progress_then_a_clean_error(tmp_path):
+  """A real load of a tiny model with stderr a pipe: a line per stage, then an error (the prompt cannot fit) on its own line."""
+  from tinymodels import TINY_MODELS, write_tiny_gguf
+  path = write_tiny_gguf(tmp_path / "tiny.gguf", **TINY_MODELS["llama_tied"])
+  out = subprocess.run([*CLI, "generate", "word " * 200, "--model", str(path), "--split", "0:2,2:5", "--max-context", "32", "--raw"],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2, out.stderr
+  lines = out.stderr.splitlines()
+  assert lines[0] == "pyruntime: loading 2 stages", out.stderr
+  assert sorted(line.split(" loaded ")[0] for line in lines if " loaded [" in line) == \
+    ["pyruntime: stage 0 (blocks 0:2)", "pyruntime: stage 1 (blocks 2:5)"]
+  assert any(line.startswith("pyruntime: loaded 2 stages in ") for line in lines)
+  assert lines[-1].startswith("pyruntime: ContextLengthExceeded: "), out.stderr
+  assert "" not in lines and out.stdout == ""

@@ -296,9 +296,10 @@ def test_a_fast_extension_of_another_api_version_is_ignored(monkeypatch):
   is not half-used: ring.py falls back to cffi alone."""
   import types
 
+  from pyruntime._ring import ffi
+
   import pyruntime
   from pyruntime import ring
-  from pyruntime._ring import ffi
   fake = types.ModuleType("pyruntime._ringfast")
   fake.SIZEOF_PRODUCER, fake.SIZEOF_CONSUMER, fake.SIZEOF_VIEW = (ffi.sizeof(t) for t in ("mo_producer", "mo_consumer", "mo_view"))
   monkeypatch.setitem(sys.modules, "pyruntime._ringfast", fake)

@@ -717,3 +717,52 @@ def test_idle_keep_alive_connections_are_closed_and_busy_ones_are_not(fake):
   finally:
     fake.token_delay = 0.0
     srv.stop()
+
+
+def test_recovery_with_a_factory(fake):
+  """A launcher that stops being alive is replaced by the factory's; meanwhile requests get 503 with Retry-After."""
+  gate = threading.Event()
+  made: list[FakeLauncherForUnitTests] = []
+
+  def factory() -> FakeLauncherForUnitTests:
+    gate.wait(10)
+    made.append(FakeLauncherForUnitTests())
+    return made[-1]
+
+  app = create_app(fake, restart=factory)
+  srv = BackgroundServer(app).start()
+  c = httpx.Client(base_url=srv.url, timeout=20)
+  try:
+    fake._alive = [True, False]
+    wait_for(lambda: c.get("/health").json()["status"] == "recovering")
+    r = c.post("/v1/chat/completions", json=chat(max_tokens=2))
+    assert r.status_code == 503 and r.headers["retry-after"].isdigit() and r.json()["error"]["code"] == "service_unavailable"
+    assert c.get("/health").status_code == 503
+    gate.set()
+    wait_for(lambda: c.get("/health").status_code == 200)
+    assert fake._closed and app.state.pyruntime.launcher is made[0] and c.get("/health").json()["restarts"] == 1
+    r = c.post("/v1/chat/completions", json=chat(max_tokens=2))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hello there"
+  finally:
+    gate.set()
+    srv.stop()
+    app.state.pyruntime.close()
+
+
+def test_drain_ends_running_streams_with_an_error_and_done(server, fake):
+  srv, c = server
+  fake.gate.clear()   # the stream holds before its next token
+  t, box = in_thread(c.post, "/v1/completions", json={"prompt": "a b", "max_tokens": 9, "stream": True})
+  wait_for(lambda: len(srv.server.config.app.state.pyruntime.jobs) == 1)
+  state = srv.server.config.app.state.pyruntime
+  ended: list[int] = []
+  d = threading.Thread(target=lambda: ended.append(state.drain(0.5)))
+  d.start()
+  wait_for(lambda: state.draining)
+  r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+  assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable" and r.headers["retry-after"]
+  assert c.get("/health").json()["status"] == "draining"
+  d.join(10); t.join(10)
+  assert ended == [1]
+  events = sse_events(box["result"].text)
+  assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down"

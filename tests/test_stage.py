@@ -233,3 +233,120 @@ def test_profiler_samples_the_data_loop_thread(tiny):
     assert report["samples"] > 0 and report["lines"] and "stage.py" in " ".join(x["where"] for x in report["lines"])
   finally:
     sp.close()
+
+
+# --- hostile control lines: every one ends the stage with its named reason, never a bare traceback or a hang -------
+ROLE = '{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2}'
+
+
+@pytest.mark.parametrize("lines, reason", [
+  (['{"command": ["InitializeWorker"]}'], "InvalidCommand"),
+  (['{"command": {"name": "InitializeWorker"}}'], "InvalidCommand"),
+  (['{"command": null}'], "InvalidCommand"),
+  (['{"command": 7}'], "InvalidCommand"),
+  (['["InitializeWorker"]'], "InvalidCommand"),
+  (['"InitializeWorker"'], "InvalidCommand"),
+  (["[" * 100_000 + "]" * 100_000], "InvalidCommand"),
+  (['{"command": "InitializeWorker", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": ' + "9" * 5000 + ', "start": 0, "end": 2}'], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 1e400}'], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": NaN}'], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": "0", "start": 0, "end": 2}'], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": true, "start": 0, "end": 2}'], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "slots": 1e9}'], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "max_context": "big"}'], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "boundary_dtype": ["f"]}'], "InvalidCommand"),
+  (['{"command": "InitializeWorker", "cpus": "abc"}'], "InvalidCommand"),
+  (['{"command": "InitializeWorker", "cpus": [99999]}'], "InvalidCommand"),
+  (['{"command": "InitializeWorker", "device": 5}'], "InvalidCommand"),
+  (['{"command": "InitializeWorker", "abi_version": "2"}'], "UnsupportedHelperAbi"),
+  ([ROLE, '{"command": "LoadWeights", "model": 5}'], "ModelLoadFailed"),
+  ([ROLE, '{"command": "LoadWeights", "model": ["a.gguf"]}'], "ModelLoadFailed"),
+  ([ROLE, '{"command": "LoadWeights", "model": {"path": "a.gguf"}}'], "ModelLoadFailed"),
+  ([ROLE, '{"command": "LoadWeights", "model": "/tmp/a\\u0000b.gguf"}'], "GgufLocalPathMissing"),
+  ([ROLE, '{"command": "LoadWeights", "model": "/"}'], "GgufLocalPathMissing"),
+  ([ROLE, '{"command": "LoadWeights", "model": "/proc"}'], "GgufLocalPathMissing"),
+  ([ROLE, '{"command": "LoadWeights", "model": "/etc/passwd"}'], "ModelLoadFailed"),
+  ([ROLE, '{"command": "LoadWeights", "model": "x.gguf", "cache_dir": 3}'], "ModelLoadFailed"),
+])
+def test_malformed_command_is_named(stage, lines, reason):
+  for line in lines: stage.send_raw(line)
+  ev = stage.fatal(timeout=60)
+  assert ev["reason"] == reason, ev
+  assert ev["message"] and "traceback" not in ev, ev
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe{}\n", b'{"command": "InitializeWorker", "device": "\xc3("}\n', b"\xed\xa0\x80\n"])
+def test_invalid_utf8_is_a_named_fatal_not_a_hang(raw):
+  import os
+  sp = StageProc(env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+  try:
+    sp.p.stdin.buffer.write(raw); sp.p.stdin.flush()
+    ev = sp.fatal(timeout=60)
+    assert ev["reason"] == "InvalidCommand" and "UTF-8" in ev["message"], ev
+  finally:
+    sp.close()
+
+
+def test_valid_utf8_and_blank_lines_still_work(stage):
+  stage.send_raw("")
+  stage.send_raw("   ")
+  stage.send(Command.INITIALIZE_WORKER, device="CPU", note="naïve ✓")
+  stage.expect(Event.WORKER_READY)
+  stage.send(Command.SHUTDOWN_WORKER)
+  stage.expect(Event.WORKER_STOPPED)
+  assert stage.p.wait(timeout=10) == 0
+
+
+@pytest.fixture
+def loaded(tiny):
+  sp = StageProc()
+  sp.setup(tiny, 0, BLOCKS, slots=2, max_context=64)
+  yield sp
+  sp.close()
+
+
+@pytest.mark.parametrize("command, args, reason", [
+  ("InstallRing", {"ingress": 0, "egress": 1}, "InvalidCommand"),
+  ("InstallRing", {"arena": 5, "ingress": 0, "egress": 1}, "InvalidCommand"),
+  ("InstallRing", {"arena": "/pyruntime-none-such", "ingress": 0, "egress": 1}, "ArenaInvalid"),
+  ("InstallRing", {"arena": "/x", "ingress": "0", "egress": 1}, "InvalidCommand"),
+  ("InstallRing", {"arena": "/x", "ingress": 0, "egress": 1, "mode": "fast"}, "InvalidCommand"),
+  ("InstallRing", {"arena": "/x", "ingress": 0, "egress": 1, "ingress_boundary": [1]}, "InvalidCommand"),
+  ("InstallRing", {"arena": "/x", "ingress": 0, "egress": 1, "ingress_boundary": {"egress": 3}}, "BoundarySchemaMismatch"),
+  ("DecodeTokens", {"token_ids": [10**9]}, "TokenIdInvalid"),
+  ("DecodeTokens", {"token_ids": [-1]}, "TokenIdInvalid"),
+  ("DecodeTokens", {"token_ids": ["1"]}, "TokenIdInvalid"),
+  ("DecodeTokens", {"token_ids": [1.0]}, "TokenIdInvalid"),
+  ("DecodeTokens", {"token_ids": [True]}, "TokenIdInvalid"),
+  ("DecodeTokens", {"token_ids": [None]}, "TokenIdInvalid"),
+  ("DecodeTokens", {"token_ids": "12"}, "TokenIdInvalid"),
+  ("DecodeTokens", {"token_ids": {"a": 1}}, "TokenIdInvalid"),
+  ("EncodePrompt", {"token_ids": [1, 10**9]}, "TokenIdInvalid"),
+  ("EncodePrompt", {"token_ids": "1"}, "TokenIdInvalid"),
+  ("EncodePrompt", {"prompt": 5}, "InvalidCommand"),
+  ("EncodePrompt", {"messages": "hi"}, "InvalidCommand"),
+  ("EncodePrompt", {"messages": [1, 2]}, "InvalidOption"),
+  ("EncodePrompt", {"messages": [{"role": "user", "content": {"x": [1]}}]}, None),
+  ("EncodePrompt", {}, "InvalidOption"),
+  ("InferPrompt", {"prompt": "hi", "max_tokens": "4"}, "InvalidCommand"),
+  ("InferPrompt", {"prompt": "hi", "sampling": [1]}, "InvalidCommand"),
+  ("InferPrompt", {"prompt": "hi", "sampling": {"bogus": 1}}, "InvalidOption"),
+  ("InferPrompt", {"token_ids": [1, 99999999]}, "TokenIdInvalid"),
+  ("LoadWeights", {"model": "x.gguf"}, "InvalidCommand"),
+  ("RingReadable", {}, "RingNotInstalled"),
+])
+def test_bad_arguments_after_load_are_named(loaded, command, args, reason):
+  loaded.send(command, **args)
+  ev = loaded.next_event(60)
+  if reason is None:  # a valid request after all: answered, then the stage still serves
+    assert ev["event"] != "WorkerFatal" or ev["reason"] != "UnhandledWorkerException", ev
+    return
+  assert ev["event"] == "WorkerFatal" and ev["reason"] == reason, ev
+  assert ev["message"] and "traceback" not in ev, ev
+  assert loaded.p.wait(timeout=10) != 0
+
+
+def test_decode_tokens_passes_ids_to_the_tokenizer(loaded):
+  loaded.send("DecodeTokens", token_ids=[1, 2, 3])
+  assert isinstance(loaded.expect("TokensDecoded")["text"], str)

@@ -59,7 +59,20 @@ def stream_one(client: Any, url: str, prompt: str, tokens: int, model: str) -> d
   return {"start": t0, "times": times, "completion_tokens": usage.get("completion_tokens", len(times))}
 
 
-def run_level(url: str, c: int, tokens: int, requests_per_client: int, model: str) -> dict:
+def stage_delta(lm: Any, before: list[dict] | None) -> list[dict] | None:
+  """Per stage, over the measured part of a level: decode steps, mean rows per step, prefill chunks, busy and idle s."""
+  if lm is None or before is None: return None
+  after = lm.stage_stats()
+  out = []
+  for a, b in zip(after, before, strict=True):
+    steps = a["decode_steps"] - b["decode_steps"]
+    out.append({"stage": a["stage"], "decode_steps": steps, "mean_rows": round((a["decode_rows"] - b["decode_rows"]) / max(1, steps), 2),
+                "prefill_chunks": a["prefill_chunks"] - b["prefill_chunks"],
+                "busy_s": round(a["compute_s"] + a["emit_s"] - b["compute_s"] - b["emit_s"], 2), "wait_s": round(a["wait_s"] - b["wait_s"], 2)})
+  return out
+
+
+def run_level(url: str, c: int, tokens: int, requests_per_client: int, model: str, lm: Any = None) -> dict:
   import httpx
   results: list[dict] = []
   errors: list[str] = []
@@ -81,8 +94,9 @@ def run_level(url: str, c: int, tokens: int, requests_per_client: int, model: st
     for t in threads: t.join()
     return time.monotonic() - t0
 
-  level(1, 4)  # warm-up: this batch shape's kernels compile on first use
+  level(1, 4)  # warm-up: the first request per client (kernels of a shape not captured yet compile on first use)
   results.clear()
+  before = lm.stage_stats() if lm is not None else None
   wall = level(requests_per_client, tokens)
   ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
   itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
@@ -90,7 +104,8 @@ def run_level(url: str, c: int, tokens: int, requests_per_client: int, model: st
   return {"concurrency": c, "requests": len(results), "errors": len(errors), "output_tokens": out_tokens, "wall_s": round(wall, 3),
           "tokens_per_s": round(out_tokens / wall, 3), "ttft_p50_s": round(percentile(ttft, 50), 4),
           "ttft_p99_s": round(percentile(ttft, 99), 4), "itl_p50_s": round(percentile(itl, 50), 4),
-          "itl_p99_s": round(percentile(itl, 99), 4), "first_error": errors[0] if errors else None}
+          "itl_p99_s": round(percentile(itl, 99), 4), "first_error": errors[0] if errors else None,
+          "stages": stage_delta(lm, before)}
 
 
 def long_prompt(url: str, tokens: int, model: str, prompt_tokens: int = 1000) -> dict:
@@ -151,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
       out: Any = long_prompt(url, max(a.tokens, 48), model)
       print(json.dumps(out) if a.json else json.dumps(out, indent=1))
       return 0
-    rows = [run_level(url, c, a.tokens, a.requests_per_client, model) for c in (int(x) for x in a.concurrency.split(","))]
+    rows = [run_level(url, c, a.tokens, a.requests_per_client, model, lm) for c in (int(x) for x in a.concurrency.split(","))]
     base = rows[0]["tokens_per_s"] or float("nan")
     for r in rows: r["vs_c1"] = round(r["tokens_per_s"] / base, 3)
     if a.json: print(json.dumps(rows))
@@ -159,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
       print(f"{'C':>3} {'tok/s':>8} {'x C=1':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'req':>4} {'err':>4}")
       for r in rows:
         print(f"{r['concurrency']:>3} {r['tokens_per_s']:>8.2f} {r['vs_c1']:>6.2f} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
-              f"{r['itl_p50_s']:>8.3f} {r['itl_p99_s']:>8.3f} {r['requests']:>4} {r['errors']:>4}")
+              f"{r['itl_p50_s']:>8.3f} {r['itl_p99_s']:>8.3f} {r['requests']:>4} {r['errors']:>4}  "
+              + " | ".join(f"stage {x['stage']}: {x['decode_steps']} steps x {x['mean_rows']} rows, {x['prefill_chunks']} chunks, "
+                           f"busy {x['busy_s']} s, idle {x['wait_s']} s" for x in r["stages"] or []))
   finally:
     if server is not None: server.stop()
     if lm is not None: lm.close()

@@ -225,6 +225,7 @@ class Launcher:
     self._token_times: collections.deque[float] = collections.deque(maxlen=4096)
     self._closed = False                  # no new streams, the driver stops
     self._shut = False                    # the stages are gone and the arena unlinked
+    self._failure: errors.StageFailed | None = None  # what ended the pipeline, for every stream still running
     self._close_lock = threading.Lock()
     self._old_sigterm: Any = None
     # launcher time per token, between a token's arrival and the next write: wall, and this thread's CPU
@@ -345,6 +346,7 @@ class Launcher:
   def _fail(self, f: errors.StageFailed) -> errors.StageFailed:
     """A stage failed: end every stage, unlink every segment, and hand back the error to raise."""
     self._event({"event": "StageFailed", "stage": f.stage, "reason": f.reason, "message": f.detail})
+    self._failure = self._failure or f
     self.close(grace_s=FAIL_GRACE_S)
     return f
 
@@ -485,10 +487,10 @@ class Launcher:
     except errors.PyruntimeError as e:
       if not self._closed:
         f = self._first_failure() or (e if isinstance(e, errors.StageFailed) else errors.StageFailed(len(self.handles) - 1, e.code, str(e)))
-        self._fail_all(f)  # every stream learns which stage failed, then the pipeline goes down
-        self._fail(f)
+        self._fail(f)  # the pipeline goes down, then every stream learns which stage failed
     finally:
-      self._fail_all(errors.LauncherClosed("the launcher closed while the stream ran"))
+      if self._closed and not self._shut: pass  # a user's close() is under way: it fails the streams once the stages are gone
+      else: self._fail_all(self._failure or errors.LauncherClosed("the launcher closed while the stream ran"))
 
   def _step(self, st: StreamHandle, rec: Any, pos: int) -> None:
     """A token (or logits) for a running stream: text out, and either the next token in or the stream's end."""
@@ -558,7 +560,6 @@ class Launcher:
       self._shutdown(grace_s)
 
   def _shutdown(self, grace_s: float) -> None:
-    self._fail_all(errors.LauncherClosed("the launcher closed while the stream ran"))
     for side in (self.head, self.tail):
       if side is not None:
         try: side.close()
@@ -579,6 +580,8 @@ class Launcher:
         except OSError: pass
     if self.arena is not None:
       self.arena.close()
+    # the streams learn last, so whoever sees their error finds every stage gone and every segment unlinked
+    self._fail_all(self._failure or errors.LauncherClosed("the launcher closed while the stream ran"))
     self._event({"event": "LauncherClosed"})
     self._restore_sigterm()
 

@@ -349,6 +349,7 @@ class StageModel:
     construction, which the tests check bit for bit."""
     cfg, S = self.config, self.slots
     self._v_kv_len = UOp.variable("kv_len", 1, cfg.max_context)
+    self._v_lo = UOp.variable("first_slot", 0, S - 1)
     self._batch_jits: dict[int, TinyJit] = {}
     self._shape_for: dict[int, int] = {}   # rows -> batch shape, chosen by measured step time (warm_up)
     self.shape_ms: dict[int, float] = {}   # measured step time of each batch shape
@@ -359,13 +360,19 @@ class StageModel:
     if self.is_head: self._batch_in = self._empty((S, self._embd_row_bytes), dtypes.uint8)
     else: self._batch_in = self._empty((S, 1, cfg.dim), self._bdtype)
 
+  def batch_window(self, slots: list[int]) -> tuple[int, int]:
+    """(first slot, rows) of the batch that holds `slots`: from the lowest one, in the shape batch_rows picks, moved
+    down where it would run past the last slot."""
+    rows = self.batch_rows(max(slots) - min(slots) + 1)
+    return min(min(slots), self.slots - rows), rows
+
   def batch_rows(self, n: int) -> int:
     """The batch shape n rows run in: the cheapest measured shape that holds them (see warm_up), else the smallest
     power of two (at most the slot count). Any shape >= n gives every row the same numbers (batch invariance)."""
     if (shape := self._shape_for.get(n)) is not None: return shape
     return min(self.slots, 1 << (n - 1).bit_length())
 
-  def _run_batch(self, inp: Tensor, positions: Tensor, rope: Tensor, rows: int, kv_len: UOp, kvs: list[Tensor]) -> Tensor:
+  def _run_batch(self, inp: Tensor, positions: Tensor, rope: Tensor, rows: int, lo: UOp, kv_len: UOp, kvs: list[Tensor]) -> Tensor:
     cfg = self.config
     if self.is_head:
       n = self.slots * self.dim
@@ -381,7 +388,7 @@ class StageModel:
     seen = self._arange[:kv_len].reshape(1, 1, 1, kv_len)
     mask = (seen > pos).where(float("-inf"), 0.0).cast(x.dtype)
     here = (seen == pos).reshape(rows, 1, 1, kv_len, 1)
-    for b, kv in zip(self.blk, kvs, strict=True): b.batch_kv = kv[:rows]
+    for b, kv in zip(self.blk, kvs, strict=True): b.batch_kv = kv[lo:lo + rows]  # the window's slots; lo is symbolic
 
     def call(b: TransformerBlock, x: Tensor) -> Tensor:
       @function(precompile=PRECOMPILE, allow_implicit=True)
@@ -419,32 +426,36 @@ class StageModel:
   def forward_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> Tensor:
     """One decode step for several streams at once: row i of `inp` (a token id on the head, else a (dim,) hidden state)
     is the next token of the stream in KV slot `slots[i]`, at position `positions[i]`. Returns, realized, the residual
-    (rows, 1, dim) or on the tail the logits (rows, vocab) float32, where row r belongs to slot r (rows = max(slots)+1;
-    the rows of slots not named are fillers). Like forward, the result may alias an internal buffer."""
+    (rows, 1, dim) or on the tail the logits (rows, vocab) float32, where row r belongs to slot lo + r: the batch is a
+    window of consecutive slots from the lowest named one (`rows` picks each slot's row; the window's other rows are
+    fillers). Its offset is symbolic, so a window anywhere runs the same kernels. Like forward, the result may alias
+    an internal buffer."""
     if not slots: raise errors.ActivationExtentInvalid("a batch needs at least one row")
     if len(set(slots)) != len(slots): raise errors.SlotInvalid(f"a batch names a KV slot twice: {slots}")
     n = len(slots)
     for i, (slot, p) in enumerate(zip(slots, positions, strict=True)):
       self._validate(slot, inp[i:i + 1] if self.is_head else inp[i:i + 1].reshape(1, -1), p)
       if p == 0: raise errors.StreamPositionInvalid(f"slot {slot}: position 0 is a prefill, not a decode step")
-    rows = self.batch_rows(max(slots) + 1)
+    lo, rows = self.batch_window(slots)
+    at = [slot - lo for slot in slots]
     pos = np.full(self.slots, -1, dtype=np.int32)
-    pos[list(slots)] = positions
+    pos[at] = positions
     rope = np.zeros((self.slots, self.config.rope_dim), dtype=np.float32)
-    rope[list(slots)] = self._rope_host[list(positions)]
+    rope[at] = self._rope_host[list(positions)]
     self._batch_pos.uop.buffer.copyin(_host_mv(pos))
     self._batch_rope.uop.buffer.copyin(_host_mv(rope))
     if self.is_head:
       staged = np.zeros((self.slots, self._embd_row_bytes), dtype=np.uint8)
-      staged[list(slots)] = self._embd_rows[np.asarray(inp, dtype=np.uint32).reshape(n)]
+      staged[at] = self._embd_rows[np.asarray(inp, dtype=np.uint32).reshape(n)]
     else:
       staged = np.zeros((self.slots, 1, self.dim), dtype=DTYPES[self.boundary_dtype])
-      staged[list(slots), 0] = np.asarray(inp).reshape(n, self.dim)
+      staged[at, 0] = np.asarray(inp).reshape(n, self.dim)
     self._batch_in.uop.buffer.copyin(_host_mv(staged))
     if (jit := self._batch_jits.get(rows)) is None:
       jit = self._batch_jits[rows] = TinyJit(self._run_batch)
       jit.cnt = 1
-    ret = jit(self._batch_in, self._batch_pos, self._batch_rope, rows, self._v_kv_len.bind(int(max(positions)) + 1), self._kv_caches())
+    ret = jit(self._batch_in, self._batch_pos, self._batch_rope, rows, self._v_lo.bind(lo), self._v_kv_len.bind(int(max(positions)) + 1),
+              self._kv_caches())
     for slot, p in zip(slots, positions, strict=True): self._pos[slot] = int(p) + 1
     return self._wrap(ret.uop.buf_uop.buffer, (rows, self.vocab_size) if self.is_tail else (rows, 1, self.dim))
 
@@ -587,10 +598,10 @@ class StageModel:
     return shapes
 
   def rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
-    """The rows of a forward_batch result that belong to `slots`, each a realized view of its own (no copy)."""
-    buf, row = batch.uop.buffer, prod(batch.shape[1:])
-    return [Tensor(UOp.from_buffer(buf.view(row, buf.dtype, s * row * buf.dtype.itemsize).ensure_allocated())).reshape(batch.shape[1:])
-            for s in slots]
+    """The rows of a forward_batch(slots) result, in the order of `slots`, each a realized view of its own (no copy)."""
+    buf, row, lo = batch.uop.buffer, prod(batch.shape[1:]), self.batch_window(slots)[0]
+    return [Tensor(UOp.from_buffer(buf.view(row, buf.dtype, (s - lo) * row * buf.dtype.itemsize).ensure_allocated()))
+            .reshape(batch.shape[1:]) for s in slots]
 
   @property
   def row_bytes(self) -> int:

@@ -43,6 +43,7 @@ from pyruntime.protocol import (
 COMMAND_POLL_S = 0.05  # while records flow, how often the data loop looks for a control command
 GROUP_WAIT_S = 5.0     # how long to wait for the rest of a step's group (MORE): the upstream writes a group in one go
 DECODE_MODES = ("batched", "reference")  # reference: tinygrad's own T=1 decode kernels, one stream at a time (its exact tokens)
+GATHER_STEPS, GATHER_MIN_S, GATHER_MAX_S = 3.0, 0.005, 1.0  # how long a stage waits for decode rows still on their way
 MAX_TAKE = 256         # records taken from the ring per loop turn, so a flooding upstream cannot starve the compute
 MAX_COMMAND_BYTES = 64 << 20  # one control line; a longer one is refused (InvalidCommand) rather than buffered without end
 
@@ -157,6 +158,8 @@ class Stage:
     self.looping = False             # the data loop runs (InstallRing in mode "loop")
     self.decode_mode = "batched"
     self.micro_batches = 1
+    self.gathering: float | None = None  # since when decode rows are being gathered
+    self.step_s = 0.0                    # a decode step's duration here (moving average)
     self.profile_report: Callable[[], None] | None = None
     self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "decode_steps": 0,
                   "decode_rows": 0, "max_batch": 0, "prefill_chunks": 0, "stream_errors": 0, "started": time.monotonic()}
@@ -277,10 +280,32 @@ class Stage:
   # still prefilling. So a long prompt delays the running streams by at most one chunk per step, and streams join
   # and leave the batch at every step.
   def poll_ring(self) -> None:
-    self.take_ingress(0.0 if self.has_work() else COMMAND_POLL_S)
-    if self.looping and self.has_work(): self.run_step()
+    ready = self.ready()
+    self.take_ingress(0.0 if ready else COMMAND_POLL_S if not self.gathering else min(COMMAND_POLL_S, self.gather_left()))
+    if self.looping and self.ready(): self.run_step()
 
   def has_work(self) -> bool: return any(st.pending for st in self.streams.values())
+
+  # Gathering: rows come back from the tail in groups; a stage that ran every group as it came would keep them apart for
+  # ever (one stream's token, then another's, each a batch of one). So a stage waits, a bounded time, until every
+  # stream that is decoding has its next row here (of its micro-batch's share), and runs them as one batch.
+  def decoding(self) -> int:
+    return sum(1 for st in self.streams.values() if not st.failed and st.prompt_tokens is not None and st.position >= st.prompt_tokens
+               and not any(p < st.prompt_tokens for p, _ in st.pending))
+
+  def ready(self) -> bool:
+    """Run a step now: a prefill chunk waits, or enough decode rows are here, or gathering them took long enough."""
+    if not self.has_work(): self.gathering = None; return False
+    if any(st.pending and not st.next_is_decode() for st in self.streams.values()): return True
+    rows = sum(1 for st in self.streams.values() if st.next_is_decode())
+    if rows >= -(-self.decoding() // self.micro_batches): return True
+    if self.gathering is None: self.gathering = time.monotonic()
+    return self.gather_left() <= 0
+
+  def gather_left(self) -> float:
+    """A round trip of the pipeline brings the missing rows: wait up to a few of this stage's steps for them."""
+    budget = min(GATHER_MAX_S, max(GATHER_MIN_S, GATHER_STEPS * self.step_s))
+    return budget - (time.monotonic() - self.gathering) if self.gathering is not None else budget
 
   def take_ingress(self, timeout: float) -> None:
     """Read what the ring holds now (waiting up to `timeout` for the first record, and for the rest of a MORE group)."""
@@ -358,6 +383,7 @@ class Stage:
     if (st := self.streams.pop(stream_id, None)) is not None: self.model.reset_slot(st.slot)
 
   def run_step(self) -> None:
+    self.gathering = None
     decode = sorted(((sid, st) for sid, st in self.streams.items() if st.next_is_decode()), key=lambda x: x[1].waiting_since)
     # micro-batches: with stages on devices of their own, a step takes at most 1/micro_batches of the streams, so the
     # groups alternate between stages and every stage computes at once (stages sharing one CPU gain nothing by that)
@@ -380,6 +406,7 @@ class Stage:
       self.emit(sid, st, pos, 1, out, FLAG_MORE if i < len(items) - 1 else 0)
     t2 = time.monotonic()
     n = len(items)
+    self.step_s = 0.8 * self.step_s + 0.2 * (t2 - t0) if self.step_s else t2 - t0
     self.stats.update(records=self.stats["records"] + n, tokens=self.stats["tokens"] + n, decode_steps=self.stats["decode_steps"] + 1,
                       decode_rows=self.stats["decode_rows"] + n, max_batch=max(self.stats["max_batch"], n),
                       compute_s=self.stats["compute_s"] + t1 - t0, emit_s=self.stats["emit_s"] + t2 - t1)

@@ -366,7 +366,7 @@ def bitwise_equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
   return len(a) == len(b) and all(np.array_equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("name", ["llama_tied", "qwen3", "qwen2"])
+@pytest.mark.parametrize("name", ["llama_tied", "qwen3"])  # GQA + tied output; qk-norm
 def test_batched_decode_is_batch_invariant(name, tiny_paths):
   """Streams of different prompt lengths decoding together, joining at different steps (so the batch shape changes
   from 1 to 2 to 4 rows and back), give every stream the same logits bit for bit as decoding it alone."""

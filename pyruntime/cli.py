@@ -38,12 +38,13 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--presence-penalty", type=float, default=0.0, help="0: off")
   p.add_argument("--penalty-last-n", type=int, default=None, help="tokens the penalties look back over; 0: none, -1: all (default: all)")
   p.add_argument("--stop", action="append", default=[], help="stop string, repeatable (default: none)")
+  p.add_argument("--ignore-eos", action="store_true", help="keep generating through end tokens, up to --max-tokens")
 
 
 def _sampling(a: argparse.Namespace) -> dict[str, Any]:
   return dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
               repetition_penalty=a.repetition_penalty, frequency_penalty=a.frequency_penalty,
-              presence_penalty=a.presence_penalty, penalty_last_n=a.penalty_last_n, stop=a.stop)
+              presence_penalty=a.presence_penalty, penalty_last_n=a.penalty_last_n, stop=a.stop, ignore_eos=a.ignore_eos)
 
 
 class Term:

@@ -603,11 +603,15 @@ def main() -> None:
   channel = Channel()
   stage = Stage(channel)
 
+  launcher_pid = os.getppid()  # before a dead launcher's orphans are re-parented
+
   def on_term(signum, frame):
     stage.close_rings()
     try:
-      from pyruntime.ring import cleanup_stale
-      cleanup_stale()  # a launcher killed -9 cannot unlink its arena; its orphans do it for it
+      from pyruntime.ring import DEFAULT_PREFIX, cleanup_stale
+      # a launcher killed -9 cannot unlink its arena; its orphans do it for it. Only that launcher's segments
+      # ({prefix}-{pid}-...): other launchers' orphans are theirs to clean, or `pyruntime shm clean`'s
+      cleanup_stale(f"{DEFAULT_PREFIX}-{launcher_pid}")
     except Exception: pass  # noqa: BLE001
     os._exit(128 + signum)
 

@@ -93,3 +93,18 @@ def ring_binding(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
   if "ring_binding" in metafunc.fixturenames:
     metafunc.parametrize("ring_binding", RING_BINDINGS, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_launcher(smollm2_path):
+  """One 2-stage SmolLM2 pipeline for every test file that only generates through it (loading and capturing the
+  kernels costs a minute here). Built from the default model source (None), as `pyruntime generate` does; started
+  in the main thread, so the stages' parent-death signal follows the test process. Tests must not kill its stages."""
+  from pyruntime.launcher import Launcher
+  lm = Launcher(None, stages=2, max_context=SMOLLM2_CONTEXT).start()
+  yield lm
+  lm.close()
+  assert not any(lm.alive())
+
+
+SMOLLM2_CONTEXT = 512

@@ -2,8 +2,6 @@
 by the official `openai` client, unchanged (docs/serving.md)."""
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from typing import Any
@@ -11,23 +9,20 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import SMOLLM2_CONTEXT as MAX_CONTEXT  # the shared launcher's (tests/conftest.py)
 
 from pyruntime.launcher import Done, Launcher
 from pyruntime.openai_api import model_id
 from pyruntime.server import BackgroundServer, create_app
 
 pytestmark = pytest.mark.slow
-MAX_CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
-def live():
-  lm = Launcher(None, stages=2, max_context=MAX_CONTEXT).start()   # in the main thread: the stages' parent-death signal follows it
-  srv = BackgroundServer(create_app(lm, queue_size=16)).start()
-  try: yield lm, srv
-  finally:
-    srv.stop()
-    lm.close()
+def live(smollm2_launcher):
+  srv = BackgroundServer(create_app(smollm2_launcher, queue_size=16)).start()
+  try: yield smollm2_launcher, srv
+  finally: srv.stop()
 
 
 def client_for(srv: BackgroundServer) -> openai.OpenAI:
@@ -182,57 +177,3 @@ def test_load_three_clients_ten_requests_each(live):
   assert len(results) == 30
   for k, i, text in results: assert text == refs[i], (k, i, text, refs[i])
   assert metric(srv, "pyruntime_queue_depth") == 0
-
-
-def test_stage_death_ends_the_request_and_health_reports_it(live):
-  """Last in this module: it kills a stage, which closes the launcher."""
-  lm, srv = live
-  c = client_for(srv)
-  stream = c.chat.completions.create(model="default", messages=[MESSAGES[0], {"role": "user", "content": "Tell me a story."}],
-                                     max_tokens=300, stream=True)
-  it = iter(stream)
-  next(it)
-  os.kill(lm.handles[1].proc.pid, signal.SIGKILL)
-  with pytest.raises(openai.APIError, match="stage"):
-    for _ in it: pass
-  h = httpx.get(f"{srv.url}/health")
-  assert h.status_code == 503 and "dead" in [s["status"] for s in h.json()["stages"]] and h.json()["last_error"]["code"] == "StageFailed"
-  with pytest.raises(openai.InternalServerError):   # refused at once (503), not hung
-    c.completions.create(model="default", prompt="x", max_tokens=2)
-
-
-def test_pyruntime_serve_command(tmp_path):
-  """`pyruntime serve` itself: loads in its main thread, answers on loopback, and SIGTERM stops it and its stages.
-  (Generation through the app is covered above; here only the command's wiring.)"""
-  import socket
-  import subprocess
-  import sys
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-  with open(tmp_path / "serve.log", "wb") as log:
-    proc = subprocess.Popen([sys.executable, "-m", "pyruntime", "serve", "--port", str(port), "--max-context", "256", "--queue-size", "2"],
-                            stdout=log, stderr=subprocess.STDOUT)
-  try:
-    deadline = time.monotonic() + 180
-    while True:
-      assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-      try:
-        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200: break
-      except httpx.TransportError: pass
-      assert time.monotonic() < deadline, "the server did not come up"
-      time.sleep(0.5)
-    models = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0).models.list()
-    assert len(models.data) == 1 and models.data[0].context_length == 256   # the CLI's options reached the launcher
-    stage_pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
-    assert len(stage_pids) == 2
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) in (0, 128 + signal.SIGTERM)
-    for pid in stage_pids: assert not os.path.exists(f"/proc/{pid}") or _parent(pid) != proc.pid
-  finally:
-    if proc.poll() is None: proc.kill(); proc.wait()
-
-
-def _parent(pid: int) -> int | None:
-  try:
-    with open(f"/proc/{pid}/stat") as f: return int(f.read().rsplit(")", 1)[1].split()[1])
-  except (OSError, ValueError, IndexError): return None

@@ -184,6 +184,7 @@ def test_serve_drains_on_sigterm(tiny, tmp_path):
       try: return c.get("/health").status_code == 200
       except httpx.TransportError: return False
     wait_for(up, 180, "the server to come up")
+    assert c.get("/v1/models").json()["data"][0]["context_length"] == 128   # the command's options reached the launcher
     stages = stage_pids(proc.pid)
     assert len(stages) == 2
     os.kill(stages[1], signal.SIGSTOP)   # the stream below stays running until the server ends it

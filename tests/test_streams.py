@@ -104,6 +104,7 @@ def test_waiting_streams_are_served_in_order(lm):
 
 def test_stage_death_ends_every_stream_by_name(tiny):
   lm = Launcher(tiny, split=SPLIT, max_context=128, max_streams=4).start()
+  pids, arena = [h.proc.pid for h in lm.handles], "/dev/shm" + lm.arena.name
   try:
     caught: dict[int, BaseException] = {}
     started = threading.Barrier(4)
@@ -124,10 +125,12 @@ def test_stage_death_ends_every_stream_by_name(tiny):
     for t in threads: t.join(30)
     assert time.monotonic() - t0 < 2.0
     assert set(caught) == {0, 1, 2}
-    for e in caught.values(): assert isinstance(e, errors.StageFailed) and e.stage == 1, e
+    for e in caught.values(): assert isinstance(e, errors.StageFailed) and e.stage == 1 and "signal 9" in str(e), e
+    assert not os.path.exists(arena)   # the failure took the segments with it, before anyone called close()
   finally:
     lm.close()
   assert not any(lm.alive())
+  for pid in pids: assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 # --- the server over the real launcher ------------------------------------------------------------

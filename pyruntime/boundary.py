@@ -21,7 +21,6 @@ import numpy as np
 from pyruntime import errors
 
 DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "uint32": np.dtype("<u4")}
-DENSE_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
 MOE_ARCHS = frozenset({"qwen3moe", "qwen2moe", "qwen35moe", "mixtral", "deepseek2", "glm4moe", "gpt-oss", "llama4",
                        "olmoe", "granitemoe", "dbrx", "arctic", "grok", "phimoe"})
 MLA_ARCHS = frozenset({"deepseek2", "kimi-k2", "glm4moe-mla"})

@@ -190,7 +190,8 @@ class Spinner:
 
 
 def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) -> Any:
-  from pyruntime.launcher import Launcher, parse_split
+  from pyruntime.launcher import Launcher
+  from pyruntime.plan import parse_split
   return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
                   boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, max_context=a.max_context,
                   warmup=warmup, on_event=LoadProgress(quiet))
@@ -247,7 +248,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
   from pyruntime.gguf import read_header
-  from pyruntime.model import suggest_split
+  from pyruntime.plan import suggest_split
   from pyruntime.source import resolve_model
   h = read_header(resolve_model(a.model))
   blocks = int(h.get("block_count"))

@@ -27,23 +27,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
-  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-  p.add_argument("--top-k", type=int, default=0, help="0: off")
-  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
-  p.add_argument("--min-p", type=float, default=0.0, help="0: off")
-  p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-  p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
-  p.add_argument("--frequency-penalty", type=float, default=0.0, help="0: off")
-  p.add_argument("--presence-penalty", type=float, default=0.0, help="0: off")
-  p.add_argument("--penalty-last-n", type=int, default=None, help="tokens the penalties look back over; 0: none, -1: all (default: all)")
+  from pyruntime.params import MAX_TOKENS, SAMPLING
+  for q in (MAX_TOKENS, *SAMPLING.values()): p.add_argument(q.flag, type=q.kind, default=q.default, help=q.help)
   p.add_argument("--stop", action="append", default=[], help="stop string, repeatable (default: none)")
 
 
 def _sampling(a: argparse.Namespace) -> dict[str, Any]:
-  return dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
-              repetition_penalty=a.repetition_penalty, frequency_penalty=a.frequency_penalty,
-              presence_penalty=a.presence_penalty, penalty_last_n=a.penalty_last_n, stop=a.stop)
+  """The generate() options of the command line, checked (pyruntime/params.py) before a model is loaded."""
+  from pyruntime.params import SAMPLING, check_request
+  sampling = {name: getattr(a, name) for name in SAMPLING}
+  check_request(a.max_tokens, sampling)
+  return dict(max_tokens=a.max_tokens, stop=a.stop, **sampling)
 
 
 class Term:
@@ -199,9 +193,10 @@ def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) 
 
 def cmd_generate(a: argparse.Namespace) -> int:
   from pyruntime.launcher import Delta, Done
+  options = _sampling(a)
   with _launcher(a, quiet=a.json) as lm:
     done = None
-    for ev in lm.generate(a.prompt, raw=a.raw, **_sampling(a)):
+    for ev in lm.generate(a.prompt, raw=a.raw, **options):
       if isinstance(ev, Delta) and not a.json: Term.out(ev.text)
       elif isinstance(ev, Done): done = ev
     if a.json:
@@ -222,6 +217,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
   from pyruntime.launcher import Delta, Done
   messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
+  options = _sampling(a)
   with _launcher(a) as lm:
     sys.stderr.write("chat with the model; an empty line or Ctrl-D ends it\n")
     while True:
@@ -232,7 +228,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
       reply = []
       spinner = Spinner()   # until the first text of the reply: the model is working
       try:
-        for ev in lm.generate(messages=messages, **_sampling(a)):
+        for ev in lm.generate(messages=messages, **options):
           if isinstance(ev, Delta) and ev.text:
             spinner.stop(); Term.out(ev.text); reply.append(ev.text)
           elif isinstance(ev, Done) and ev.finish_reason == "length": spinner.stop(); Term.out(" [length]")

@@ -399,14 +399,10 @@ class Launcher:
     `Delta` / `Logits`, then exactly one final `Done` or exception instance (a `PyruntimeError`). It must not block
     (an asyncio caller hands events over with `loop.call_soon_threadsafe`). Validation and tokenisation run here, in
     the caller's thread, and raise before anything is queued."""
-    from pyruntime.sampling import SamplingParams
+    from pyruntime.params import check_request
     from pyruntime.textstream import StopStream, budget
+    params = check_request(max_tokens, sampling)
     if self._closed or self.head is None: raise errors.LauncherClosed("the launcher is not running")
-    try: params = SamplingParams(**sampling)
-    except TypeError as e: raise errors.UnsupportedFeature(str(e).split("'")[1] if "'" in str(e) else "option", str(e)) from None
-    params.validate()
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-      raise errors.InvalidOption("max_tokens", f"must be a positive integer, got {max_tokens!r}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     stopper = StopStream(stops)
     ids = self.prompt_ids(prompt, messages, raw)

@@ -373,7 +373,8 @@ class Stage:
     self.model.reset_slot(slot)
     st = Stream(slot, prompt_tokens)
     if self.model.is_tail:
-      from pyruntime.sampling import Sampler, SamplingParams
+      from pyruntime.params import SamplingParams
+      from pyruntime.sampling import Sampler
       if not info.get("identity"): raise errors.ResultIdentityMissing(f"stream {stream_id} opened without a request identity")
       st.sampler = Sampler(SamplingParams.from_dict(info.get("sampling", {})), self.model.vocab_size, self.model.device)
       st.history, st.end_ids, st.logits = list(info.get("history", [])), frozenset(info.get("end_ids", [])), bool(info.get("logits"))
@@ -498,7 +499,8 @@ class Stage:
     if self.model is None: raise Fatal("WeightsNotLoaded", "InferPrompt before LoadWeights")
     if not (self.model.is_head and self.model.is_tail):
       raise Fatal("InvalidCommand", "InferPrompt needs a stage that owns the whole model; use the rings for a split")
-    from pyruntime.sampling import Sampler, SamplingParams
+    from pyruntime.params import SamplingParams
+    from pyruntime.sampling import Sampler
     from pyruntime.textstream import budget
     tok, ids = self._tok(), self._prompt_ids(cmd)
     n_max = budget(arg_int(cmd, "max_tokens", 256, lo=1, hi=1 << 24), self.model.context_length, len(ids))

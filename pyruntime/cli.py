@@ -270,7 +270,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
   from pyruntime.server import serve
-  return serve(a)
+  return serve(a, lambda: _launcher(a, warmup=True))  # a server captures every batch shape's kernels before it takes requests
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

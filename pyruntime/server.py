@@ -825,11 +825,11 @@ def draining_server(config: Any, state: ServerState, grace_s: float) -> Any:
   return DrainingServer(config)
 
 
-def serve(args: Any) -> int:
+def serve(args: Any, make_launcher: Callable[[], Any]) -> int:
   """`pyruntime serve`: load the stages (in this, the main thread: their parent-death signal follows the
   spawning thread), then run uvicorn here until SIGTERM / Ctrl-C (which drain first), then stop every stage.
-  A pipeline whose stage dies is rebuilt by the server's supervisor thread (see create_app's `restart`)."""
-  from pyruntime.cli import _launcher
+  `make_launcher` builds an unstarted Launcher from the command line (cli.py), the first one and every restart's:
+  a pipeline whose stage dies is rebuilt by the server's supervisor thread (see create_app's `restart`)."""
   queue_size = getattr(args, "queue_size", 16)
   if queue_size < 0: raise errors.InvalidOption("queue_size", f"must be >= 0, got {queue_size}")
   max_body = getattr(args, "max_body_bytes", MAX_BODY_BYTES)
@@ -842,12 +842,12 @@ def serve(args: Any) -> int:
     if not v > 0: raise errors.InvalidOption(name, f"must be > 0 seconds, got {v}")
   if not grace >= 0: raise errors.InvalidOption("shutdown_grace", f"must be >= 0 seconds, got {grace}")
   if attempts < 0: raise errors.InvalidOption("restart_attempts", f"must be >= 0, got {attempts}")
-  lm = _launcher(args, warmup=True)  # a server captures every batch shape's kernels before it takes requests
+  lm = make_launcher()
   lm.start()
   state: ServerState | None = None
   try:
     app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body,
-                     restart=(lambda: _launcher(args, warmup=True).start()) if attempts > 0 else None, restart_attempts=max(1, attempts))
+                     restart=(lambda: make_launcher().start()) if attempts > 0 else None, restart_attempts=max(1, attempts))
     state = app.state.pyruntime
     if args.host not in ("127.0.0.1", "localhost", "::1"):
       sys.stderr.write(f"pyruntime: serving on {args.host}, beyond this host; there is no authentication\n")

@@ -43,8 +43,12 @@ from pyruntime.protocol import (
   split_object_id,
 )
 
-if TYPE_CHECKING:  # the ring hands out arrays; the launcher itself needs no numpy
+if TYPE_CHECKING:  # the ring hands out arrays; the launcher itself needs no numpy (the ring is imported at start)
   import numpy as np
+
+  from pyruntime.gguf import GGUFHeader
+  from pyruntime.ring import Arena, Reader, Writer
+  from pyruntime.tokenizer import Tokenizer
 
 POLL_S = 0.05          # how often a waiting launcher looks at its stages' health
 STOP_GRACE_S = 5.0     # how long a stage gets to stop in order before it is killed
@@ -126,6 +130,29 @@ class StageHandle:
       how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
       return errors.StageFailed(self.index, "WorkerExited", f"{how}; stderr tail: {self.stderr_tail(600).strip()}")
     return None
+
+
+def spawn_stage(index: int, env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None) -> StageHandle:
+  """Start one `python -m pyruntime.stage` process, and the thread that puts its events on `h.events` (None at its
+  end), calling `on_event` with each first. The launcher's way, and the tests' (tests/stageproc.py)."""
+  err = tempfile.TemporaryFile()
+  proc = subprocess.Popen([sys.executable, "-m", "pyruntime.stage"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=err, env=env, text=True, bufsize=1)
+  h = StageHandle(index, proc, err)
+  threading.Thread(target=_pump, args=(h, on_event), name=f"stage-{index}-events", daemon=True).start()
+  return h
+
+
+def _pump(h: StageHandle, on_event: Callable[[dict], None] | None) -> None:
+  for line in h.proc.stdout:
+    try: ev = json.loads(line)
+    except json.JSONDecodeError: continue
+    ev.setdefault("stage", h.index)
+    if ev.get("event") == Event.WORKER_FATAL: h.fatal = ev
+    if on_event is not None: on_event(ev)
+    h.events.put(ev)
+  h.proc.wait()
+  h.events.put(None)  # EOF: the process is gone
 
 
 class StreamHandle:
@@ -212,9 +239,9 @@ class Launcher:
     self.stage_env, self.load_timeout_s = dict(stage_env or {}), load_timeout_s
     self.events: list[dict] = []          # every event seen, in order: the plain way to look at them
     self.handles: list[StageHandle] = []
-    self.arena: Any = None
-    self.head: Any = None                 # writer of the head ring
-    self.tail: Any = None                 # reader of the tail's egress ring
+    self.arena: Arena | None = None
+    self.head: Writer | None = None       # writer of the head ring
+    self.tail: Reader | None = None       # reader of the tail's egress ring
     self._lock = threading.Lock()         # the head ring's producer side, the slots and the queue (see _admit)
     self._stream_ids = itertools.count(1)
     self._free_slots = list(range(max_streams))
@@ -251,7 +278,7 @@ class Launcher:
     from pyruntime.tokenizer import Tokenizer
     self.path = resolve_model(None if self.model_source is None else str(self.model_source), cache_dir=self.cache_dir,
                               on_progress=lambda done, total: self._event({"event": Event.DOWNLOAD_PROGRESS, "bytes": done, "total": total}))
-    self.header = read_header(self.path)
+    self.header: GGUFHeader = read_header(self.path)
     self.model_name = self.header.kv.get("general.name") or self.path.stem
     self.num_blocks = int(self.header.get("block_count"))
     self.split = plan_split(self.header, self.stages_wanted, self.split_wanted)
@@ -261,7 +288,7 @@ class Launcher:
     self.micro_batches = len(self.split) if len(set(self.devices)) == len(self.devices) and not any(
       d.upper().startswith("CPU") for d in self.devices) else 1
     self.context_length = int(min(self.max_context_wanted or 1 << 62, self.header.get("context_length")))
-    self.tokenizer = Tokenizer.from_gguf_kv(self.header.kv)
+    self.tokenizer: Tokenizer = Tokenizer.from_gguf_kv(self.header.kv)
     self.dim = int(self.header.get("embedding_length"))
     self.vocab_size = self.tokenizer.vocab_size
 
@@ -307,25 +334,9 @@ class Launcher:
     return self
 
   def _spawn(self, index: int) -> StageHandle:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **self.stage_env)
-    err = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "pyruntime.stage"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=err, env=env, text=True, bufsize=1)
-    h = StageHandle(index, proc, err)
-    threading.Thread(target=self._pump, args=(h,), name=f"stage-{index}-events", daemon=True).start()
-    self._event({"event": "StageSpawned", "stage": index, "pid": proc.pid})
+    h = spawn_stage(index, dict(os.environ, PYTHONUNBUFFERED="1", **self.stage_env), self._event)
+    self._event({"event": "StageSpawned", "stage": index, "pid": h.proc.pid})
     return h
-
-  def _pump(self, h: StageHandle) -> None:
-    for line in h.proc.stdout:
-      try: ev = json.loads(line)
-      except json.JSONDecodeError: continue
-      ev.setdefault("stage", h.index)
-      if ev.get("event") == Event.WORKER_FATAL: h.fatal = ev
-      self._event(ev)
-      h.events.put(ev)
-    h.proc.wait()
-    h.events.put(None)  # EOF: the process is gone
 
   def _event(self, ev: dict) -> None:
     self.events.append(ev)

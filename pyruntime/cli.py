@@ -36,7 +36,7 @@ def _sampling(a: argparse.Namespace) -> dict[str, Any]:
   """The generate() options of the command line, checked (pyruntime/params.py) before a model is loaded."""
   from pyruntime.params import SAMPLING, check_request
   sampling = {name: getattr(a, name) for name in SAMPLING}
-  check_request(a.max_tokens, sampling)
+  check_request(a.max_tokens, sampling, a.stop)
   return dict(max_tokens=a.max_tokens, stop=a.stop, **sampling)
 
 
@@ -244,11 +244,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
   from pyruntime.gguf import read_header
-  from pyruntime.plan import suggest_split
+  from pyruntime.plan import block_tensor_names, suggest_split
   from pyruntime.source import resolve_model
   h = read_header(resolve_model(a.model))
   blocks = int(h.get("block_count"))
-  per_block = [sum(t.nbytes for n, t in h.tensors.items() if n.startswith(f"blk.{i}.")) for i in range(blocks)]
+  per_block = [sum(h.tensors[n].nbytes for n in block_tensor_names(h, i)) for i in range(blocks)]
   other = {n: t.nbytes for n, t in h.tensors.items() if not n.startswith("blk.")}
   info = {"path": str(h.path), "architecture": h.arch, "name": h.kv.get("general.name"), "blocks": blocks,
           "dim": h.get("embedding_length"), "heads": h.get("attention.head_count"), "kv_heads": h.get("attention.head_count_kv"),

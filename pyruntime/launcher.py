@@ -412,7 +412,7 @@ class Launcher:
     the caller's thread, and raise before anything is queued."""
     from pyruntime.params import check_request
     from pyruntime.textstream import StopStream, budget
-    params = check_request(max_tokens, sampling)
+    params = check_request(max_tokens, sampling, stop)
     if self._closed or self.head is None: raise errors.LauncherClosed("the launcher is not running")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     stopper = StopStream(stops)

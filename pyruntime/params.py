@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from pyruntime import errors
 
@@ -100,7 +100,9 @@ SAMPLING: dict[str, Param] = {f.name: Param(f.name, default=f.default, **f.metad
 MAX_TOKENS = Param("max_tokens", int, 256, "most tokens to generate", lo=1, nullable=True)  # None: up to the context
 
 
-def check_request(max_tokens: int | None, sampling: Mapping[str, Any]) -> SamplingParams:
-  """A generation's numeric options, as `Launcher.submit` takes them: InvalidOption naming the first bad one."""
+def check_request(max_tokens: int | None, sampling: Mapping[str, Any], stop: str | Sequence[str] | None = None) -> SamplingParams:
+  """A generation's options, as `Launcher.submit` takes them: InvalidOption naming the first bad one."""
+  from pyruntime.textstream import validate_stop
   MAX_TOKENS.check(max_tokens)
+  validate_stop(stop)
   return SamplingParams.from_dict(sampling, unknown=errors.UnsupportedFeature)

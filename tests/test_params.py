@@ -15,6 +15,13 @@ BAD = [("temperature", -0.5), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.
        ("presence_penalty", 2.01), ("penalty_last_n", -2), ("max_tokens", 0), ("temperature", float("nan"))]
 
 
+def test_a_bad_stop_is_refused_alike(capsys):
+  with pytest.raises(errors.InvalidOption) as by_api: api.parse_request({"prompt": "x", "stop": ""}, api.COMPLETION)
+  with pytest.raises(errors.InvalidOption) as by_launcher: Launcher().submit("hi", stop="", on_event=lambda ev: None)
+  assert str(by_api.value) == str(by_launcher.value) and by_launcher.value.field == "stop"
+  assert _cli_error("stop", "", capsys) == f"pyruntime: InvalidOption: {by_launcher.value}"
+
+
 def _cli_error(field: str, value: object, capsys) -> str:
   """What `pyruntime generate` prints for the option; refused before the (missing) model is looked for."""
   rc = main(["generate", "hi", "--model", "/nowhere/model.gguf", "--" + field.replace("_", "-"), str(value)])

@@ -946,11 +946,6 @@ mo_status mo_consumer_read(mo_consumer *c, mo_view *out, int64_t timeout_ns) {
   }
 }
 
-mo_status mo_consumer_next(mo_consumer *c, mo_view *out, int64_t timeout_ns) {
-  if (c->state == ST_ATTACHED) mo_consumer_release(c);
-  return mo_consumer_read(c, out, timeout_ns);
-}
-
 mo_status mo_consumer_take_timed(mo_consumer *c, int64_t timeout_ns) {
   if (MO_UNLIKELY(c->slot >= c->nviews || !c->views)) return MO_INVALID_STATE;
   mo_status st = mo_consumer_read(c, &c->views[c->slot], timeout_ns);

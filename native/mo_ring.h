@@ -382,8 +382,6 @@ void mo_consumer_set_wait(mo_consumer *c, uint64_t spin_ns, uint64_t poll_ns);
 mo_status mo_consumer_peek(mo_consumer *c, mo_view *out);
 /* As mo_consumer_peek, waiting per timeout_ns. */
 mo_status mo_consumer_read(mo_consumer *c, mo_view *out, int64_t timeout_ns);
-/* mo_consumer_release() then mo_consumer_read(): the one-call per-record loop. */
-mo_status mo_consumer_next(mo_consumer *c, mo_view *out, int64_t timeout_ns);
 /* Binding fast paths: read into c->views[c->slot] and advance slot (MO_INVALID_STATE when
  * slot == nviews: give more views).  take waits without limit; take_next releases first (slot 0). */
 mo_status mo_consumer_take(mo_consumer *c);

@@ -21,12 +21,11 @@ import numpy as np
 from pyruntime import errors
 
 DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "uint32": np.dtype("<u4")}
-DENSE_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
 MOE_ARCHS = frozenset({"qwen3moe", "qwen2moe", "qwen35moe", "mixtral", "deepseek2", "glm4moe", "gpt-oss", "llama4",
                        "olmoe", "granitemoe", "dbrx", "arctic", "grok", "phimoe"})
 MLA_ARCHS = frozenset({"deepseek2", "kimi-k2", "glm4moe-mla"})
 
-TOKEN_IDS, HIDDEN, TOKEN_ID, LOGITS = "token_ids", "hidden_states", "token_id", "logits"
+TOKEN_IDS, HIDDEN, TOKEN_ID = "token_ids", "hidden_states", "token_id"
 
 
 def residual_tensors(arch: str) -> tuple[str, ...]:
@@ -62,7 +61,7 @@ class Boundary:
   def kind(self) -> str:
     names = set(self.tensors)
     if names == {TOKEN_IDS}: return "token_ids"
-    if names == {TOKEN_ID} or names == {LOGITS}: return "result"
+    if names == {TOKEN_ID}: return "result"  # logits asked for by a stream travel in its records, under this schema
     return "residual"
   @property
   def token_bytes(self) -> int: return sum(DTYPES[dt].itemsize * w for dt, w in self.tensors.values())

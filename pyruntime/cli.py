@@ -27,24 +27,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
-  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-  p.add_argument("--top-k", type=int, default=0, help="0: off")
-  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
-  p.add_argument("--min-p", type=float, default=0.0, help="0: off")
-  p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-  p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
-  p.add_argument("--frequency-penalty", type=float, default=0.0, help="0: off")
-  p.add_argument("--presence-penalty", type=float, default=0.0, help="0: off")
-  p.add_argument("--penalty-last-n", type=int, default=None, help="tokens the penalties look back over; 0: none, -1: all (default: all)")
+  from pyruntime.params import MAX_TOKENS, SAMPLING
+  for q in (MAX_TOKENS, *SAMPLING.values()): p.add_argument(q.flag, type=q.kind, default=q.default, help=q.help)
   p.add_argument("--stop", action="append", default=[], help="stop string, repeatable (default: none)")
   p.add_argument("--ignore-eos", action="store_true", help="keep generating through end tokens, up to --max-tokens")
 
 
 def _sampling(a: argparse.Namespace) -> dict[str, Any]:
-  return dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
-              repetition_penalty=a.repetition_penalty, frequency_penalty=a.frequency_penalty,
-              presence_penalty=a.presence_penalty, penalty_last_n=a.penalty_last_n, stop=a.stop, ignore_eos=a.ignore_eos)
+  """The generate() options of the command line, checked (pyruntime/params.py) before a model is loaded."""
+  from pyruntime.params import SAMPLING, check_request
+  sampling = {name: getattr(a, name) for name in SAMPLING}
+  check_request(a.max_tokens, sampling, a.stop)
+  return dict(max_tokens=a.max_tokens, stop=a.stop, ignore_eos=a.ignore_eos, **sampling)
 
 
 class Term:
@@ -191,7 +185,8 @@ class Spinner:
 
 
 def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) -> Any:
-  from pyruntime.launcher import Launcher, parse_split
+  from pyruntime.launcher import Launcher
+  from pyruntime.plan import parse_split
   return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
                   boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, max_context=a.max_context,
                   warmup=warmup, on_event=LoadProgress(quiet))
@@ -199,9 +194,10 @@ def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) 
 
 def cmd_generate(a: argparse.Namespace) -> int:
   from pyruntime.launcher import Delta, Done
+  options = _sampling(a)
   with _launcher(a, quiet=a.json) as lm:
     done = None
-    for ev in lm.generate(a.prompt, raw=a.raw, **_sampling(a)):
+    for ev in lm.generate(a.prompt, raw=a.raw, **options):
       if isinstance(ev, Delta) and not a.json: Term.out(ev.text)
       elif isinstance(ev, Done): done = ev
     if a.json:
@@ -222,6 +218,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
   from pyruntime.launcher import Delta, Done
   messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
+  options = _sampling(a)
   with _launcher(a) as lm:
     sys.stderr.write("chat with the model; an empty line or Ctrl-D ends it\n")
     while True:
@@ -232,7 +229,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
       reply = []
       spinner = Spinner()   # until the first text of the reply: the model is working
       try:
-        for ev in lm.generate(messages=messages, **_sampling(a)):
+        for ev in lm.generate(messages=messages, **options):
           if isinstance(ev, Delta) and ev.text:
             spinner.stop(); Term.out(ev.text); reply.append(ev.text)
           elif isinstance(ev, Done) and ev.finish_reason == "length": spinner.stop(); Term.out(" [length]")
@@ -248,11 +245,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
   from pyruntime.gguf import read_header
-  from pyruntime.model import suggest_split
+  from pyruntime.plan import block_tensor_names, suggest_split
   from pyruntime.source import resolve_model
   h = read_header(resolve_model(a.model))
   blocks = int(h.get("block_count"))
-  per_block = [sum(t.nbytes for n, t in h.tensors.items() if n.startswith(f"blk.{i}.")) for i in range(blocks)]
+  per_block = [sum(h.tensors[n].nbytes for n in block_tensor_names(h, i)) for i in range(blocks)]
   other = {n: t.nbytes for n, t in h.tensors.items() if not n.startswith("blk.")}
   info = {"path": str(h.path), "architecture": h.arch, "name": h.kv.get("general.name"), "blocks": blocks,
           "dim": h.get("embedding_length"), "heads": h.get("attention.head_count"), "kv_heads": h.get("attention.head_count_kv"),
@@ -274,7 +271,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
   from pyruntime.server import serve
-  return serve(a)
+  return serve(a, lambda: _launcher(a, warmup=True))  # a server captures every batch shape's kernels before it takes requests
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

@@ -18,13 +18,21 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
-
 from pyruntime.errors import GgufLocalPathMissing, ModelLoadFailed
 
 GGML_MAX_DIMS = 4                  # ggml.h: a tensor has at most 4 dimensions
 DEFAULT_ALIGNMENT = 32
 INT64_MAX = (1 << 63) - 1
+
+# GGML tensor types we can read: id -> (elements per block, bytes per block), ggml.c's type_traits. Plain types
+# are blocks of one element. Kept here so reading a header needs no tinygrad; tests/test_gguf.py checks it against
+# tinygrad's own tables (tinygrad.llm.gguf), which is what dequantises the data.
+GGML_TYPES: dict[int, tuple[int, int]] = {
+  0: (1, 4), 1: (1, 2), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2),  # F32 F16 I8 I16 I32 I64 F64 BF16
+  2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 39: (32, 17), 41: (128, 18),   # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 MXFP4, 41
+  12: (256, 144), 13: (256, 176), 14: (256, 210),                                                 # Q4_K Q5_K Q6_K
+  18: (256, 98), 21: (256, 110), 22: (256, 82), 23: (256, 136),                                  # IQ3_XXS IQ3_S IQ2_S IQ4_XS
+}
 
 # GGUF value types: id -> (name, struct code or None for string/array, byte size of one fixed-size value)
 STRING, ARRAY = 8, 9
@@ -61,8 +69,7 @@ class GGUFHeader:
 def tensor_nbytes(dims: tuple[int, ...], ggml_type: int) -> int:
   n = 1
   for d in dims: n *= d
-  if (dt := _GGML_NATIVE.get(ggml_type)) is not None: return n * dt.itemsize
-  if (q := _GGML_QUANT.get(ggml_type)) is not None: return (n // q[0]) * q[1]
+  if (bt := GGML_TYPES.get(ggml_type)) is not None: return (n // bt[0]) * bt[1]
   raise ModelLoadFailed(f"GGML type {ggml_type} is not supported")
 
 
@@ -182,10 +189,10 @@ def _parse(c: _Cursor) -> GGUFHeader:
     for d in dims:
       n *= d
       if n > INT64_MAX: raise c.fail(f"tensor {name!r} has dimensions {dims}: more than 2**63 elements", at)
-    if typ in _GGML_QUANT and dims[0] % _GGML_QUANT[typ][0]:
-      raise c.fail(f"tensor {name!r}: its first dimension {dims[0]} is not a multiple of the block size {_GGML_QUANT[typ][0]} "
+    if typ in GGML_TYPES and dims[0] % GGML_TYPES[typ][0]:
+      raise c.fail(f"tensor {name!r}: its first dimension {dims[0]} is not a multiple of the block size {GGML_TYPES[typ][0]} "
                    f"of GGML type {typ}", at)
-    if typ not in _GGML_NATIVE and typ not in _GGML_QUANT: raise c.fail(f"tensor {name!r} has unknown or unsupported GGML type {typ}", at)
+    if typ not in GGML_TYPES: raise c.fail(f"tensor {name!r} has unknown or unsupported GGML type {typ}", at)
     if offset % alignment: raise c.fail(f"tensor {name!r} starts at data offset {offset}, not a multiple of the alignment {alignment}", at)
     infos.append((name, dims, typ, offset, tensor_nbytes(dims, typ)))
   data_start = -(-c.pos // alignment) * alignment

@@ -17,15 +17,14 @@ import json
 import os
 import queue
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pyruntime import errors
 from pyruntime.protocol import (
@@ -43,6 +42,13 @@ from pyruntime.protocol import (
   ring_bytes,
   split_object_id,
 )
+
+if TYPE_CHECKING:  # the ring hands out arrays; the launcher itself needs no numpy (the ring is imported at start)
+  import numpy as np
+
+  from pyruntime.gguf import GGUFHeader
+  from pyruntime.ring import Arena, Reader, Writer
+  from pyruntime.tokenizer import Tokenizer
 
 POLL_S = 0.05          # how often a waiting launcher looks at its stages' health
 STOP_GRACE_S = 5.0     # how long a stage gets to stop in order before it is killed
@@ -124,6 +130,29 @@ class StageHandle:
       how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
       return errors.StageFailed(self.index, "WorkerExited", f"{how}; stderr tail: {self.stderr_tail(600).strip()}")
     return None
+
+
+def spawn_stage(index: int, env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None) -> StageHandle:
+  """Start one `python -m pyruntime.stage` process, and the thread that puts its events on `h.events` (None at its
+  end), calling `on_event` with each first. The launcher's way, and the tests' (tests/stageproc.py)."""
+  err = tempfile.TemporaryFile()
+  proc = subprocess.Popen([sys.executable, "-m", "pyruntime.stage"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=err, env=env, text=True, bufsize=1)
+  h = StageHandle(index, proc, err)
+  threading.Thread(target=_pump, args=(h, on_event), name=f"stage-{index}-events", daemon=True).start()
+  return h
+
+
+def _pump(h: StageHandle, on_event: Callable[[dict], None] | None) -> None:
+  for line in h.proc.stdout:
+    try: ev = json.loads(line)
+    except json.JSONDecodeError: continue
+    ev.setdefault("stage", h.index)
+    if ev.get("event") == Event.WORKER_FATAL: h.fatal = ev
+    if on_event is not None: on_event(ev)
+    h.events.put(ev)
+  h.proc.wait()
+  h.events.put(None)  # EOF: the process is gone
 
 
 class StreamHandle:
@@ -210,9 +239,9 @@ class Launcher:
     self.stage_env, self.load_timeout_s = dict(stage_env or {}), load_timeout_s
     self.events: list[dict] = []          # every event seen, in order: the plain way to look at them
     self.handles: list[StageHandle] = []
-    self.arena: Any = None
-    self.head: Any = None                 # writer of the head ring
-    self.tail: Any = None                 # reader of the tail's egress ring
+    self.arena: Arena | None = None
+    self.head: Writer | None = None       # writer of the head ring
+    self.tail: Reader | None = None       # reader of the tail's egress ring
     self._lock = threading.Lock()         # the head ring's producer side, the slots and the queue (see _admit)
     self._stream_ids = itertools.count(1)
     self._free_slots = list(range(max_streams))
@@ -239,32 +268,36 @@ class Launcher:
 
   def __exit__(self, *exc: Any) -> None: self.close()
 
-  def start(self) -> "Launcher":
+  def plan(self) -> None:
+    """Everything decided in this process before a stage exists: the model file, the split, the devices, the sizes.
+    It reads the GGUF header only (pyruntime.plan), so the launcher process never imports tinygrad."""
     from pyruntime.devices import parse_devices
     from pyruntime.gguf import read_header
-    from pyruntime.model import suggest_split
-    from pyruntime.ring import Arena, RingSpec
+    from pyruntime.plan import plan_split
     from pyruntime.source import resolve_model
     from pyruntime.tokenizer import Tokenizer
+    self.path = resolve_model(None if self.model_source is None else str(self.model_source), cache_dir=self.cache_dir,
+                              on_progress=lambda done, total: self._event({"event": Event.DOWNLOAD_PROGRESS, "bytes": done, "total": total}))
+    self.header: GGUFHeader = read_header(self.path)
+    self.model_name = self.header.kv.get("general.name") or self.path.stem
+    self.num_blocks = int(self.header.get("block_count"))
+    self.split = plan_split(self.header, self.stages_wanted, self.split_wanted)
+    self.devices = parse_devices(self.devices_wanted, len(self.split))
+    # stages on devices of their own compute at once when the streams are cut into one micro-batch per stage; stages
+    # that share the CPU would only take cores from each other
+    self.micro_batches = len(self.split) if len(set(self.devices)) == len(self.devices) and not any(
+      d.upper().startswith("CPU") for d in self.devices) else 1
+    self.context_length = int(min(self.max_context_wanted or 1 << 62, self.header.get("context_length")))
+    self.tokenizer: Tokenizer = Tokenizer.from_gguf_kv(self.header.kv)
+    self.dim = int(self.header.get("embedding_length"))
+    self.vocab_size = self.tokenizer.vocab_size
+
+  def start(self) -> "Launcher":
+    from pyruntime.ring import Arena, RingSpec
     t0 = time.monotonic()
     self._install_sigterm()
     try:
-      self.path = resolve_model(None if self.model_source is None else str(self.model_source), cache_dir=self.cache_dir,
-                                on_progress=lambda done, total: self._event({"event": Event.DOWNLOAD_PROGRESS, "bytes": done, "total": total}))
-      self.header = read_header(self.path)
-      self.model_name = self.header.kv.get("general.name") or self.path.stem
-      self.num_blocks = int(self.header.get("block_count"))
-      self.split = [tuple(r) for r in (self.split_wanted or suggest_split(self.header, self.stages_wanted, by="memory"))]
-      check_split(self.split, self.num_blocks)
-      self.devices = parse_devices(self.devices_wanted, len(self.split))
-      # stages on devices of their own compute at once when the streams are cut into one micro-batch per stage; stages
-      # that share the CPU would only take cores from each other
-      self.micro_batches = len(self.split) if len(set(self.devices)) == len(self.devices) and not any(
-        d.upper().startswith("CPU") for d in self.devices) else 1
-      self.context_length = int(min(self.max_context_wanted or 1 << 62, self.header.get("context_length")))
-      self.tokenizer = Tokenizer.from_gguf_kv(self.header.kv)
-      self.dim = int(self.header.get("embedding_length"))
-      self.vocab_size = self.tokenizer.vocab_size
+      self.plan()
       itemsize = 2 if self.boundary_dtype == "float16" else 4
       # ring i feeds stage i; ring n carries the tail's tokens back (sizes: protocol.ring_bytes)
       rb = ring_bytes(self.context_length, self.dim, itemsize, self.vocab_size, self.max_streams)
@@ -301,25 +334,9 @@ class Launcher:
     return self
 
   def _spawn(self, index: int) -> StageHandle:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **self.stage_env)
-    err = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "pyruntime.stage"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=err, env=env, text=True, bufsize=1)
-    h = StageHandle(index, proc, err)
-    threading.Thread(target=self._pump, args=(h,), name=f"stage-{index}-events", daemon=True).start()
-    self._event({"event": "StageSpawned", "stage": index, "pid": proc.pid})
+    h = spawn_stage(index, dict(os.environ, PYTHONUNBUFFERED="1", **self.stage_env), self._event)
+    self._event({"event": "StageSpawned", "stage": index, "pid": h.proc.pid})
     return h
-
-  def _pump(self, h: StageHandle) -> None:
-    for line in h.proc.stdout:
-      try: ev = json.loads(line)
-      except json.JSONDecodeError: continue
-      ev.setdefault("stage", h.index)
-      if ev.get("event") == Event.WORKER_FATAL: h.fatal = ev
-      self._event(ev)
-      h.events.put(ev)
-    h.proc.wait()
-    h.events.put(None)  # EOF: the process is gone
 
   def _event(self, ev: dict) -> None:
     self.events.append(ev)
@@ -393,14 +410,10 @@ class Launcher:
     `Delta` / `Logits`, then exactly one final `Done` or exception instance (a `PyruntimeError`). It must not block
     (an asyncio caller hands events over with `loop.call_soon_threadsafe`). Validation and tokenisation run here, in
     the caller's thread, and raise before anything is queued."""
-    from pyruntime.sampling import SamplingParams
+    from pyruntime.params import check_request
     from pyruntime.textstream import StopStream, budget
+    params = check_request(max_tokens, sampling, stop)
     if self._closed or self.head is None: raise errors.LauncherClosed("the launcher is not running")
-    try: params = SamplingParams(**sampling)
-    except TypeError as e: raise errors.UnsupportedFeature(str(e).split("'")[1] if "'" in str(e) else "option", str(e)) from None
-    params.validate()
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-      raise errors.InvalidOption("max_tokens", f"must be a positive integer, got {max_tokens!r}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     stopper = StopStream(stops)
     ids = self.prompt_ids(prompt, messages, raw)
@@ -438,7 +451,7 @@ class Launcher:
                       sorted(st.end_ids), st.want_logits)
       st.t_admitted = time.monotonic()
       self._write(object_id(st.id, 0), info.encode(4), FLAG_OPEN)
-      self._write(object_id(st.id, 0), np.asarray(st.ids, dtype="<u4"), 0)
+      self._write(object_id(st.id, 0), struct.pack(f"<{len(st.ids)}I", *st.ids), 0)
 
   def _cancel(self, st: StreamHandle) -> None:
     with self._lock:
@@ -497,7 +510,7 @@ class Launcher:
     if st.want_logits:
       values = rec.array("<f4").copy()
       st.emit(Logits(pos, values))
-      token = int(np.argmax(values))
+      token = int(values.argmax())
       end = token in st.end_ids
     else:
       token, end = int(rec.array("<u4")[0]), bool(rec.flags & FLAG_END)
@@ -511,7 +524,7 @@ class Launcher:
     so the head computes them as one batch again instead of waking on the first and taking a batch of one."""
     nxt = [(st, oid, tok) for st, oid, tok in self._next if st.state == "open"]  # a stream cancelled meanwhile is CLOSEd
     self._next.clear()
-    for i, (_, oid, tok) in enumerate(nxt): self._write(oid, np.asarray([tok], dtype="<u4"), FLAG_MORE if i < len(nxt) - 1 else 0)
+    for i, (_, oid, tok) in enumerate(nxt): self._write(oid, struct.pack("<I", tok), FLAG_MORE if i < len(nxt) - 1 else 0)
 
   def _count_step(self, flags: int) -> None:
     self._group += 1
@@ -596,25 +609,6 @@ class Launcher:
     if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
       signal.signal(signal.SIGTERM, self._old_sigterm)
       self._old_sigterm = None
-
-
-def check_split(split: Sequence[tuple[int, int]], num_blocks: int) -> None:
-  """Ranges must be non-empty, contiguous, and cover 0..L-1 exactly once (docs/stage-ownership.md)."""
-  if not split: raise errors.LayerRangeInvalid("the split has no stages")
-  expect = 0
-  for i, (start, end) in enumerate(split):
-    if start != expect:
-      raise errors.LayerRangeInvalid(f"stage {i} starts at block {start}, expected {expect} (ranges must be contiguous, no overlap)")
-    if end <= start: raise errors.LayerRangeInvalid(f"stage {i} range [{start}, {end}) is empty")
-    expect = end
-  if expect != num_blocks:
-    raise errors.LayerRangeInvalid(f"the split ends at block {expect}, but the model has {num_blocks} blocks")
-
-
-def parse_split(text: str) -> list[tuple[int, int]]:
-  """"0:15,15:30" → [(0, 15), (15, 30)]"""
-  try: return [(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
-  except ValueError: raise errors.InvalidOption("split", f"expected START:END,START:END..., got {text!r}") from None
 
 
 def _pow2(n: int) -> int: return 1 << max(12, (n - 1).bit_length())

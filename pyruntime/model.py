@@ -37,32 +37,15 @@ from tinygrad.nn.state import get_state_dict
 from tinygrad.uop.ops import Ops
 
 from pyruntime import errors
-from pyruntime.boundary import DENSE_ARCHS, DTYPES, StageBoundary
+from pyruntime.boundary import DTYPES, StageBoundary
 from pyruntime.gguf import GGUFHeader, TensorInfo, read_header
+from pyruntime.plan import block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
 
 PREFILL_CHUNK = 32  # Transformer.generate's chunk_size: the prefill must be cut at the same places to be exact
 BOUNDARY_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16}
 
 
 # --- model description from the header alone ---------------------------------------------------
-def check_architecture(header: GGUFHeader) -> None:
-  """Refuse, by name, everything but dense llama / qwen2 / qwen3."""
-  arch, kv = header.arch, header.kv
-  if arch not in DENSE_ARCHS:
-    raise errors.UnsupportedArchitecture(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(DENSE_ARCHS))} (dense)")
-  if kv.get(f"{arch}.expert_count", 0) or any(".ffn_gate_exps." in n for n in header.tensors):
-    raise errors.UnsupportedArchitecture(f"{arch!r} with mixture-of-experts layers is not supported (dense models only)")
-  if kv.get(f"{arch}.attention.kv_lora_rank", 0):
-    raise errors.UnsupportedArchitecture(f"{arch!r} with multi-head latent attention (MLA) is not supported")
-  if kv.get(f"{arch}.ssm.state_size", 0) or kv.get(f"{arch}.full_attention_interval", 0):
-    raise errors.UnsupportedArchitecture(f"{arch!r} with recurrent (SSM) layers is not supported")
-
-
-def num_blocks(header: GGUFHeader) -> int:
-  arch = header.arch
-  return header.kv[f"{arch}.block_count"] - header.kv.get(f"{arch}.nextn_predict_layers", 0)
-
-
 def model_config(header: GGUFHeader, max_context: int | None = None) -> TransformerConfig:
   """The TransformerConfig `Transformer.from_gguf` derives, from the header only (dense architectures)."""
   kv, arch, tensors = header.kv, header.arch, header.tensors
@@ -81,63 +64,6 @@ def model_config(header: GGUFHeader, max_context: int | None = None) -> Transfor
       max_context=max_context, qk_norm=int(qn.shape[0]) if qn is not None else 0, qkv_bias="blk.0.attn_q.bias" in tensors)
   except KeyError as e:
     raise errors.ModelLoadFailed(f"{header.path}: GGUF metadata lacks {e.args[0]!r}") from e
-
-
-def output_tensor_name(header: GGUFHeader) -> str:
-  """Models with tied embeddings use the embedding matrix as the output projection."""
-  return "output.weight" if "output.weight" in header.tensors else "token_embd.weight"
-
-
-def block_tensor_names(header: GGUFHeader, i: int) -> list[str]:
-  return [n for n in header.tensors if n.startswith(f"blk.{i}.")]
-
-
-def stage_tensor_names(header: GGUFHeader, start: int, end: int) -> list[str]:
-  """The tensors a stage holds on its device (the head's embedding stays on the host)."""
-  names = [n for i in range(start, end) for n in block_tensor_names(header, i)]
-  if end == num_blocks(header): names += ["output_norm.weight", output_tensor_name(header)]
-  return names
-
-
-def stage_weight_bytes(header: GGUFHeader, start: int, end: int) -> int:
-  return sum(header.tensors[n].nbytes for n in dict.fromkeys(stage_tensor_names(header, start, end)))
-
-
-def model_weight_bytes(header: GGUFHeader) -> int:
-  return sum(t.nbytes for t in header.tensors.values())
-
-
-def suggest_split(header: GGUFHeader, n_stages: int, by: str = "memory") -> list[tuple[int, int]]:
-  """Contiguous [start, end) ranges covering every block once, balancing the stages' on-device weight bytes
-  (by="memory": the tail also holds output_norm + output, the head nothing extra) or their compute
-  (by="compute": parameters touched per token, so the output projection counts on the tail)."""
-  L = num_blocks(header)
-  if not isinstance(n_stages, int) or not 1 <= n_stages <= L:
-    raise errors.LayerRangeInvalid(f"cannot cut {L} blocks into {n_stages} non-empty stages")
-  if by not in ("memory", "compute"): raise ValueError(f"by must be 'memory' or 'compute', not {by!r}")
-  def cost(name: str) -> int:
-    t = header.tensors[name]
-    return t.nbytes if by == "memory" else prod(t.dims)
-  blk = [sum(cost(n) for n in block_tensor_names(header, i)) for i in range(L)]
-  tail_extra = sum(cost(n) for n in ("output_norm.weight", output_tensor_name(header)))
-  prefix = [0]
-  for c in blk: prefix.append(prefix[-1] + c)
-  def stage_cost(s: int, e: int) -> int: return prefix[e] - prefix[s] + (tail_extra if e == L else 0)
-  # best[k][e]: the smallest possible max stage cost cutting blocks [0, e) into k stages; ties prefer earlier cuts
-  INF = float("inf")
-  best = [[INF] * (L + 1) for _ in range(n_stages + 1)]
-  cut = [[0] * (L + 1) for _ in range(n_stages + 1)]
-  best[0][0] = 0
-  for k in range(1, n_stages + 1):
-    for e in range(k, L + 1):
-      for s in range(k - 1, e):
-        if (v := max(best[k - 1][s], stage_cost(s, e))) < best[k][e]: best[k][e], cut[k][e] = v, s
-  ranges, e = [], L
-  for k in range(n_stages, 0, -1):
-    s = cut[k][e]
-    ranges.append((s, e))
-    e = s
-  return ranges[::-1]
 
 
 def resolve_device(device: str | None) -> str:
@@ -624,5 +550,4 @@ class StageModel:
             f"resident={self.resident_bytes / 1e6:.1f} MB, boundary={self.boundary_dtype})")
 
 
-__all__ = ["StageModel", "suggest_split", "model_config", "check_architecture", "stage_weight_bytes", "model_weight_bytes",
-           "stage_tensor_names", "PREFILL_CHUNK"]
+__all__ = ["StageModel", "model_config", "PREFILL_CHUNK"]

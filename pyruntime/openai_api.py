@@ -9,22 +9,22 @@ stream chunks from the launcher's `Delta` / `Done` events.
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pyruntime import errors
+from pyruntime.params import INT64_MAX, MAX_TOKENS, SAMPLING, Param
+from pyruntime.params import show as _show
 
 CHAT, COMPLETION = "chat", "completion"
 
-# The launcher's sampling options (docs/serving.md#sampling); the names are the request field names.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
-                   "repetition_penalty", "penalty_last_n")
+# The launcher's sampling options (pyruntime/params.py, docs/serving.md#sampling); the names are the request field names.
+SAMPLING_FIELDS = tuple(SAMPLING)
 # ignore_eos: vLLM's extension (generate through end tokens), which serving benchmarks use for fixed-length outputs
 _COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "ignore_eos", *SAMPLING_FIELDS}
 SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens"}, COMPLETION: _COMMON | {"prompt"}}
@@ -102,13 +102,6 @@ def model_id(source: str | os.PathLike[str]) -> str:
   return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.") or "model"
 
 
-def _show(v: Any, limit: int = 80) -> str:
-  """repr(v) cut to `limit` characters (a client's value quoted back in an error message)."""
-  try: r = repr(v)
-  except (ValueError, RecursionError): r = f"<{type(v).__name__} too large to print>"   # huge int, deep nesting
-  return r if len(r) <= limit else r[:limit - 3] + "..."
-
-
 @dataclass
 class ParsedRequest:
   kind: str                              # CHAT | COMPLETION
@@ -137,8 +130,6 @@ def parse_json(raw: bytes) -> dict[str, Any]:
   return body
 
 
-INT64_MAX = 2**63 - 1
-
 
 def _dump(v: Any, limit: int = 80) -> str:
   try: return json.dumps(v)[:limit]
@@ -146,10 +137,6 @@ def _dump(v: Any, limit: int = 80) -> str:
 
 
 def _is_int(v: Any) -> bool: return isinstance(v, int) and not isinstance(v, bool)
-def _is_number(v: Any) -> bool:
-  if isinstance(v, bool) or not isinstance(v, (int, float)): return False
-  try: return math.isfinite(v)
-  except OverflowError: return False   # an int too large for a float
 
 
 def _int(body: dict, name: str, lo: int = -INT64_MAX - 1, hi: int = INT64_MAX) -> int | None:
@@ -162,14 +149,9 @@ def _int(body: dict, name: str, lo: int = -INT64_MAX - 1, hi: int = INT64_MAX) -
   return v
 
 
-def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float | None:
-  v = body.get(name)
-  if v is None: return None
-  if not _is_number(v): raise errors.InvalidOption(name, f"must be a finite number, got {_show(v)}")
-  if lo is not None and (v < lo or (lo_open and v == lo)):
-    raise errors.InvalidOption(name, f"must be {'greater than' if lo_open else 'at least'} {lo}, got {v}")
-  if hi is not None and v > hi: raise errors.InvalidOption(name, f"must be at most {hi}, got {v}")
-  return v
+def _param(body: dict, p: Param) -> Any:
+  """A field defined in pyruntime/params.py; null is absent (None)."""
+  return None if body.get(p.name) is None else p.check(body[p.name])
 
 
 def _bool(body: dict, name: str) -> bool | None:
@@ -209,9 +191,9 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     req.include_usage = bool(usage)
 
   gen: dict[str, Any] = {}
-  max_tokens = _int(body, "max_tokens", lo=1)
+  max_tokens = _param(body, MAX_TOKENS)
   if kind == CHAT:
-    mct = _int(body, "max_completion_tokens", lo=1)
+    mct = _param(body, replace(MAX_TOKENS, name="max_completion_tokens"))
     if mct is not None and max_tokens is not None and mct != max_tokens:
       raise errors.InvalidOption("max_completion_tokens", f"is {mct} but max_tokens is {max_tokens}: give one of them")
     if mct is not None: max_tokens = mct
@@ -228,17 +210,7 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
   from pyruntime.textstream import validate_stop
   stop = validate_stop(body.get("stop"))
   if stop: gen["stop"] = stop
-  sampling = {
-    "temperature": _number(body, "temperature", lo=0.0),
-    "top_p": _number(body, "top_p", lo=0.0, hi=1.0, lo_open=True),
-    "top_k": _int(body, "top_k", lo=0),
-    "min_p": _number(body, "min_p", lo=0.0, hi=1.0),
-    "seed": _int(body, "seed", lo=0, hi=2**64 - 1),           # the launcher's range (SamplingParams.validate)
-    "frequency_penalty": _number(body, "frequency_penalty", lo=-2.0, hi=2.0),
-    "presence_penalty": _number(body, "presence_penalty", lo=-2.0, hi=2.0),
-    "repetition_penalty": _number(body, "repetition_penalty", lo=0.0, lo_open=True),
-    "penalty_last_n": _int(body, "penalty_last_n", lo=-1),
-  }
+  sampling = {name: _param(body, p) for name, p in SAMPLING.items()}
   gen.update({k: v for k, v in sampling.items() if v is not None})
   req.generate = gen
   return req

@@ -19,67 +19,16 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 
 from pyruntime import errors
+from pyruntime.params import SamplingParams
 
 # params vector layout (float32)
 _TEMP, _REP, _FREQ, _PRES, _TOPP, _MINP, _U, _TOPK = range(8)
 _NPARAMS = 8
-
-
-@dataclass
-class SamplingParams:
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  min_p: float = 0.0
-  seed: int | None = None
-  repetition_penalty: float = 1.0
-  frequency_penalty: float = 0.0
-  presence_penalty: float = 0.0
-  penalty_last_n: int | None = None  # None (or -1): the whole history; 0: no penalties
-
-  def validate(self) -> SamplingParams:
-    def num(name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> None:
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise errors.InvalidOption(name, f"must be a finite number, got {v!r}")
-      if lo is not None and (v <= lo if lo_open else v < lo):
-        raise errors.InvalidOption(name, f"must be {'>' if lo_open else '>='} {lo}, got {v!r}")
-      if hi is not None and v > hi: raise errors.InvalidOption(name, f"must be <= {hi}, got {v!r}")
-    def integer(name: str, lo: int, hi: int | None = None, optional: bool = False) -> None:
-      v = getattr(self, name)
-      if v is None and optional: return
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)): raise errors.InvalidOption(name, f"must be an integer, got {v!r}")
-      if v < lo or (hi is not None and v > hi): raise errors.InvalidOption(name, f"must be in [{lo}, {hi if hi is not None else 'inf'}], got {v!r}")
-    num("temperature", 0.0)
-    integer("top_k", 0)
-    num("top_p", 0.0, 1.0, lo_open=True)
-    num("min_p", 0.0, 1.0)
-    integer("seed", 0, 2**64 - 1, optional=True)
-    num("repetition_penalty", 0.0, lo_open=True)
-    num("frequency_penalty")
-    num("presence_penalty")
-    integer("penalty_last_n", -1, optional=True)
-    return self
-
-  @property
-  def greedy(self) -> bool: return self.temperature == 0
-  @property
-  def has_penalties(self) -> bool:
-    return self.penalty_last_n != 0 and (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
-
-  def to_dict(self) -> dict: return asdict(self)
-  @classmethod
-  def from_dict(cls, d: dict | None) -> SamplingParams:
-    d = dict(d or {})
-    known = {f.name for f in fields(cls)}
-    if unknown := sorted(set(d) - known): raise errors.InvalidOption(unknown[0], f"unknown sampling option (known: {sorted(known)})")
-    return cls(**d).validate()
 
 
 # --- device graphs ------------------------------------------------------------------------------

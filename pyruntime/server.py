@@ -514,6 +514,87 @@ def _unavailable(e: ServiceUnavailable, kind: str | None = None) -> JSONResponse
   return _error(e, kind, headers={"retry-after": str(e.retry_after)})
 
 
+async def _generate(state: ServerState, request: Request, kind: str) -> Any:
+  """One completion request: parse, admit, submit, then stream (SSE) or collect the answer."""
+  try:
+    req = parse_request(parse_json(await request.body()), kind)
+    state.check_model(req.model)
+  except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-shaped answer
+    return _error(e, kind)
+  if (refused := state.unavailable()) is not None: return _unavailable(refused, kind)
+  launcher = state.launcher
+  job = Job(asyncio.get_running_loop(), state.admission, launcher)
+  if not state.admission.try_acquire(): return _error(QueueFull(state.admission.queue_size), kind, headers={"retry-after": "1"})
+  state.add_job(job)
+  if (refused := await _submit(state, launcher, job, req, kind)) is not None: return refused
+  shaper = api.shaper_for(kind, state.model_id, launcher.recipe, req.include_usage)
+  if req.stream: return SSEResponse(state, job, shaper, kind)
+  return await _collect(request, job, shaper, kind)
+
+
+async def _submit(state: ServerState, launcher: LauncherLike, job: Job, req: Any, kind: str) -> JSONResponse | None:
+  """Start the job's stream on the launcher; the error answer if it cannot start. Validation, tokenisation and the
+  context check run off the event loop: one request never stalls the others."""
+  try:
+    job.stream = await run_in_threadpool(lambda: launcher.submit(**req.generate, on_event=job.on_event))
+    return None
+  except Exception as e:  # noqa: BLE001
+    job.cancel()
+    if isinstance(e, (errors.LauncherClosed, errors.StageFailed)):
+      state.failed(launcher)  # it failed between our look and the submit
+      if (refused := state.unavailable()) is not None: return _unavailable(refused, kind)
+    if not isinstance(e, (errors.InvalidOption, errors.UnsupportedFeature, errors.ContextLengthExceeded, MalformedRequest, ModelNotFound)):
+      state.metrics.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
+    return _error(e, kind)
+
+
+async def _collect(request: Request, job: Job, shaper: Any, kind: str) -> Response:
+  """A non-streaming answer: wait for the stream's end (or the client's going away, which cancels it)."""
+  result: dict[str, Any] = {}
+
+  async def collect() -> None:
+    while True:
+      what, ev = await job.events.get()
+      if what in ("error", "abort"): result["error"] = ev; return
+      if isinstance(ev, Done): result["done"] = ev; return
+
+  try: gone = await run_until_disconnect(request.receive, collect)
+  finally: job.cancel()
+  if gone:
+    request.scope.setdefault("state", {})["pyruntime_status"] = CLIENT_CLOSED
+    return Response(status_code=CLIENT_CLOSED)
+  if "error" in result: return _error(result["error"], kind)
+  return JSONResponse(shaper.response(result["done"]))
+
+
+def _health(state: ServerState) -> JSONResponse:
+  """/health: the phase (200 when ok, else 503 with Retry-After), each stage's state, the scheduler's figures."""
+  lm = state.launcher
+  alive = state.alive()
+  phase = state.phase
+  split = list(getattr(lm, "split", None) or [])
+  stages = [{"stage": i, "status": "alive" if a else "dead", "layers": list(split[i]) if i < len(split) else None}
+            for i, a in enumerate(alive)]
+  sched = state.scheduler_stats()
+  body: dict[str, Any] = {"status": phase, "model": lm.model_name, "stages": stages, "queue_depth": sched.get("waiting", 0),
+                          "running": sched.get("running", 0), "max_streams": sched.get("max_streams", 0),
+                          "batch_size": sched.get("last_batch", 0), "mean_batch_size": round(sched.get("mean_batch", 0.0), 3),
+                          "tokens_per_s": round(sched.get("tokens_per_s", 0.0), 3), "last_error": state.last_error,
+                          "restarts": state.restarts}
+  if (rec := state.recovery) is not None: body["recovery"] = {"attempt": rec["attempt"], "since": int(rec["since"])}
+  headers = {"retry-after": str(r.retry_after)} if phase != "ok" and (r := state.unavailable()) is not None else None
+  return JSONResponse(body, status_code=200 if phase == "ok" else 503, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+  assert isinstance(exc, HTTPException)
+  code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+  message = f"Unknown request URL: {request.method} {request.url.path}" if exc.status_code == 404 else \
+            f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405 else str(exc.detail)
+  return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+                      status_code=exc.status_code, headers=exc.headers)
+
+
 def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX_BODY_BYTES,
                timeout_request_body: float = TIMEOUT_REQUEST_BODY, restart: Callable[[], LauncherLike] | None = None,
                restart_attempts: int = RESTART_ATTEMPTS, restart_backoff_s: float = RESTART_BACKOFF_S,
@@ -533,47 +614,8 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   state = ServerState(launcher, queue_size, restart=restart, restart_attempts=restart_attempts, restart_backoff_s=restart_backoff_s,
                       restart_backoff_max_s=restart_backoff_max_s)
 
-  async def generate(request: Request, kind: str) -> Any:
-    try:
-      req = parse_request(parse_json(await request.body()), kind)
-      state.check_model(req.model)
-    except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-shaped answer
-      return _error(e, kind)
-    if (refused := state.unavailable()) is not None: return _unavailable(refused, kind)
-    launcher = state.launcher
-    job = Job(asyncio.get_running_loop(), state.admission, launcher)
-    if not state.admission.try_acquire(): return _error(QueueFull(queue_size), kind, headers={"retry-after": "1"})
-    state.add_job(job)
-    try:  # validation, tokenisation and the context check run off the event loop: one request never stalls the others
-      job.stream = await run_in_threadpool(lambda: launcher.submit(**req.generate, on_event=job.on_event))
-    except Exception as e:  # noqa: BLE001
-      job.cancel()
-      if isinstance(e, (errors.LauncherClosed, errors.StageFailed)):
-        state.failed(launcher)  # it failed between our look and the submit
-        if (refused := state.unavailable()) is not None: return _unavailable(refused, kind)
-      if not isinstance(e, (errors.InvalidOption, errors.UnsupportedFeature, errors.ContextLengthExceeded, MalformedRequest, ModelNotFound)):
-        state.metrics.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
-      return _error(e, kind)
-    shaper = api.shaper_for(kind, state.model_id, launcher.recipe, req.include_usage)
-    if req.stream: return SSEResponse(state, job, shaper, kind)
-    result: dict[str, Any] = {}
-
-    async def collect() -> None:
-      while True:
-        what, ev = await job.events.get()
-        if what in ("error", "abort"): result["error"] = ev; return
-        if isinstance(ev, Done): result["done"] = ev; return
-
-    try: gone = await run_until_disconnect(request.receive, collect)
-    finally: job.cancel()
-    if gone:
-      request.scope.setdefault("state", {})["pyruntime_status"] = CLIENT_CLOSED
-      return Response(status_code=CLIENT_CLOSED)
-    if "error" in result: return _error(result["error"], kind)
-    return JSONResponse(shaper.response(result["done"]))
-
-  async def chat_completions(request: Request) -> Any: return await generate(request, CHAT)
-  async def completions(request: Request) -> Any: return await generate(request, COMPLETION)
+  async def chat_completions(request: Request) -> Any: return await _generate(state, request, CHAT)
+  async def completions(request: Request) -> Any: return await _generate(state, request, COMPLETION)
 
   async def models(request: Request) -> JSONResponse:
     return JSONResponse(api.models_list(state.model_id, state.created, state.launcher.context_length))
@@ -583,34 +625,11 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
     except ModelNotFound as e: return _error(e)
     return JSONResponse(api.model_card(state.model_id, state.created, state.launcher.context_length))
 
-  async def health(request: Request) -> JSONResponse:
-    lm = state.launcher
-    alive = state.alive()
-    phase = state.phase
-    split = list(getattr(lm, "split", None) or [])
-    stages = [{"stage": i, "status": "alive" if a else "dead", "layers": list(split[i]) if i < len(split) else None}
-              for i, a in enumerate(alive)]
-    sched = state.scheduler_stats()
-    body: dict[str, Any] = {"status": phase, "model": lm.model_name, "stages": stages, "queue_depth": sched.get("waiting", 0),
-                            "running": sched.get("running", 0), "max_streams": sched.get("max_streams", 0),
-                            "batch_size": sched.get("last_batch", 0), "mean_batch_size": round(sched.get("mean_batch", 0.0), 3),
-                            "tokens_per_s": round(sched.get("tokens_per_s", 0.0), 3), "last_error": state.last_error,
-                            "restarts": state.restarts}
-    if (rec := state.recovery) is not None: body["recovery"] = {"attempt": rec["attempt"], "since": int(rec["since"])}
-    headers = {"retry-after": str(r.retry_after)} if phase != "ok" and (r := state.unavailable()) is not None else None
-    return JSONResponse(body, status_code=200 if phase == "ok" else 503, headers=headers)
+  async def health(request: Request) -> JSONResponse: return _health(state)
 
   async def metrics(request: Request) -> Response:
     text = state.metrics.render(stats=state.scheduler_stats(), occupancy=state.occupancy(), alive=state.alive())
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-  async def http_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, HTTPException)
-    code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    message = f"Unknown request URL: {request.method} {request.url.path}" if exc.status_code == 404 else \
-              f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405 else str(exc.detail)
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
-                        status_code=exc.status_code, headers=exc.headers)
 
   async def internal_error(request: Request, exc: Exception) -> JSONResponse:
     return _error(exc)
@@ -626,7 +645,7 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
 
   app = Starlette(routes=routes, middleware=[Middleware(CountRequests, metrics=state.metrics, known=known),
                                              Middleware(LimitRequestBody, max_bytes=max_body_bytes, timeout=timeout_request_body)],
-                  exception_handlers={HTTPException: http_error, Exception: internal_error}, lifespan=lifespan)
+                  exception_handlers={HTTPException: _http_error, Exception: internal_error}, lifespan=lifespan)
   app.state.pyruntime = state
   return app
 
@@ -825,11 +844,11 @@ def draining_server(config: Any, state: ServerState, grace_s: float) -> Any:
   return DrainingServer(config)
 
 
-def serve(args: Any) -> int:
+def serve(args: Any, make_launcher: Callable[[], Any]) -> int:
   """`pyruntime serve`: load the stages (in this, the main thread: their parent-death signal follows the
   spawning thread), then run uvicorn here until SIGTERM / Ctrl-C (which drain first), then stop every stage.
-  A pipeline whose stage dies is rebuilt by the server's supervisor thread (see create_app's `restart`)."""
-  from pyruntime.cli import _launcher
+  `make_launcher` builds an unstarted Launcher from the command line (cli.py), the first one and every restart's:
+  a pipeline whose stage dies is rebuilt by the server's supervisor thread (see create_app's `restart`)."""
   queue_size = getattr(args, "queue_size", 16)
   if queue_size < 0: raise errors.InvalidOption("queue_size", f"must be >= 0, got {queue_size}")
   max_body = getattr(args, "max_body_bytes", MAX_BODY_BYTES)
@@ -842,12 +861,12 @@ def serve(args: Any) -> int:
     if not v > 0: raise errors.InvalidOption(name, f"must be > 0 seconds, got {v}")
   if not grace >= 0: raise errors.InvalidOption("shutdown_grace", f"must be >= 0 seconds, got {grace}")
   if attempts < 0: raise errors.InvalidOption("restart_attempts", f"must be >= 0, got {attempts}")
-  lm = _launcher(args, warmup=True)  # a server captures every batch shape's kernels before it takes requests
+  lm = make_launcher()
   lm.start()
   state: ServerState | None = None
   try:
     app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body,
-                     restart=(lambda: _launcher(args, warmup=True).start()) if attempts > 0 else None, restart_attempts=max(1, attempts))
+                     restart=(lambda: make_launcher().start()) if attempts > 0 else None, restart_attempts=max(1, attempts))
     state = app.state.pyruntime
     if args.host not in ("127.0.0.1", "localhost", "::1"):
       sys.stderr.write(f"pyruntime: serving on {args.host}, beyond this host; there is no authentication\n")

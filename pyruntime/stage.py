@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -39,6 +39,13 @@ from pyruntime.protocol import (
   object_id,
   split_object_id,
 )
+
+if TYPE_CHECKING:  # what the stage holds, imported when it gets it (the control channel answers before tinygrad loads)
+  from pyruntime.gguf import GGUFHeader
+  from pyruntime.model import StageModel
+  from pyruntime.ring import Arena, Reader, Record, Writer
+  from pyruntime.sampling import Sampler
+  from pyruntime.tokenizer import Tokenizer
 
 COMMAND_POLL_S = 0.05  # while records flow, how often the data loop looks for a control command
 GROUP_WAIT_S = 5.0     # how long to wait for the rest of a step's group (MORE): the upstream writes a group in one go
@@ -75,38 +82,40 @@ def show(v: Any, n: int = 80) -> str:
   return s if len(s) <= n else s[:n] + "..."
 
 
-def arg(cmd: dict, name: str, kind: type | tuple[type, ...], default: Any = _MISSING, *, reason: str = "InvalidCommand") -> Any:
+def arg(cmd: dict, name: str, kind: type | tuple[type, ...], default: Any = _MISSING, *,
+        reason: type[errors.PyruntimeError] = errors.InvalidCommand) -> Any:
   """cmd[name], which must be of `kind` (bool is not an int); `default` when absent (or null, if the default is None)."""
   v = cmd.get(name, default)
-  if v is _MISSING: raise Fatal(reason, f"{cmd.get('command')} needs {name!r}")
+  if v is _MISSING: raise reason(f"{cmd.get('command')} needs {name!r}")
   if v is None and default is None: return None
   kinds = kind if isinstance(kind, tuple) else (kind,)
   if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
     what = " or ".join({"str": "a string", "int": "an integer", "float": "a number", "list": "a list", "dict": "an object",
                         "bool": "true or false"}.get(k.__name__, k.__name__) for k in kinds)
-    raise Fatal(reason, f"{cmd.get('command')}: {name!r} must be {what}, not {show(v)}")
+    raise reason(f"{cmd.get('command')}: {name!r} must be {what}, not {show(v)}")
   return v
 
 
-def arg_int(cmd: dict, name: str, default: Any = _MISSING, *, lo: int = 0, hi: int = 1 << 31, reason: str = "InvalidCommand") -> Any:
+def arg_int(cmd: dict, name: str, default: Any = _MISSING, *, lo: int = 0, hi: int = 1 << 31,
+            reason: type[errors.PyruntimeError] = errors.InvalidCommand) -> Any:
   v = arg(cmd, name, int, default, reason=reason)
-  if v is not None and not lo <= v <= hi: raise Fatal(reason, f"{cmd.get('command')}: {name!r} must be in [{lo}, {hi}], not {show(v)}")
+  if v is not None and not lo <= v <= hi: raise reason(f"{cmd.get('command')}: {name!r} must be in [{lo}, {hi}], not {show(v)}")
   return v
 
 
 def arg_seconds(cmd: dict, name: str, default: float) -> float:
   v = arg(cmd, name, (int, float), default)
   if not 0 <= v <= 3600:  # NaN and infinities fail it too
-    raise Fatal("InvalidCommand", f"{cmd.get('command')}: {name!r} must be seconds in [0, 3600], not {show(v)}")
+    raise errors.InvalidCommand(f"{cmd.get('command')}: {name!r} must be seconds in [0, 3600], not {show(v)}")
   return float(v)
 
 
 def token_ids(cmd: dict, vocab_size: int) -> list[int]:
   """cmd['token_ids']: a list of ids inside the vocabulary (TokenIdInvalid naming the first that is not)."""
-  ids = arg(cmd, "token_ids", list, reason="TokenIdInvalid")
+  ids = arg(cmd, "token_ids", list, reason=errors.TokenIdInvalid)
   for i, t in enumerate(ids):
     if type(t) is not int or not 0 <= t < vocab_size:
-      raise Fatal("TokenIdInvalid", f"token_ids[{i}] = {show(t)} is not a token id of this vocabulary (0..{vocab_size - 1})")
+      raise errors.TokenIdInvalid(f"token_ids[{i}] = {show(t)} is not a token id of this vocabulary (0..{vocab_size - 1})")
   return ids
 
 
@@ -133,7 +142,7 @@ class Stream:
   pending: collections.deque = field(default_factory=collections.deque)  # (position, rows) taken from the ring, not yet computed
   failed: bool = False               # an ERROR went downstream; what still arrives is dropped until the CLOSE
   waiting_since: int = 0             # ring sequence of the oldest record waiting
-  sampler: Any = None
+  sampler: Sampler | None = None
   history: list[int] = field(default_factory=list)
   end_ids: frozenset[int] = frozenset()
   logits: bool = False
@@ -147,14 +156,14 @@ class Stage:
     self.ch = channel
     self.device: str | None = None
     self.role: dict | None = None
-    self.model: Any = None
-    self.header: Any = None
-    self.tokenizer: Any = None
-    self.arena: Any = None
-    self.reader: Any = None
-    self.writer: Any = None
+    self.model: StageModel | None = None
+    self.header: GGUFHeader | None = None
+    self.tokenizer: Tokenizer | None = None
+    self.arena: Arena | None = None
+    self.reader: Reader | None = None
+    self.writer: Writer | None = None
     self.streams: dict[int, Stream] = {}
-    self.loaded: Any = None          # the record RingReadable loaded, in step mode
+    self.loaded: Record | None = None  # the record RingReadable loaded, in step mode
     self.looping = False             # the data loop runs (InstallRing in mode "loop")
     self.decode_mode = "batched"
     self.micro_batches = 1
@@ -177,15 +186,15 @@ class Stage:
   # --- setup commands ---------------------------------------------------------------------------
   def initialize(self, cmd: dict) -> None:
     if (abi := cmd.get("abi_version", ABI_VERSION)) != ABI_VERSION or type(abi) is not int:
-      raise Fatal("UnsupportedHelperAbi", f"launcher speaks ABI {show(abi)}, this worker speaks {ABI_VERSION}")
+      raise errors.UnsupportedHelperAbi(f"launcher speaks ABI {show(abi)}, this worker speaks {ABI_VERSION}")
     cpus = arg(cmd, "cpus", list, None)
     device = arg(cmd, "device", str, None)
-    if device is not None and (not device or "\0" in device): raise Fatal("InvalidCommand", f"InitializeWorker: no device named {show(device)}")
+    if device is not None and (not device or "\0" in device): raise errors.InvalidCommand(f"InitializeWorker: no device named {show(device)}")
     if cpus:
       if not all(type(c) is int and 0 <= c < 1 << 16 for c in cpus):
-        raise Fatal("InvalidCommand", f"InitializeWorker: 'cpus' must list CPU numbers, not {show(cpus)}")
+        raise errors.InvalidCommand(f"InitializeWorker: 'cpus' must list CPU numbers, not {show(cpus)}")
       try: os.sched_setaffinity(0, cpus)  # before tinygrad sizes its CPU thread pool
-      except OSError as e: raise Fatal("InvalidCommand", f"InitializeWorker: cannot run on CPUs {show(cpus)}: {e}") from e
+      except OSError as e: raise errors.InvalidCommand(f"InitializeWorker: cannot run on CPUs {show(cpus)}: {e}") from e
     if device: os.environ["DEV"] = device
     self.device = device
     self.ch.emit(Event.WORKER_READY, pid=os.getpid(), device=device, abi_version=ABI_VERSION)
@@ -196,30 +205,30 @@ class Stage:
             "max_context": arg_int(cmd, "max_context", None, lo=1, hi=1 << 24), "decode": arg(cmd, "decode", str, "batched"),
             "warmup": arg(cmd, "warmup", bool, False), "micro_batches": arg_int(cmd, "micro_batches", 1, lo=1, hi=1024)}
     if role["boundary_dtype"] not in ("float32", "float16"):
-      raise Fatal("InvalidCommand", f"boundary_dtype must be float32 or float16, not {show(role['boundary_dtype'])}")
-    if role["decode"] not in DECODE_MODES: raise Fatal("InvalidCommand", f"decode must be one of {DECODE_MODES}, not {role['decode']!r}")
+      raise errors.InvalidCommand(f"boundary_dtype must be float32 or float16, not {show(role['boundary_dtype'])}")
+    if role["decode"] not in DECODE_MODES: raise errors.InvalidCommand(f"decode must be one of {DECODE_MODES}, not {role['decode']!r}")
     self.decode_mode = role["decode"]
     self.micro_batches = role["micro_batches"]
     if role["start"] < 0 or role["end"] <= role["start"]:
-      raise Fatal("LayerRangeInvalid", f"layer range [{role['start']}, {role['end']}) is empty or negative")
+      raise errors.LayerRangeInvalid(f"layer range [{role['start']}, {role['end']}) is empty or negative")
     self.role = role
     self.ch.emit(Event.ROLE_CONFIGURED, **role)
 
   def load_weights(self, cmd: dict) -> None:
-    if self.role is None: raise Fatal("RoleNotConfigured", "LoadWeights before ConfigureRole")
+    if self.role is None: raise errors.RoleNotConfigured("LoadWeights before ConfigureRole")
     from pyruntime.gguf import read_header
     from pyruntime.model import StageModel
     from pyruntime.source import resolve_model
-    if self.model is not None: raise Fatal("InvalidCommand", "LoadWeights: the weights are loaded already")
+    if self.model is not None: raise errors.InvalidCommand("LoadWeights: the weights are loaded already")
     t0 = time.monotonic()
-    source = arg(cmd, "model", str, None, reason="ModelLoadFailed")  # None: the default model
-    cache_dir = arg(cmd, "cache_dir", str, None, reason="ModelLoadFailed")
+    source = arg(cmd, "model", str, None, reason=errors.ModelLoadFailed)  # None: the default model
+    cache_dir = arg(cmd, "cache_dir", str, None, reason=errors.ModelLoadFailed)
     try:
       path = resolve_model(source, cache_dir=cache_dir,
                            on_progress=lambda done, total: self.ch.emit(Event.DOWNLOAD_PROGRESS, stage=self.index, bytes=done, total=total))
       self.header = read_header(path)
     except errors.PyruntimeError: raise
-    except Exception as e: raise Fatal("ModelLoadFailed", f"{show(source, 200)}: {type(e).__name__}: {e}") from e  # noqa: BLE001
+    except Exception as e: raise errors.ModelLoadFailed(f"{show(source, 200)}: {type(e).__name__}: {e}") from e  # noqa: BLE001
     r = self.role
     try:
       self.model = StageModel.load(path, r["start"], r["end"], device=self.device, max_context=r["max_context"],
@@ -238,13 +247,13 @@ class Stage:
                    elapsed_s=round(time.monotonic() - t0, 3))
 
   def install_ring(self, cmd: dict) -> None:
-    if self.model is None: raise Fatal("WeightsNotLoaded", "InstallRing before LoadWeights")
-    if self.arena is not None: raise Fatal("InvalidCommand", "InstallRing: the rings are installed already (UninstallRing first)")
+    if self.model is None: raise errors.WeightsNotLoaded("InstallRing before LoadWeights")
+    if self.arena is not None: raise errors.InvalidCommand("InstallRing: the rings are installed already (UninstallRing first)")
     from pyruntime.ring import Arena
     name, ingress, egress = arg(cmd, "arena", str), arg_int(cmd, "ingress", hi=1 << 16), arg_int(cmd, "egress", hi=1 << 16)
     mode = arg(cmd, "mode", str, "loop")
-    if mode not in ("loop", "step"): raise Fatal("InvalidCommand", f"InstallRing: mode must be 'loop' or 'step', not {show(mode)}")
-    if ingress == egress: raise Fatal("InvalidCommand", f"InstallRing: ingress and egress are both ring {ingress}")
+    if mode not in ("loop", "step"): raise errors.InvalidCommand(f"InstallRing: mode must be 'loop' or 'step', not {show(mode)}")
+    if ingress == egress: raise errors.InvalidCommand(f"InstallRing: ingress and egress are both ring {ingress}")
     if (upstream := arg(cmd, "ingress_boundary", dict, None)) is not None:
       try: self.model.boundary.check_ingress(upstream)
       except errors.PyruntimeError: raise
@@ -252,7 +261,7 @@ class Stage:
     self.arena = Arena.attach(name)
     try:
       for i in (ingress, egress):
-        if i >= self.arena.ring_count: raise Fatal("InvalidCommand", f"InstallRing: arena {name} has rings 0..{self.arena.ring_count - 1}, not {i}")
+        if i >= self.arena.ring_count: raise errors.InvalidCommand(f"InstallRing: arena {name} has rings 0..{self.arena.ring_count - 1}, not {i}")
       self.reader = self.arena.reader(ingress)
       self.writer = self.arena.writer(egress)
     except BaseException:
@@ -373,7 +382,8 @@ class Stage:
     self.model.reset_slot(slot)
     st = Stream(slot, prompt_tokens)
     if self.model.is_tail:
-      from pyruntime.sampling import Sampler, SamplingParams
+      from pyruntime.params import SamplingParams
+      from pyruntime.sampling import Sampler
       if not info.get("identity"): raise errors.ResultIdentityMissing(f"stream {stream_id} opened without a request identity")
       st.sampler = Sampler(SamplingParams.from_dict(info.get("sampling", {})), self.model.vocab_size, self.model.device)
       st.history, st.end_ids, st.logits = list(info.get("history", [])), frozenset(info.get("end_ids", [])), bool(info.get("logits"))
@@ -439,8 +449,8 @@ class Stage:
 
   # --- step-by-step driving by an outside orchestrator -------------------------------------------
   def ring_readable(self, cmd: dict) -> None:
-    if self.reader is None: raise Fatal("RingNotInstalled", "RingReadable before InstallRing")
-    if self.looping: raise Fatal("InvalidCommand", "RingReadable needs InstallRing with mode 'step'")
+    if self.reader is None: raise errors.RingNotInstalled("RingReadable before InstallRing")
+    if self.looping: raise errors.InvalidCommand("RingReadable needs InstallRing with mode 'step'")
     if self.loaded is None:
       try: self.loaded = self.reader.read(timeout=arg_seconds(cmd, "timeout_s", 0.0))
       except (errors.WouldBlock, errors.RingTimeout):
@@ -452,21 +462,21 @@ class Stage:
 
   def execute_step(self, cmd: dict) -> None:
     """Take the loaded record and compute everything it makes ready (a whole prompt, or a decode step)."""
-    if self.loaded is None: raise Fatal("NoObjectLoaded", "ExecuteStep without a record loaded by RingReadable")
+    if self.loaded is None: raise errors.NoObjectLoaded("ExecuteStep without a record loaded by RingReadable")
     t0 = time.monotonic()
     self.take(self.loaded)
     while self.has_work(): self.run_step()
     self.ch.emit(Event.STEP_EXECUTED, stage=self.index, object_id=self.loaded.object_id, elapsed_s=round(time.monotonic() - t0, 6))
 
   def release_object(self, cmd: dict) -> None:
-    if self.loaded is None: raise Fatal("NoObjectLoaded", "ReleaseDeviceObject without a record loaded by RingReadable")
+    if self.loaded is None: raise errors.NoObjectLoaded("ReleaseDeviceObject without a record loaded by RingReadable")
     seq, self.loaded = self.loaded.sequence, None
     self.reader.release()
     self.ch.emit(Event.OBJECT_RELEASED, stage=self.index, sequence=seq)
 
   # --- text and whole-prompt commands (tokenizer from the GGUF itself) ---------------------------
   def _tok(self) -> Any:
-    if self.header is None: raise Fatal("WeightsNotLoaded", "the tokenizer comes from the GGUF: LoadWeights first")
+    if self.header is None: raise errors.WeightsNotLoaded("the tokenizer comes from the GGUF: LoadWeights first")
     if self.tokenizer is None:
       from pyruntime.tokenizer import Tokenizer
       self.tokenizer = Tokenizer.from_gguf_kv(self.header.kv)
@@ -490,15 +500,16 @@ class Stage:
 
   def decode_tokens(self, cmd: dict) -> None:
     tok = self._tok()
-    ids = arg(cmd, "token_ids", list, reason="TokenIdInvalid")
+    ids = arg(cmd, "token_ids", list, reason=errors.TokenIdInvalid)
     self.ch.emit(Event.TOKENS_DECODED, stage=self.index, text=tok.decode(ids))  # the tokenizer names an id it does not know
 
   def infer_prompt(self, cmd: dict) -> None:
     """The reference's whole-prompt path, for a stage that owns every block: tokens stream as events."""
-    if self.model is None: raise Fatal("WeightsNotLoaded", "InferPrompt before LoadWeights")
+    if self.model is None: raise errors.WeightsNotLoaded("InferPrompt before LoadWeights")
     if not (self.model.is_head and self.model.is_tail):
-      raise Fatal("InvalidCommand", "InferPrompt needs a stage that owns the whole model; use the rings for a split")
-    from pyruntime.sampling import Sampler, SamplingParams
+      raise errors.InvalidCommand("InferPrompt needs a stage that owns the whole model; use the rings for a split")
+    from pyruntime.params import SamplingParams
+    from pyruntime.sampling import Sampler
     from pyruntime.textstream import budget
     tok, ids = self._tok(), self._prompt_ids(cmd)
     n_max = budget(arg_int(cmd, "max_tokens", 256, lo=1, hi=1 << 24), self.model.context_length, len(ids))
@@ -535,23 +546,23 @@ class Stage:
       os._exit(code)
 
   def dispatch(self, line: str) -> bool:
-    """Run one command line; False for ShutdownWorker. Any malformed line raises Fatal with its reason."""
+    """Run one command line; False for ShutdownWorker. Any malformed line raises its named error (InvalidCommand, UnknownCommand, ...)."""
     if not line.strip(): return True
     try: cmd = json.loads(line)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer past the digit limit, nesting past the stack
-      raise Fatal("InvalidCommand", f"not a JSON object: {type(e).__name__}: {show(str(e), 200)}") from None
-    if not isinstance(cmd, dict): raise Fatal("InvalidCommand", f"a command is a JSON object, not {type(cmd).__name__}")
+      raise errors.InvalidCommand(f"not a JSON object: {type(e).__name__}: {show(str(e), 200)}") from None
+    if not isinstance(cmd, dict): raise errors.InvalidCommand(f"a command is a JSON object, not {type(cmd).__name__}")
     name = cmd.get("command")
-    if not isinstance(name, str): raise Fatal("InvalidCommand", f"'command' must be a string naming a command, not {show(name)}")
+    if not isinstance(name, str): raise errors.InvalidCommand(f"'command' must be a string naming a command, not {show(name)}")
     if name == Command.SHUTDOWN_WORKER: return False
-    if (handler := self.commands.get(name)) is None: raise Fatal("UnknownCommand", f"unknown command {show(name)}")
+    if (handler := self.commands.get(name)) is None: raise errors.UnknownCommand(f"unknown command {show(name)}")
     handler(cmd)
     return True
 
   def serve(self, commands: queue.Queue) -> None:
     """Commands and records both run here, on the main thread: tinygrad's state (its kernel cache
     database among it) belongs to the thread that created it. Between records we look for commands.
-    The queue holds command lines, a Fatal (the reader could not read a line) or None (stdin closed)."""
+    The queue holds command lines, an InvalidCommand (the reader could not read a line) or None (stdin closed)."""
     while True:
       try:
         if self.looping:
@@ -561,7 +572,7 @@ class Stage:
             continue
         else: item = commands.get()
         if item is None: break  # stdin closed: the launcher is gone
-        if isinstance(item, Fatal): raise item
+        if isinstance(item, BaseException): raise item
         if not self.dispatch(item): break
       except BaseException as e:  # noqa: BLE001 - every failure reaches the launcher by name
         self.die(fatal_from(e))
@@ -571,7 +582,7 @@ class Stage:
 
 def read_commands(fd: int, commands: queue.Queue) -> None:
   """The control-in thread: bytes from `fd` split into lines and decoded here (strict UTF-8), so a bad line reaches
-  the main thread as a Fatal rather than killing this thread and leaving the stage waiting for ever. Plain os.read,
+  the main thread as an InvalidCommand rather than killing this thread and leaving the stage waiting for ever. Plain os.read,
   no io buffer: a daemon thread blocked inside a BufferedReader aborts the interpreter at exit."""
   buf = b""
   try:
@@ -583,13 +594,13 @@ def read_commands(fd: int, commands: queue.Queue) -> None:
       else:
         *lines, buf = (buf + chunk).split(b"\n")
       if len(buf) > MAX_COMMAND_BYTES or any(len(raw) > MAX_COMMAND_BYTES for raw in lines):
-        return commands.put(Fatal("InvalidCommand", f"a command line longer than {MAX_COMMAND_BYTES} bytes"))
+        return commands.put(errors.InvalidCommand(f"a command line longer than {MAX_COMMAND_BYTES} bytes"))
       for raw in lines:
         try: commands.put(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
-          return commands.put(Fatal("InvalidCommand", f"a command line that is not UTF-8: {e}"))
+          return commands.put(errors.InvalidCommand(f"a command line that is not UTF-8: {e}"))
   except BaseException as e:  # noqa: BLE001 - reading stdin failed: the main thread ends the stage by name
-    return commands.put(Fatal("InvalidCommand", f"cannot read the control channel: {type(e).__name__}: {e}"))
+    return commands.put(errors.InvalidCommand(f"cannot read the control channel: {type(e).__name__}: {e}"))
   commands.put(None)
 
 

@@ -115,6 +115,52 @@ def _first_id(tok_to_id: Mapping[str, int], texts: Iterable[str]) -> int | None:
   return next((tok_to_id[t] for t in texts if t in tok_to_id), None)
 
 
+def _end_tokens(tokens: list[str], tok_to_id: Mapping[str, int], types: list[int], found: dict[str, int | None],
+                eos_id: int | None) -> tuple[int | None, frozenset[int]]:
+  """The EOT id and the ids that end generation, as llama.cpp finds them; `types` is updated in place.
+
+  llama.cpp finds EOT / EOM / FIM tokens by their text when the GGUF does not name them, forces such
+  tokens to control type, and ends generation on all of them (special_eog_ids)."""
+  for key, texts in (("eot", EOT_TEXTS), ("eom", ("<|eom_id|>",)), ("fim_pad", FIM_PAD_TEXTS),
+                     ("fim_rep", FIM_REP_TEXTS), ("fim_sep", FIM_SEP_TEXTS)):
+    if found[key] is None and (tid := _first_id(tok_to_id, texts)) is not None:
+      found[key] = tid
+      if types[tid] != UNKNOWN: types[tid] = CONTROL
+  eog = {tok_to_id[t] for t in EOG_TEXTS if t in tok_to_id}
+  for tid in eog:
+    if types[tid] != UNKNOWN: types[tid] = CONTROL
+  eog |= {v for k in ("fim_pad", "fim_rep", "fim_sep", "eom", "eot") if (v := found[k]) is not None}
+  if eos_id is not None: eog.add(eos_id)
+  for t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):   # llama.cpp renders gpt-oss's always
+    if t in tok_to_id: types[tok_to_id[t]] = USER_DEFINED
+  # llama.cpp's exceptions: gpt-oss/solar-open '<|end|>' is not an end token; neither is gemma4's '</s>'
+  texts = {tokens[i] for i in eog}
+  if ({"<|return|>", "<|call|>", "<|end|>"} <= texts) or ({"<|calls|>", "<|flush|>", "<|end|>"} <= texts):
+    eog.discard(tok_to_id["<|end|>"]); types[tok_to_id["<|end|>"]] = USER_DEFINED
+  if {"<|tool_response>", "</s>"} <= texts: eog.discard(tok_to_id["</s>"]); types[tok_to_id["</s>"]] = NORMAL
+  return found["eot"], frozenset(eog)
+
+
+def _bpe(kv: Mapping[str, Any], tok_to_id: dict[str, int], regexes: tuple[str, ...], ignore_merges: bool) -> _HFTokenizer:
+  """tokenizers' BPE over the byte-level vocabulary, pre-tokenized by llama.cpp's regexes; the unknown id is len(vocab).
+
+  tokenizers refuses merges whose parts or result are not in the vocabulary; llama.cpp would merge them and then fall
+  back to bytes, which no sane GGUF needs. A byte missing from the vocabulary stays a symbol in llama.cpp (blocking
+  merges across it) and is dropped only at the end; tokenizers would drop it first. An out-of-range unk id keeps its place."""
+  merges: list[tuple[str, str]] = []
+  for m in kv.get("tokenizer.ggml.merges") or ():
+    if (sp := m.find(" ", 1)) < 0: continue
+    a, b = m[:sp], m[sp + 1:]
+    if a in tok_to_id and b in tok_to_id and a + b in tok_to_id: merges.append((a, b))
+  unk = "\uffff<unk>"
+  while unk in tok_to_id: unk += "_"
+  hf = _HFTokenizer(BPE({**tok_to_id, unk: len(tok_to_id)}, merges, unk_token=unk, fuse_unk=False, ignore_merges=ignore_merges))
+  hf.pre_tokenizer = pre_tokenizers.Sequence(
+    [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  return hf
+
+
 class Tokenizer:
   """A GGUF vocabulary (tokenizer.ggml.model 'gpt2'), tokenizing like llama.cpp."""
 
@@ -145,29 +191,8 @@ class Tokenizer:
     self.add_bos: bool = bool(kv.get("tokenizer.ggml.add_bos_token", add_bos_default)) and self.bos_id is not None
     self.add_eos: bool = bool(kv.get("tokenizer.ggml.add_eos_token", False)) and self.eos_id is not None
     self.chat_template: str | None = kv.get("tokenizer.chat_template")
-
-    # llama.cpp finds EOT / EOM / FIM tokens by their text when the GGUF does not name them, forces such
-    # tokens to control type, and ends generation on all of them (special_eog_ids).
     found = {key: special(key) for key in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")}
-    for key, texts in (("eot", EOT_TEXTS), ("eom", ("<|eom_id|>",)), ("fim_pad", FIM_PAD_TEXTS),
-                       ("fim_rep", FIM_REP_TEXTS), ("fim_sep", FIM_SEP_TEXTS)):
-      if found[key] is None and (tid := _first_id(tok_to_id, texts)) is not None:
-        found[key] = tid
-        if types[tid] != UNKNOWN: types[tid] = CONTROL
-    self.eot_id: int | None = found["eot"]
-    eog = {tok_to_id[t] for t in EOG_TEXTS if t in tok_to_id}
-    for tid in eog:
-      if types[tid] != UNKNOWN: types[tid] = CONTROL
-    eog |= {v for k in ("fim_pad", "fim_rep", "fim_sep", "eom", "eot") if (v := found[k]) is not None}
-    if self.eos_id is not None: eog.add(self.eos_id)
-    for t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):   # llama.cpp renders gpt-oss's always
-      if t in tok_to_id: types[tok_to_id[t]] = USER_DEFINED
-    # llama.cpp's exceptions: gpt-oss/solar-open '<|end|>' is not an end token; neither is gemma4's '</s>'
-    texts = {tokens[i] for i in eog}
-    if ({"<|return|>", "<|call|>", "<|end|>"} <= texts) or ({"<|calls|>", "<|flush|>", "<|end|>"} <= texts):
-      eog.discard(tok_to_id["<|end|>"]); types[tok_to_id["<|end|>"]] = USER_DEFINED
-    if {"<|tool_response>", "</s>"} <= texts: eog.discard(tok_to_id["</s>"]); types[tok_to_id["</s>"]] = NORMAL
-    self.end_ids: frozenset[int] = frozenset(eog)
+    self.eot_id, self.end_ids = _end_tokens(tokens, tok_to_id, types, found, self.eos_id)
     self._types = types
 
     # llama.cpp matches special tokens longest text first; ties keep vocabulary order
@@ -176,23 +201,8 @@ class Tokenizer:
     self._specials_all = [(tokens[i], i) for i in specials]
     self._specials_user = [(tokens[i], i) for i in specials if types[i] == USER_DEFINED]
 
-    # BPE over the byte-level vocabulary. tokenizers refuses merges whose parts or result are not in
-    # the vocabulary; llama.cpp would merge them and then fall back to bytes, which no sane GGUF needs.
-    merges: list[tuple[str, str]] = []
-    for m in kv.get("tokenizer.ggml.merges") or ():
-      if (sp := m.find(" ", 1)) < 0: continue
-      a, b = m[:sp], m[sp + 1:]
-      if a in tok_to_id and b in tok_to_id and a + b in tok_to_id: merges.append((a, b))
-    # A byte missing from the vocabulary stays a symbol in llama.cpp (blocking merges across it) and is
-    # dropped only at the end; tokenizers would drop it first. An out-of-range unk id keeps its place.
-    self._unk = n
-    unk = "\uffff<unk>"
-    while unk in tok_to_id: unk += "_"
-    hf = _HFTokenizer(BPE({**tok_to_id, unk: n}, merges, unk_token=unk, fuse_unk=False, ignore_merges=ignore_merges))
-    hf.pre_tokenizer = pre_tokenizers.Sequence(
-      [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in self.regexes]
-      + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    self._hf = hf
+    self._unk = n   # the id _bpe gives what has no token of its own
+    self._hf = _bpe(kv, tok_to_id, self.regexes, ignore_merges)
     self._piece_cache: dict[tuple[int, bool], bytes] = {}
     # For refusing a prompt that cannot fit before tokenizing it (min_tokens): the most input bytes one
     # token can stand for. BPE output stands for one byte per byte-level character; a special token,

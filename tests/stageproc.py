@@ -1,44 +1,38 @@
-"""Drive one real `python -m pyruntime.stage` process over its JSON-lines control channel."""
+"""Drive one real `python -m pyruntime.stage` process over its JSON-lines control channel, through the launcher's
+own StageHandle (pyruntime.launcher.spawn_stage): the tests talk to a stage exactly as the launcher does."""
 from __future__ import annotations
 
-import json
-import select
-import subprocess
-import sys
-import time
+import queue
+
+from pyruntime.launcher import spawn_stage
 
 
 class StageProc:
   def __init__(self, env: dict | None = None) -> None:
-    self.p = subprocess.Popen([sys.executable, "-m", "pyruntime.stage"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+    self.h = spawn_stage(0, env)
+    self.p = self.h.proc
     self.seen: list[dict] = []
+    self.ended = False   # the event reader saw the process's end
 
-  def send(self, command: str, **args) -> None:
-    self.p.stdin.write(json.dumps({"command": command, **args}) + "\n")
-    self.p.stdin.flush()
+  def send(self, command: str, **args) -> None: self.h.send(command, **args)
 
   def send_raw(self, line: str) -> None:
     self.p.stdin.write(line + "\n")
     self.p.stdin.flush()
 
   def next_event(self, timeout: float = 120.0) -> dict | None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-      ready, _, _ = select.select([self.p.stdout], [], [], 0.1)
-      if ready:
-        line = self.p.stdout.readline()
-        if not line: return None  # EOF: the process is gone
-        ev = json.loads(line)
-        self.seen.append(ev)
-        return ev
-    raise TimeoutError(f"no event within {timeout} s; seen {self.seen}")
+    if self.ended: return None
+    try: ev = self.h.events.get(timeout=timeout)
+    except queue.Empty: raise TimeoutError(f"no event within {timeout} s; seen {self.seen}") from None
+    if ev is None: self.ended = True
+    else: self.seen.append(ev)
+    return ev
 
   def expect(self, name: str, timeout: float = 120.0) -> dict:
     while (ev := self.next_event(timeout)) is not None:
       if ev["event"] == name: return ev
       if ev["event"] == "WorkerFatal": raise AssertionError(f"expected {name}, got {ev}")
-    raise AssertionError(f"the stage exited before {name}; seen {self.seen}; stderr {self.p.stderr.read()[-2000:]}")
+    raise AssertionError(f"the stage exited before {name}; seen {self.seen}; stderr {self.h.stderr_tail()}")
 
   def fatal(self, timeout: float = 120.0) -> dict:
     """The WorkerFatal event, after which the process must exit on its own, non-zero."""
@@ -60,6 +54,7 @@ class StageProc:
     if self.p.poll() is None:
       self.p.kill()
     self.p.wait()
-    for f in (self.p.stdin, self.p.stdout, self.p.stderr):
+    while not self.ended: self.next_event(30)   # the reader thread is done with stdout before it is closed
+    for f in (self.p.stdin, self.p.stdout, self.h.stderr):
       try: f.close()
       except OSError: pass

@@ -93,6 +93,14 @@ def test_real_tiny_models_still_read(tmp_path):
   assert h.arch == "llama" and len(h.kv["tokenizer.ggml.tokens"]) == 300 and "blk.3.ffn_down.weight" in h.tensors
 
 
+def test_ggml_type_table_matches_tinygrad():
+  """gguf.py's own table of GGML block sizes (so a header reads without tinygrad) is tinygrad's, which dequantises."""
+  from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
+
+  from pyruntime.gguf import GGML_TYPES
+  assert GGML_TYPES == {**{t: (1, dt.itemsize) for t, dt in _GGML_NATIVE.items()}, **_GGML_QUANT}
+
+
 def test_every_truncation_is_refused(tmp_path, good):
   end_of_data = max(t.offset + t.nbytes for t in read_header(_write(tmp_path, good)).tensors.values())
   for n in range(len(good)):

@@ -22,7 +22,8 @@ from tinymodels import TINY_MODELS, write_tiny_gguf, write_unsupported_gguf
 from pyruntime import errors
 from pyruntime.boundary import Boundary, StageBoundary
 from pyruntime.gguf import read_header
-from pyruntime.model import PREFILL_CHUNK, StageModel, model_weight_bytes, stage_weight_bytes, suggest_split
+from pyruntime.model import PREFILL_CHUNK, StageModel
+from pyruntime.plan import model_weight_bytes, stage_weight_bytes, suggest_split
 from pyruntime.sampling import Sampler, SamplingParams
 
 CTX = 128
@@ -221,18 +222,6 @@ def test_device_names_a_renderer(tiny_paths):
   assert r.stdout.split()[-3:] == ["CPU", "X86Renderer", "64"]
 
 
-# --- memory and splits -------------------------------------------------------------------------
-def test_suggest_split_covers_every_block(tiny_paths):
-  h = read_header(tiny_paths["qwen3"])
-  for n in (1, 2, 3, 5):
-    for by in ("memory", "compute"):
-      r = suggest_split(h, n, by)
-      assert len(r) == n and r[0][0] == 0 and r[-1][1] == 5 and all(a < b for a, b in r)
-      assert all(r[i][1] == r[i + 1][0] for i in range(n - 1))
-  with pytest.raises(errors.LayerRangeInvalid): suggest_split(h, 6)
-  with pytest.raises(errors.LayerRangeInvalid): suggest_split(h, 0)
-
-
 # --- bad input ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("start,end", [(0, 0), (3, 2), (-1, 2), (0, 6), (5, 6), (2, 2)])
 def test_layer_range_invalid(tiny_paths, start, end):
@@ -414,5 +403,5 @@ def test_batched_decode_is_batch_invariant(name, tiny_paths):
 
 def tiny_refs_blocks(path) -> int:
   from pyruntime.gguf import read_header
-  from pyruntime.model import num_blocks
+  from pyruntime.plan import num_blocks
   return num_blocks(read_header(path))

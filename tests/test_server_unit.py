@@ -19,12 +19,12 @@ import httpx
 import openai
 import pytest
 
-from pyruntime import errors
+from pyruntime import errors, params
 from pyruntime import openai_api as api
 from pyruntime.launcher import Delta, Done, Timings, Usage
 from pyruntime.server import BackgroundServer, create_app
 
-SAMPLING = {"temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "penalty_last_n"}
+SAMPLING = set(params.SAMPLING)
 
 
 class FakeLauncherForUnitTests:

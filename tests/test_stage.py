@@ -219,6 +219,9 @@ def test_step_commands_drive_one_record_at_a_time(stage, tiny):
     r.release()
     model, _ = Transformer.from_gguf(tiny, max_context=64)
     assert token == next(model.generate(list(prompt)))
+    stage.send("UninstallRing"); stage.expect("RingUninstalled")   # the rings go; the weights stay
+    stage.send("RingReadable", timeout_s=0)
+    assert stage.fatal()["reason"] == "RingNotInstalled"
   finally:
     arena.close()
 

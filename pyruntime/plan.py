@@ -1,0 +1,114 @@
+"""Planning from a GGUF header alone: which architectures we serve, which tensors a stage holds, how to cut the
+blocks into stages. Imports neither tinygrad nor numpy, so the launcher and `pyruntime inspect` plan a split
+without paying for (or depending on) the compute stack; only the stage processes import tinygrad.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from pyruntime import errors
+from pyruntime.gguf import GGUFHeader
+
+DENSE_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
+
+
+def check_architecture(header: GGUFHeader) -> None:
+  """Refuse, by name, everything but dense llama / qwen2 / qwen3."""
+  arch, kv = header.arch, header.kv
+  if arch not in DENSE_ARCHS:
+    raise errors.UnsupportedArchitecture(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(DENSE_ARCHS))} (dense)")
+  if kv.get(f"{arch}.expert_count", 0) or any(".ffn_gate_exps." in n for n in header.tensors):
+    raise errors.UnsupportedArchitecture(f"{arch!r} with mixture-of-experts layers is not supported (dense models only)")
+  if kv.get(f"{arch}.attention.kv_lora_rank", 0):
+    raise errors.UnsupportedArchitecture(f"{arch!r} with multi-head latent attention (MLA) is not supported")
+  if kv.get(f"{arch}.ssm.state_size", 0) or kv.get(f"{arch}.full_attention_interval", 0):
+    raise errors.UnsupportedArchitecture(f"{arch!r} with recurrent (SSM) layers is not supported")
+
+
+def num_blocks(header: GGUFHeader) -> int:
+  arch = header.arch
+  return header.kv[f"{arch}.block_count"] - header.kv.get(f"{arch}.nextn_predict_layers", 0)
+
+
+def output_tensor_name(header: GGUFHeader) -> str:
+  """Models with tied embeddings use the embedding matrix as the output projection."""
+  return "output.weight" if "output.weight" in header.tensors else "token_embd.weight"
+
+
+def block_tensor_names(header: GGUFHeader, i: int) -> list[str]:
+  return [n for n in header.tensors if n.startswith(f"blk.{i}.")]
+
+
+def stage_tensor_names(header: GGUFHeader, start: int, end: int) -> list[str]:
+  """The tensors a stage holds on its device (the head's embedding stays on the host)."""
+  names = [n for i in range(start, end) for n in block_tensor_names(header, i)]
+  if end == num_blocks(header): names += ["output_norm.weight", output_tensor_name(header)]
+  return names
+
+
+def stage_weight_bytes(header: GGUFHeader, start: int, end: int) -> int:
+  return sum(header.tensors[n].nbytes for n in dict.fromkeys(stage_tensor_names(header, start, end)))
+
+
+def model_weight_bytes(header: GGUFHeader) -> int:
+  return sum(t.nbytes for t in header.tensors.values())
+
+
+def suggest_split(header: GGUFHeader, n_stages: int, by: str = "memory") -> list[tuple[int, int]]:
+  """Contiguous [start, end) ranges covering every block once, balancing the stages' on-device weight bytes
+  (by="memory": the tail also holds output_norm + output, the head nothing extra) or their compute
+  (by="compute": parameters touched per token, so the output projection counts on the tail)."""
+  L = num_blocks(header)
+  if not isinstance(n_stages, int) or not 1 <= n_stages <= L:
+    raise errors.LayerRangeInvalid(f"cannot cut {L} blocks into {n_stages} non-empty stages")
+  if by not in ("memory", "compute"): raise ValueError(f"by must be 'memory' or 'compute', not {by!r}")
+  def cost(name: str) -> int:
+    t = header.tensors[name]
+    return t.nbytes if by == "memory" else math.prod(t.dims)
+  blk = [sum(cost(n) for n in block_tensor_names(header, i)) for i in range(L)]
+  tail_extra = sum(cost(n) for n in ("output_norm.weight", output_tensor_name(header)))
+  prefix = [0]
+  for c in blk: prefix.append(prefix[-1] + c)
+  def stage_cost(s: int, e: int) -> int: return prefix[e] - prefix[s] + (tail_extra if e == L else 0)
+  # best[k][e]: the smallest possible max stage cost cutting blocks [0, e) into k stages; ties prefer earlier cuts
+  INF = float("inf")
+  best = [[INF] * (L + 1) for _ in range(n_stages + 1)]
+  cut = [[0] * (L + 1) for _ in range(n_stages + 1)]
+  best[0][0] = 0
+  for k in range(1, n_stages + 1):
+    for e in range(k, L + 1):
+      for s in range(k - 1, e):
+        if (v := max(best[k - 1][s], stage_cost(s, e))) < best[k][e]: best[k][e], cut[k][e] = v, s
+  ranges, e = [], L
+  for k in range(n_stages, 0, -1):
+    s = cut[k][e]
+    ranges.append((s, e))
+    e = s
+  return ranges[::-1]
+
+
+def check_split(split: Sequence[tuple[int, int]], num_blocks: int) -> None:
+  """Ranges must be non-empty, contiguous, and cover 0..L-1 exactly once (docs/stage-ownership.md)."""
+  if not split: raise errors.LayerRangeInvalid("the split has no stages")
+  expect = 0
+  for i, (start, end) in enumerate(split):
+    if start != expect:
+      raise errors.LayerRangeInvalid(f"stage {i} starts at block {start}, expected {expect} (ranges must be contiguous, no overlap)")
+    if end <= start: raise errors.LayerRangeInvalid(f"stage {i} range [{start}, {end}) is empty")
+    expect = end
+  if expect != num_blocks:
+    raise errors.LayerRangeInvalid(f"the split ends at block {expect}, but the model has {num_blocks} blocks")
+
+
+def parse_split(text: str) -> list[tuple[int, int]]:
+  """"0:15,15:30" → [(0, 15), (15, 30)]"""
+  try: return [(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
+  except ValueError: raise errors.InvalidOption("split", f"expected START:END,START:END..., got {text!r}") from None
+
+
+def plan_split(header: GGUFHeader, stages: int, split: Sequence[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+  """The split a pipeline runs: the one asked for, checked, or the memory-balanced one for `stages` stages."""
+  ranges = [tuple(r) for r in (split or suggest_split(header, stages, by="memory"))]
+  check_split(ranges, int(header.get("block_count")))
+  return ranges  # type: ignore[return-value]

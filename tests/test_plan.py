@@ -1,0 +1,75 @@
+"""Planning from the header alone (pyruntime/plan.py): splits, and that planning never imports tinygrad."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from tinymodels import TINY_MODELS, write_tiny_gguf, write_unsupported_gguf
+
+from pyruntime import errors
+from pyruntime.gguf import read_header
+from pyruntime.plan import check_architecture, check_split, model_weight_bytes, parse_split, plan_split, stage_weight_bytes, suggest_split
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> pathlib.Path:
+  return write_tiny_gguf(tmp_path_factory.mktemp("plan") / "qwen3.gguf", **TINY_MODELS["qwen3"])
+
+
+def test_suggest_split_covers_every_block(qwen3):
+  h = read_header(qwen3)
+  for n in (1, 2, 3, 5):
+    for by in ("memory", "compute"):
+      r = suggest_split(h, n, by)
+      assert len(r) == n and r[0][0] == 0 and r[-1][1] == 5 and all(a < b for a, b in r)
+      assert all(r[i][1] == r[i + 1][0] for i in range(n - 1))
+  with pytest.raises(errors.LayerRangeInvalid): suggest_split(h, 6)
+  with pytest.raises(errors.LayerRangeInvalid): suggest_split(h, 0)
+
+
+def test_stage_bytes_add_up(qwen3):
+  h = read_header(qwen3)
+  split = suggest_split(h, 2)
+  # every tensor but the head's host-side embedding is on exactly one stage (tied: the tail holds it as the output)
+  assert sum(stage_weight_bytes(h, s, e) for s, e in split) <= model_weight_bytes(h)
+
+
+@pytest.mark.parametrize("split", [[], [(0, 2), (3, 5)], [(0, 2), (1, 5)], [(0, 0), (0, 5)], [(0, 4)], [(0, 6)]])
+def test_check_split_refuses(split):
+  with pytest.raises(errors.LayerRangeInvalid): check_split(split, 5)
+
+
+def test_plan_split(qwen3):
+  h = read_header(qwen3)
+  assert plan_split(h, 2) == suggest_split(h, 2)
+  assert plan_split(h, 2, parse_split("0:1,1:5")) == [(0, 1), (1, 5)]
+  with pytest.raises(errors.LayerRangeInvalid): plan_split(h, 2, [(0, 1), (1, 4)])
+  with pytest.raises(errors.InvalidOption): parse_split("0-1")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+  with pytest.raises(errors.UnsupportedArchitecture): check_architecture(read_header(write_unsupported_gguf(tmp_path / "moe.gguf")))
+
+
+_PLAN_SCRIPT = """
+import sys
+from pyruntime.launcher import Launcher
+lm = Launcher(sys.argv[1], stages=2)
+lm.plan()
+print(lm.split, lm.devices)
+bad = sorted(m for m in sys.modules if m.split(".")[0] in ("tinygrad", "numpy"))
+assert not bad, bad
+"""
+
+
+def test_launcher_plans_without_tinygrad_or_numpy(qwen3):
+  """The launcher process reads the header, plans the split and sizes the rings without the compute stack."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+  r = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT, str(qwen3)], env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "[(0, 2), (2, 5)]" in r.stdout or "[(0, 3), (3, 5)]" in r.stdout

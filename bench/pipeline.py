@@ -1,7 +1,7 @@
 """Pipeline benchmark: decode tokens/s and time to first token for 1, 2 and 3 stages against
 tinygrad's own single-process `Transformer.generate`, on the same model and device, in one run.
 
-    python bench/pipeline.py [--model M] [--tokens 32] [--stages 1,2,3] [--json]
+    python bench/pipeline.py [--model M] [--tokens 32] [--stages 1,2,3] [--weights auto,quantized] [--json]
     pyruntime bench pipeline --json
 
 Also reports, per pipeline, the ring time per hop per token (wall time per decoded token minus
@@ -39,9 +39,9 @@ def bench_reference(path: str, prompt_ids: list[int], n_tokens: int, max_context
           "decode_tokens_per_s": round(rows[1]["decode_tokens_per_s"], 3)}
 
 
-def bench_pipeline(path: str, n_stages: int, prompt: str, n_tokens: int, max_context: int) -> dict:
+def bench_pipeline(path: str, n_stages: int, prompt: str, n_tokens: int, max_context: int, weights: str = "auto") -> dict:
   from pyruntime.launcher import Done, Launcher
-  with Launcher(path, stages=n_stages, max_context=max_context) as lm:
+  with Launcher(path, stages=n_stages, max_context=max_context, weights=weights) as lm:
     runs = []
     for _ in range(2):
       before = lm.stage_stats()
@@ -64,7 +64,8 @@ def bench_pipeline(path: str, n_stages: int, prompt: str, n_tokens: int, max_con
     # what is left of a token's wall time once every stage's work and the launcher's own CPU are taken out:
     # the ring writes' wake-ups and the reads' wake-up latency (a waiting stage is parked on its futex)
     ring_per_hop = max(0.0, wall_per_token - busy - launcher_cpu) / hops
-    return {"system": "pyruntime", "stages": n_stages, "split": [list(r) for r in lm.split], "load_s": round(lm.load_s, 3),
+    return {"system": f"pyruntime ({'/'.join(dict.fromkeys(lm.weights))})", "stages": n_stages, "split": [list(r) for r in lm.split],
+            "load_s": round(lm.load_s, 3),
             "ttft_s_cold": runs[0][0].timings.ttft_s, "ttft_s": done.timings.ttft_s,
             "decode_tokens_per_s": done.timings.decode_tokens_per_s, "decoded_tokens": decoded,
             "ring_us_per_hop_per_token": round(ring_per_hop * 1e6, 1), "launcher_us_per_token": round(launcher_cpu * 1e6, 1),
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--tokens", type=int, default=32)
   ap.add_argument("--stages", default="1,2,3")
   ap.add_argument("--max-context", type=int, default=512)
+  ap.add_argument("--weights", default="auto", help="comma-separated: each pipeline runs once per weights mode (see Launcher)")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args(argv)
   from pyruntime.chat import build_prompt_ids
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
   ids = build_prompt_ids(Tokenizer.from_gguf_kv(header.kv), header.kv, prompt=PROMPT, raw=True)
   rows = [bench_reference(path, ids, a.tokens, a.max_context)]
   for n in (int(s) for s in a.stages.split(",")):
-    rows.append(bench_pipeline(path, n, PROMPT, a.tokens, a.max_context))
+    for w in a.weights.split(","): rows.append(bench_pipeline(path, n, PROMPT, a.tokens, a.max_context, w))
   ref = rows[0]["decode_tokens_per_s"]
   for r in rows: r["decode_vs_reference"] = round(r["decode_tokens_per_s"] / ref, 3)
   if a.json:
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
       extra = (f"  ring {r['ring_us_per_hop_per_token']} us/hop/token, launcher {r['launcher_us_per_token']} us CPU "
                f"({r['launcher_wall_us_per_token']} us wall)/token" if "split" in r else "")
-      print(f"{r['system']:>24} x{r['stages']}: decode {r['decode_tokens_per_s']:7.2f} tok/s ({r['decode_vs_reference']:.0%} of reference), "
+      print(f"{r['system']:>32} x{r['stages']}: decode {r['decode_tokens_per_s']:7.2f} tok/s ({r['decode_vs_reference']:.0%} of reference), "
             f"ttft {r['ttft_s']:.3f} s (cold {r['ttft_s_cold']:.2f} s), load {r['load_s']:.1f} s{extra}")
     same = all(r.get("token_ids") == rows[1].get("token_ids") for r in rows[1:])
     print(f"token ids equal across pipelines: {same}")

@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--stages", type=int, default=2)
   ap.add_argument("--max-streams", type=int, default=8)
   ap.add_argument("--max-context", type=int, default=2048)
+  ap.add_argument("--weights", default="auto", choices=("auto", "quantized", "float16", "float32"), help="see Launcher(weights=)")
   ap.add_argument("--concurrency", default="1,2,4,8")
   ap.add_argument("--tokens", type=int, default=32, help="output tokens per request")
   ap.add_argument("--requests-per-client", type=int, default=2)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
   if url is None:
     from pyruntime.launcher import Launcher
     from pyruntime.server import BackgroundServer, create_app
-    lm = Launcher(a.model, stages=a.stages, max_streams=a.max_streams, max_context=a.max_context, warmup=True).start()
+    lm = Launcher(a.model, stages=a.stages, max_streams=a.max_streams, max_context=a.max_context, weights=a.weights, warmup=True).start()
     server = BackgroundServer(create_app(lm, queue_size=64)).start()
     url = server.url
   try:

@@ -23,6 +23,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--decode", choices=("batched", "reference"), default="batched",
                  help="batched: many streams per step, batch-invariant tokens; reference: tinygrad's own decode kernels, "
                  "one stream at a time, its exact tokens")
+  p.add_argument("--weights", choices=("auto", "quantized", "float16", "float32"), default="auto",
+                 help="how stages keep the weights: quantized as in the file (least memory, tinygrad's own kernels), or dequantised "
+                 "once at load; auto: float32 on a CPU when the model fits twice over in free memory (several times faster "
+                 "there), quantized on GPUs and with --decode reference")
   p.add_argument("--max-context", type=int, default=None, help="cap on the context in tokens (default: the model's own)")
 
 
@@ -188,8 +192,8 @@ def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) 
   from pyruntime.launcher import Launcher
   from pyruntime.plan import parse_split
   return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
-                  boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, max_context=a.max_context,
-                  warmup=warmup, on_event=LoadProgress(quiet))
+                  boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, weights=a.weights,
+                  max_context=a.max_context, warmup=warmup, on_event=LoadProgress(quiet))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

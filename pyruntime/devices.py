@@ -35,3 +35,13 @@ def parse_devices(spec: str | list[str] | None, n_stages: int) -> list[str]:
     from pyruntime.errors import InvalidOption
     raise InvalidOption("device", f"{len(devs)} devices given for {n_stages} stages")
   return devs
+
+
+def available_memory() -> int:
+  """Bytes of host memory available now (Linux's MemAvailable), else the physical memory."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"): return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError): pass
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -14,6 +14,7 @@ import collections
 import hashlib
 import itertools
 import json
+import math
 import os
 import queue
 import signal
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pyruntime import errors
+from pyruntime.devices import available_memory
 from pyruntime.protocol import (
   ABI_VERSION,
   FLAG_CLOSE,
@@ -34,6 +36,7 @@ from pyruntime.protocol import (
   FLAG_ERROR,
   FLAG_MORE,
   FLAG_OPEN,
+  WEIGHT_MODES,
   Command,
   Event,
   OpenInfo,
@@ -226,12 +229,16 @@ def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, temp
 class Launcher:
   def __init__(self, model: str | os.PathLike | None = None, *, stages: int = 2, split: Sequence[tuple[int, int]] | None = None,
                devices: str | Sequence[str] | None = None, boundary_dtype: str = "float32", max_streams: int = 8,
-               decode: str = "batched", warmup: bool = False, max_context: int | None = None, on_event: Callable[[dict], None] | None = None,
+               decode: str = "batched", weights: str = "auto", warmup: bool = False, max_context: int | None = None,
+               on_event: Callable[[dict], None] | None = None,
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0):
     if boundary_dtype not in ("float32", "float16"): raise errors.InvalidOption("boundary_dtype", "float32 or float16")
     if not isinstance(max_streams, int) or isinstance(max_streams, bool) or not 1 <= max_streams <= 256:
       raise errors.InvalidOption("max_streams", f"must be an integer in [1, 256], got {max_streams!r}")
     if decode not in ("batched", "reference"): raise errors.InvalidOption("decode", f"'batched' or 'reference', not {decode!r}")
+    if weights != "auto" and weights not in WEIGHT_MODES:
+      raise errors.InvalidOption("weights", f"'auto' or one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
+    self.weights_wanted = weights
     self.model_source, self.stages_wanted, self.split_wanted = model, stages, split
     self.devices_wanted, self.boundary_dtype, self.max_streams, self.decode = devices, boundary_dtype, max_streams, decode
     self.warmup = warmup  # capture every batch shape's kernels at start (a server's choice) rather than on first use
@@ -287,10 +294,20 @@ class Launcher:
     # that share the CPU would only take cores from each other
     self.micro_batches = len(self.split) if len(set(self.devices)) == len(self.devices) and not any(
       d.upper().startswith("CPU") for d in self.devices) else 1
+    self.weights = [self._weights_for(d) for d in self.devices]
     self.context_length = int(min(self.max_context_wanted or 1 << 62, self.header.get("context_length")))
     self.tokenizer: Tokenizer = Tokenizer.from_gguf_kv(self.header.kv)
     self.dim = int(self.header.get("embedding_length"))
     self.vocab_size = self.tokenizer.vocab_size
+
+  def _weights_for(self, device: str) -> str:
+    """How a stage on `device` keeps its weights (protocol.WEIGHT_MODES). "auto": tinygrad's own "quantized" for
+    reference decoding (its exact tokens) and on accelerators; on a CPU, "float32" (several times faster there) when a
+    float32 copy of the whole model takes at most half of the memory available now, every stage sharing it."""
+    if self.weights_wanted != "auto": return self.weights_wanted
+    if self.decode == "reference" or not device.upper().startswith("CPU"): return "quantized"
+    need = 4 * sum(math.prod(t.dims) for t in self.header.tensors.values())
+    return "float32" if need <= available_memory() // 2 else "quantized"
 
   def start(self) -> "Launcher":
     from pyruntime.ring import Arena, RingSpec
@@ -307,10 +324,10 @@ class Launcher:
       self.arena = Arena.create(specs)
       self._event({"event": "ArenaCreated", "name": self.arena.name, "rings": len(specs)})
       self.handles = [self._spawn(i) for i in range(len(self.split))]
-      for h, (start, end), dev in zip(self.handles, self.split, self.devices, strict=True):
+      for h, (start, end), dev, w in zip(self.handles, self.split, self.devices, self.weights, strict=True):
         h.send(Command.INITIALIZE_WORKER, device=dev, abi_version=ABI_VERSION)
         h.send(Command.CONFIGURE_ROLE, stage=h.index, start=start, end=end, slots=self.max_streams, boundary_dtype=self.boundary_dtype,
-               max_context=self.context_length, decode=self.decode, warmup=self.warmup,
+               max_context=self.context_length, decode=self.decode, warmup=self.warmup, weights=w,
                micro_batches=self.micro_batches)
         h.send(Command.LOAD_WEIGHTS, model=str(self.path))
       for h in self.handles:  # the stages load in parallel; we just collect

@@ -40,6 +40,7 @@ from pyruntime import errors
 from pyruntime.boundary import DTYPES, StageBoundary
 from pyruntime.gguf import GGUFHeader, TensorInfo, read_header
 from pyruntime.plan import block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
+from pyruntime.protocol import WEIGHT_MODES
 
 PREFILL_CHUNK = 32  # Transformer.generate's chunk_size: the prefill must be cut at the same places to be exact
 BOUNDARY_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16}
@@ -114,15 +115,15 @@ class StageModel:
 
   @classmethod
   def load(cls, path: str | os.PathLike, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
-           slots: int = 4, boundary_dtype: str = "float32") -> StageModel:
+           slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None) -> StageModel:
     path = pathlib.Path(path)
     if not path.is_file(): raise errors.GgufLocalPathMissing(f"no GGUF file at {path}")
     try: header = read_header(path)
     except (OSError, ValueError, KeyError, UnicodeDecodeError) as e: raise errors.ModelLoadFailed(f"{path}: {e}") from e
-    return cls(header, start, end, device=device, max_context=max_context, slots=slots, boundary_dtype=boundary_dtype)
+    return cls(header, start, end, device=device, max_context=max_context, slots=slots, boundary_dtype=boundary_dtype, weights=weights)
 
   def __init__(self, header: GGUFHeader, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
-               slots: int = 4, boundary_dtype: str = "float32"):
+               slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None):
     check_architecture(header)
     L = num_blocks(header)
     if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool) or isinstance(end, bool) \
@@ -145,7 +146,9 @@ class StageModel:
     self.boundary = StageBoundary.for_range(self.arch, start, end, L, cfg.dim, boundary_dtype)
     self.half = bool(getenv("HALF", 1))  # the reference casts every weight to float16 unless HALF=0
 
-    try: self._load_weights(bool(getenv("REALIZE", 0)))
+    self.weights = weights or ("float16" if getenv("REALIZE", 0) else getenv("PYRUNTIME_WEIGHTS", "quantized"))
+    if self.weights not in WEIGHT_MODES: raise errors.InvalidOption("weights", f"must be one of {WEIGHT_MODES}, not {self.weights!r}")
+    try: self._load_weights()
     except errors.PyruntimeError: raise
     except Exception as e: raise errors.ModelLoadFailed(f"{self.path}: loading blocks [{start}, {end}) failed: {type(e).__name__}: {e}") from e
 
@@ -170,7 +173,7 @@ class StageModel:
     t.uop.buffer.ensure_allocated()
     return t
 
-  def _load_weights(self, realize: bool) -> None:
+  def _load_weights(self) -> None:
     cfg, header = self.config, self.header
     names = list(dict.fromkeys(stage_tensor_names(header, self.start, self.end)))
     if missing := [n for n in names if n not in header.tensors]: raise errors.ModelLoadFailed(f"{self.path}: missing tensors {missing}")
@@ -206,10 +209,12 @@ class StageModel:
       self._embd_info: TensorInfo = ti
       self._embd_row_bytes = ti.nbytes // cfg.vocab_size
       self._embd_rows = np.memmap(self.path, dtype=np.uint8, mode="r", offset=ti.offset, shape=(cfg.vocab_size, self._embd_row_bytes))
-    if realize:  # REALIZE=1 in the reference: weights dequantised once into float16 buffers
+    if self.weights != "quantized":  # dequantised once at load, not inside every kernel
       params = [p for b in self.blk for p in get_state_dict(b).values()]
       if self.is_tail: params += [self.output_norm.weight, self.output.weight]
-      for p in params: p.replace(p.contiguous())
+      # float32 holds the float16 values exactly (every product is the same); clang's x86 code for float16 loads
+      # is many times slower than for float32 ones, so on a CPU the wider copy is the fast one
+      for p in params: p.replace((p.float() if self.weights == "float32" else p).contiguous())
       Tensor.realize(*params)
       self.resident_bytes = sum(p.nbytes() for p in params)
 

@@ -44,6 +44,13 @@ FLAG_ERROR = 1 << 3
 FLAG_MORE = 1 << 4
 
 PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: prefill must be cut at the same places to stay exact
+
+# ConfigureRole's "weights": how a stage keeps its weights. "quantized": as in the file, dequantised inside every
+# kernel (least memory; tinygrad's default, so `decode="reference"` gives its exact tokens); "float16": dequantised once
+# at load (tinygrad's REALIZE=1); "float32": those float16 values held as float32 (the same products; on x86 CPUs the
+# fastest, as clang's code for float16 loads is several times slower than for float32 ones)
+WEIGHT_MODES = ("quantized", "float16", "float32")
+
 POSITION_BITS = 32
 POSITION_MASK = (1 << POSITION_BITS) - 1
 

@@ -32,6 +32,7 @@ from pyruntime.protocol import (
   FLAG_MORE,
   FLAG_OPEN,
   PREFILL_CHUNK,
+  WEIGHT_MODES,
   Command,
   Event,
   decode_json,
@@ -203,10 +204,12 @@ class Stage:
     role = {"stage": arg_int(cmd, "stage", hi=1 << 16), "start": arg_int(cmd, "start", hi=1 << 20), "end": arg_int(cmd, "end", hi=1 << 20),
             "slots": arg_int(cmd, "slots", 4, lo=1, hi=1024), "boundary_dtype": arg(cmd, "boundary_dtype", str, "float32"),
             "max_context": arg_int(cmd, "max_context", None, lo=1, hi=1 << 24), "decode": arg(cmd, "decode", str, "batched"),
-            "warmup": arg(cmd, "warmup", bool, False), "micro_batches": arg_int(cmd, "micro_batches", 1, lo=1, hi=1024)}
+            "warmup": arg(cmd, "warmup", bool, False), "micro_batches": arg_int(cmd, "micro_batches", 1, lo=1, hi=1024),
+            "weights": arg(cmd, "weights", str, "quantized")}
     if role["boundary_dtype"] not in ("float32", "float16"):
       raise errors.InvalidCommand(f"boundary_dtype must be float32 or float16, not {show(role['boundary_dtype'])}")
     if role["decode"] not in DECODE_MODES: raise errors.InvalidCommand(f"decode must be one of {DECODE_MODES}, not {role['decode']!r}")
+    if role["weights"] not in WEIGHT_MODES: raise errors.InvalidCommand(f"weights must be one of {WEIGHT_MODES}, not {show(role['weights'])}")
     self.decode_mode = role["decode"]
     self.micro_batches = role["micro_batches"]
     if role["start"] < 0 or role["end"] <= role["start"]:
@@ -232,7 +235,7 @@ class Stage:
     r = self.role
     try:
       self.model = StageModel.load(path, r["start"], r["end"], device=self.device, max_context=r["max_context"],
-                                   slots=r["slots"], boundary_dtype=r["boundary_dtype"])
+                                   slots=r["slots"], boundary_dtype=r["boundary_dtype"], weights=r["weights"])
     except errors.PyruntimeError: raise
     except Exception as e: raise Fatal("ModelLoadFailed", f"{type(e).__name__}: {e}", traceback=traceback.format_exc()) from e
     m = self.model

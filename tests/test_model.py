@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from tinygrad import Tensor, UOp
+from tinygrad import Tensor, UOp, dtypes
 from tinygrad.llm.model import Transformer
 from tinymodels import TINY_MODELS, write_tiny_gguf, write_unsupported_gguf
 
@@ -355,12 +355,13 @@ def bitwise_equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
   return len(a) == len(b) and all(np.array_equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.parametrize("weights", ["quantized", "float32"])  # dequantised in every kernel; once, held as float32
 @pytest.mark.parametrize("name", ["llama_tied", "qwen3"])  # GQA + tied output; qk-norm
-def test_batched_decode_is_batch_invariant(name, tiny_paths):
+def test_batched_decode_is_batch_invariant(name, weights, tiny_paths):
   """Streams of different prompt lengths decoding together, joining at different steps (so the batch shape changes
   from 1 to 2 to 4 rows and back), give every stream the same logits bit for bit as decoding it alone."""
   path = tiny_paths[name]
-  stages = load_split(path, [(0, 2), (2, tiny_refs_blocks(path))], slots=4)
+  stages = load_split(path, [(0, 2), (2, tiny_refs_blocks(path))], slots=4, weights=weights)
   prompts = [PROMPT[:n] for n in (1, 5, 9)] + [(PROMPT * 6)[:40]]  # 40: a prefill of two chunks
   steps = 6
 
@@ -405,3 +406,13 @@ def tiny_refs_blocks(path) -> int:
   from pyruntime.gguf import read_header
   from pyruntime.plan import num_blocks
   return num_blocks(read_header(path))
+
+
+def test_float32_weights_hold_the_float16_values(tiny_paths):
+  """weights="float32" keeps the reference's float16-rounded weights, only wider: every value is the same."""
+  q, f = (StageModel.load(tiny_paths["llama_untied"], 0, 4, max_context=CTX, weights=w) for w in ("quantized", "float32"))
+  assert f.resident_bytes > q.resident_bytes
+  for bq, bf in zip(q.blk, f.blk, strict=True):
+    wq, wf = bq.ffn_gate.weight, bf.ffn_gate.weight
+    assert wf.dtype == dtypes.float32 and np.array_equal(wq.float().numpy(), wf.numpy())
+  with pytest.raises(errors.InvalidOption): StageModel.load(tiny_paths["llama_untied"], 0, 4, max_context=CTX, weights="int3")

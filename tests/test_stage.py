@@ -259,6 +259,7 @@ ROLE = '{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2}'
   (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "slots": 1e9}'], "InvalidCommand"),
   (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "max_context": "big"}'], "InvalidCommand"),
   (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "boundary_dtype": ["f"]}'], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "weights": "int4"}'], "InvalidCommand"),
   (['{"command": "InitializeWorker", "cpus": "abc"}'], "InvalidCommand"),
   (['{"command": "InitializeWorker", "cpus": [99999]}'], "InvalidCommand"),
   (['{"command": "InitializeWorker", "device": 5}'], "InvalidCommand"),

@@ -1,12 +1,13 @@
 """Builders of the ring's two extensions from the real C sources in native/.
 
 `pyruntime._ring` (cffi, API mode): the whole API.  The Python-visible declarations are the
-section of native/mo_ring.h between the markers `MO_CDEF_BEGIN` and `MO_CDEF_END`, handed to cffi
-verbatim; the library itself is native/mo_ring.c, compiled into the extension.  Nothing in C is
-pasted into this file.
+sections of native/mo_ring.h (the ring) and native/mo_ring_extra.h (binding shortcuts, test and
+fuzz entry points, benchmark loops) between the markers `MO_CDEF_BEGIN` and `MO_CDEF_END`, handed
+to cffi verbatim; the library itself is native/mo_ring.c and native/mo_ring_extra.c, compiled
+into the extension.  Nothing in C is pasted into this file.
 
 `pyruntime._ringfast` (CPython, optional): the per-record hot calls over the same handles
-(native/mo_fast.c, which includes mo_ring.c).  When it cannot be built, pyruntime.ring runs on
+(native/mo_fast.c, which includes mo_ring.c and mo_ring_extra.c).  When it cannot be built, pyruntime.ring runs on
 cffi alone.
 
     pip install -e .                  # setup.py names both builders
@@ -22,14 +23,14 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-HEADER = HERE / "mo_ring.h"
-SOURCE = HERE / "mo_ring.c"
+HEADERS = [HERE / "mo_ring.h", HERE / "mo_ring_extra.h"]  # cdef order: the core declares the types
+SOURCES = [HERE / "mo_ring.c", HERE / "mo_ring_extra.c"]
 
 
-def cdef_section(header_text: str) -> str:
-  """The declarations between the MO_CDEF markers of the header (comments included: cffi strips them)."""
-  m = re.search(r"(/\*\s*MO_CDEF_BEGIN.*?)/\*\s*MO_CDEF_END\s*\*/", header_text, re.S)
-  if not m: raise RuntimeError(f"{HEADER}: no MO_CDEF_BEGIN ... MO_CDEF_END section")
+def cdef_section(header: Path) -> str:
+  """The declarations between the MO_CDEF markers of a header (comments included: cffi strips them)."""
+  m = re.search(r"(/\*\s*MO_CDEF_BEGIN.*?)/\*\s*MO_CDEF_END\s*\*/", header.read_text(), re.S)
+  if not m: raise RuntimeError(f"{header}: no MO_CDEF_BEGIN ... MO_CDEF_END section")
   return m.group(1)
 
 
@@ -41,13 +42,13 @@ def make_builder(relative: bool = True) -> FFI:
     try: return os.path.relpath(p)
     except ValueError: return str(p)
   ffi = FFI()
-  ffi.cdef(cdef_section(HEADER.read_text()))
+  ffi.cdef("\n".join(cdef_section(h) for h in HEADERS))
   ffi.set_source(
     "pyruntime._ring",
-    '#include "mo_ring.h"\n',
-    sources=[path(SOURCE)],
+    '#include "mo_ring_extra.h"\n',  # includes mo_ring.h
+    sources=[path(s) for s in SOURCES],
     include_dirs=[path(HERE)],
-    depends=[path(HEADER), path(SOURCE)],
+    depends=[path(p) for p in HEADERS + SOURCES],
     extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wno-unused-function"],
   )
   return ffi
@@ -64,7 +65,7 @@ def fast_extension(relative: bool = True):
     "pyruntime._ringfast",
     sources=[path(FAST_SOURCE)],
     include_dirs=[path(HERE)],
-    depends=[path(HEADER), path(SOURCE)],
+    depends=[path(p) for p in HEADERS + SOURCES],
     extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wno-unused-function", "-fvisibility=hidden"],
     optional=True,
   )

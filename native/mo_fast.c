@@ -25,7 +25,8 @@
  * which owns the semantics (timeouts, signals, named errors).  Those hold the Writer/Reader only
  * through a weak reference: no reference cycle, the Python objects die as before.
  *
- * The library is compiled into this module (one translation unit: the hot paths inline) with
+ * The library (mo_ring.c and mo_ring_extra.c) is compiled into this module (one translation
+ * unit: the hot paths inline) with
  * hidden visibility, so it does not clash with the copy inside pyruntime._ring.  Both copies
  * work on the same handle structs declared in mo_ring.h: the layout has one source.
  */
@@ -33,6 +34,7 @@
 #include <Python.h>
 
 #include "mo_ring.c"
+#include "mo_ring_extra.c"
 
 /* What pyruntime/ring.py expects of this module (FAST_API there): bump on any change to the
  * methods or types it uses, so that a stale build is ignored rather than half-used. */

@@ -1,6 +1,8 @@
 /*
  * mo_ring.c -- implementation of mo_ring.h.  Read the header first: it defines the layout and
- * the ordering protocol this file follows.
+ * the ordering protocol this file follows, and holds the record codec (mo_record_header_make,
+ * mo_record_header_check) that the producer and consumer below use.  The binding shortcuts,
+ * test/fuzz entry points and benchmark loops are in mo_ring_extra.c.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -44,7 +46,7 @@ _Static_assert(MO_MAX_EXTENT == MO_MAX_CAPACITY - MO_HEADER_LEN, "the largest pa
 #define RELEASE memory_order_release
 #define SEQ_CST memory_order_seq_cst
 
-enum { ST_DETACHED = 0, ST_ATTACHED = 1, ST_CLOSED = 2 };
+enum { ST_DETACHED = MO_STATE_DETACHED, ST_ATTACHED = MO_STATE_ATTACHED, ST_CLOSED = MO_STATE_CLOSED };
 #define PID_MASK ((UINT64_C(1) << MO_OWNER_PID_BITS) - 1)
 
 /* ------------------------------------------------------------------------------------------ */
@@ -126,23 +128,8 @@ static inline int64_t add_sat(int64_t a, uint64_t b) {
   return b > (uint64_t)(INT64_MAX - a) ? INT64_MAX : a + (int64_t)b; /* a >= 0: a monotonic clock */
 }
 
-/* The largest extent whose record size round8(40 + extent) fits in 64 bits. */
-#define RECORD_EXTENT_LIMIT (UINT64_MAX - 7 - MO_HEADER_LEN)
-
 uint64_t mo_record_size(uint64_t extent) {
-  return MO_LIKELY(extent <= RECORD_EXTENT_LIMIT) ? round8(MO_HEADER_LEN + extent) : 0;
-}
-
-/* 1 if a record with this extent fits in room bytes.  Compares the extent against what is left
- * after the header instead of adding to it, so a hostile extent near 2^64 cannot wrap around. */
-static inline int record_fits(uint64_t extent, uint64_t room) {
-  return room >= MO_HEADER_LEN && extent <= room - MO_HEADER_LEN && extent <= RECORD_EXTENT_LIMIT &&
-         round8(MO_HEADER_LEN + extent) <= room;
-}
-
-static inline int extent_misaligned(uint64_t extent, uint32_t alignment) {
-  if (MO_LIKELY((alignment & (alignment - 1)) == 0)) return (extent & (alignment - 1)) != 0;
-  return extent % alignment != 0;
+  return MO_LIKELY(extent <= MO_RECORD_EXTENT_LIMIT) ? round8(MO_HEADER_LEN + extent) : 0;
 }
 
 /* FUTEX_WAIT (shared, not private: the waker is another process).  Returns 0 when woken (or the
@@ -265,59 +252,6 @@ mo_status mo_segment_name_check(const char *name, uint64_t len, const char **rea
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* records                                                                                     */
-
-void mo_record_encode(void *hdr, uint64_t object_id, uint64_t sequence, uint64_t extent, uint32_t flags) {
-  mo_record_header h = {MO_RECORD_MAGIC, MO_RECORD_VERSION, MO_HEADER_LEN, object_id, sequence, extent, flags, 0};
-  memcpy(hdr, &h, sizeof h);
-}
-
-static inline void fill_view(mo_view *out, const mo_record_header *h, uint64_t expected) {
-  out->magic = h->magic;
-  out->version = h->version;
-  out->header_len = h->header_len;
-  out->object_id = h->object_id;
-  out->sequence = h->sequence;
-  out->extent = h->extent;
-  out->flags = h->flags;
-  out->reserved = h->reserved;
-  out->expected_sequence = expected;
-}
-
-/* The consumer's validation of one record (docs/wire-format.md), on a private copy of the header so a
- * misbehaving producer cannot change it between the check and the use. */
-static inline mo_status check_header(const mo_record_header *h, uint64_t avail, uint64_t max_extent,
-                                     uint32_t alignment, uint64_t expected) {
-  if (MO_UNLIKELY(h->magic != MO_RECORD_MAGIC)) return MO_INVALID_OBJECT_MAGIC;
-  if (MO_UNLIKELY(h->version != MO_RECORD_VERSION || h->header_len != MO_HEADER_LEN || h->reserved != 0))
-    return MO_INVALID_OBJECT_HEADER;
-  if (MO_UNLIKELY(h->extent > max_extent)) return MO_OBJECT_EXTENT_INVALID;
-  if (MO_UNLIKELY(extent_misaligned(h->extent, alignment))) return MO_OBJECT_EXTENT_ALIGNMENT_VIOLATION;
-  if (MO_UNLIKELY(!record_fits(h->extent, avail))) return MO_OBJECT_EXTENT_INVALID;
-  if (MO_UNLIKELY(h->sequence != expected)) return MO_SEQUENCE_VIOLATION;
-  return MO_OK;
-}
-
-mo_status mo_record_check(const void *rec, uint64_t avail, uint64_t max_extent, uint32_t alignment,
-                          uint64_t expected_sequence, mo_view *out) {
-  mo_view scratch;
-  if (!out) out = &scratch;
-  memset(out, 0, sizeof *out);
-  out->expected_sequence = expected_sequence;
-  if (!rec || alignment == 0) return MO_INVALID_ARGUMENT;
-  if (avail < MO_HEADER_LEN) {
-    if (avail >= 4) memcpy(&out->magic, rec, 4);
-    return MO_EOF_BEFORE_FULL_HEADER;
-  }
-  mo_record_header h;
-  memcpy(&h, rec, sizeof h);
-  fill_view(out, &h, expected_sequence);
-  mo_status st = check_header(&h, avail, max_extent, alignment, expected_sequence);
-  if (st == MO_OK) out->payload = (const uint8_t *)rec + MO_HEADER_LEN;
-  return st;
-}
-
-/* ------------------------------------------------------------------------------------------ */
 /* arena                                                                                       */
 
 static uint64_t round_pow2(uint64_t x) {
@@ -414,8 +348,18 @@ mo_status mo_arena_check(const void *base, uint64_t size, const char **reason) {
 }
 
 uint32_t mo_arena_ring_count(const void *base) { return ((const mo_superblock *)base)->ring_count; }
-int32_t mo_arena_creator_pid(const void *base) { return ((const mo_superblock *)base)->creator_pid; }
-uint64_t mo_arena_creator_start(const void *base) { return ((const mo_superblock *)base)->creator_start; }
+
+mo_status mo_arena_creator(const void *head, uint64_t len, int32_t *pid, uint64_t *start) {
+  if (!head || len < MO_SUPERBLOCK_FIXED) return MO_ARENA_INVALID;
+  const uint8_t *b = (const uint8_t *)head; /* maybe a copy read from a file: any alignment */
+  uint64_t magic;
+  memcpy(&magic, b + offsetof(mo_superblock, magic), sizeof magic);
+  atomic_thread_fence(ACQUIRE); /* a live arena: the creator stored the magic last (release) */
+  if (magic != MO_ARENA_MAGIC) return MO_ARENA_INVALID;
+  if (pid) memcpy(pid, b + offsetof(mo_superblock, creator_pid), sizeof *pid);
+  if (start) memcpy(start, b + offsetof(mo_superblock, creator_start), sizeof *start);
+  return MO_OK;
+}
 
 mo_status mo_arena_ring(void *base, uint64_t size, uint32_t index, mo_ring *out) {
   if (!out) return MO_INVALID_ARGUMENT;
@@ -642,9 +586,9 @@ static inline mo_status producer_usable(const mo_producer *p) {
  * would not fit before the end of the data region).  On MO_OK the record goes at p->wpos. */
 static inline mo_status place(mo_producer *p, uint64_t extent, int64_t timeout_ns) {
   if (MO_UNLIKELY(extent > p->r.max_extent)) return MO_OUTPUT_EXTENT_INVALID;
-  if (MO_UNLIKELY(extent_misaligned(extent, p->r.alignment))) return MO_OUTPUT_EXTENT_ALIGNMENT_VIOLATION;
+  if (MO_UNLIKELY(mo_extent_misaligned(extent, p->r.alignment))) return MO_OUTPUT_EXTENT_ALIGNMENT_VIOLATION;
   uint64_t cap = p->r.capacity;
-  if (MO_UNLIKELY(!record_fits(extent, cap))) return MO_OUTPUT_RING_CAPACITY_EXCEEDED;
+  if (MO_UNLIKELY(!mo_record_fits(extent, cap))) return MO_OUTPUT_RING_CAPACITY_EXCEEDED;
   uint64_t size = round8(MO_HEADER_LEN + extent); /* no overflow: extent <= cap - 40 */
   if (MO_UNLIKELY(atomic_load_explicit(&p->r.ctrl->consumer_closed, RELAXED))) return MO_CLOSED;
   uint64_t off = p->wpos & p->r.mask;
@@ -671,22 +615,11 @@ mo_status mo_producer_reserve(mo_producer *p, uint64_t extent, int64_t timeout_n
   return MO_OK;
 }
 
-uint64_t mo_producer_reserved_offset(const mo_producer *p) {
-  return (p->res_pos & p->r.mask) + MO_HEADER_LEN;
-}
-
 static inline uint64_t finish_record(mo_producer *p, uint64_t pos, uint64_t extent, uint64_t object_id,
                                      uint32_t flags) {
   uint64_t seq = p->next_seq++;
-  mo_record_header *h = (mo_record_header *)(p->r.data + (pos & p->r.mask));
-  h->magic = MO_RECORD_MAGIC;
-  h->version = MO_RECORD_VERSION;
-  h->header_len = MO_HEADER_LEN;
-  h->object_id = object_id;
-  h->sequence = seq;
-  h->extent = extent;
-  h->flags = flags;
-  h->reserved = 0;
+  mo_record_header h = mo_record_header_make(object_id, seq, extent, flags);
+  memcpy(p->r.data + (pos & p->r.mask), &h, sizeof h);
   p->wpos = pos + mo_record_size(extent);
   p->records++;
   return seq;
@@ -720,10 +653,6 @@ int64_t mo_producer_write(mo_producer *p, uint64_t object_id, uint32_t flags, co
   return (int64_t)seq;
 }
 
-int64_t mo_producer_put(mo_producer *p, uint64_t object_id, const char *data, uint64_t len) {
-  return mo_producer_write(p, object_id, 0, data, len, -1);
-}
-
 mo_status mo_producer_write_many(mo_producer *p, const uint64_t *object_ids, const uint32_t *flags,
                                  const char *data, const uint64_t *lengths, uint64_t fixed_len, uint32_t n,
                                  int64_t timeout_ns, uint32_t *written) {
@@ -748,21 +677,6 @@ mo_status mo_producer_write_many(mo_producer *p, const uint64_t *object_ids, con
   }
   if (written) *written = i;
   return st;
-}
-
-mo_status mo_producer_publish_raw(mo_producer *p, const char *bytes, uint64_t len) {
-  mo_status st = producer_usable(p);
-  if (st != MO_OK) return st;
-  if (len == 0) return MO_OK;
-  if (len > p->r.capacity) return MO_OUTPUT_RING_CAPACITY_EXCEEDED;
-  uint64_t padded = round8(len); /* no overflow: len <= capacity */
-  if (padded > p->r.capacity) return MO_OUTPUT_RING_CAPACITY_EXCEEDED;
-  st = make_room(p, padded, 0);
-  if (st != MO_OK) return st;
-  for (uint64_t i = 0; i < padded; i++) p->r.data[(p->wpos + i) & p->r.mask] = i < len ? (uint8_t)bytes[i] : 0;
-  p->wpos += padded;
-  mo_producer_publish(p);
-  return MO_OK;
 }
 
 void mo_producer_close(mo_producer *p) {
@@ -877,8 +791,8 @@ static inline mo_status take(mo_consumer *c, mo_view *out) {
     }
     mo_record_header h;
     memcpy(&h, rec, sizeof h);
-    fill_view(out, &h, c->next_seq);
-    mo_status st = check_header(&h, avail < room ? avail : room, c->r.max_extent, c->r.alignment, c->next_seq);
+    mo_view_fill(out, &h, c->next_seq);
+    mo_status st = mo_record_header_check(&h, avail < room ? avail : room, c->r.max_extent, c->r.alignment, c->next_seq);
     if (MO_UNLIKELY(st != MO_OK)) {
       out->payload = NULL;
       return st;
@@ -946,22 +860,6 @@ mo_status mo_consumer_read(mo_consumer *c, mo_view *out, int64_t timeout_ns) {
   }
 }
 
-mo_status mo_consumer_take_timed(mo_consumer *c, int64_t timeout_ns) {
-  if (MO_UNLIKELY(c->slot >= c->nviews || !c->views)) return MO_INVALID_STATE;
-  mo_status st = mo_consumer_read(c, &c->views[c->slot], timeout_ns);
-  if (MO_LIKELY(st == MO_OK)) c->slot++;
-  return st;
-}
-
-mo_status mo_consumer_take(mo_consumer *c) { return mo_consumer_take_timed(c, -1); }
-
-mo_status mo_consumer_take_next_timed(mo_consumer *c, int64_t timeout_ns) {
-  if (c->state == ST_ATTACHED) mo_consumer_release(c);
-  return mo_consumer_take_timed(c, timeout_ns);
-}
-
-mo_status mo_consumer_take_next(mo_consumer *c) { return mo_consumer_take_next_timed(c, -1); }
-
 mo_status mo_consumer_read_many(mo_consumer *c, mo_view *out, uint32_t max, int64_t timeout_ns, uint32_t *n) {
   uint32_t got = 0;
   mo_status st = MO_INVALID_ARGUMENT;
@@ -990,17 +888,6 @@ int64_t mo_consumer_gather(const mo_consumer *c, const mo_view *views, uint32_t 
   return (int64_t)total;
 }
 
-uint64_t mo_consumer_discard(mo_consumer *c) {
-  if (consumer_usable(c) != MO_OK) return 0;
-  mo_consumer_release(c);
-  uint64_t head = atomic_load_explicit(&c->r.ctrl->head, ACQUIRE);
-  uint64_t skipped = head - c->rpos;
-  if (skipped == 0) return 0;
-  c->rpos = c->cached_head = head;
-  store_tail(c);
-  return skipped;
-}
-
 void mo_consumer_close(mo_consumer *c) {
   if (!c || c->state != ST_ATTACHED) return;
   mo_consumer_release(c);
@@ -1019,57 +906,3 @@ void mo_consumer_detach(mo_consumer *c) {
   c->state = ST_DETACHED;
 }
 
-/* ------------------------------------------------------------------------------------------ */
-/* benchmark loops                                                                             */
-
-mo_status mo_bench_produce(mo_producer *p, uint64_t n, uint64_t size, uint32_t batch, uint64_t *done) {
-  if (batch == 0) batch = 1;
-  uint64_t i = done ? *done : 0;
-  mo_status st = MO_OK;
-  for (; i < n; i++) {
-    void *payload;
-    st = mo_producer_reserve(p, size, -1, &payload);
-    if (st != MO_OK) break; /* MO_INTERRUPTED included: the caller runs its signal handlers */
-    if (size) memset(payload, (int)(i & 0xff), size); /* write every byte, as a real producer would */
-    if (size >= 8) memcpy(payload, &i, 8);
-    int64_t seq = mo_producer_commit_deferred(p, i, 0);
-    if (seq < 0) {
-      st = (mo_status)-seq;
-      break;
-    }
-    if ((i + 1) % batch == 0) mo_producer_publish(p);
-  }
-  mo_producer_publish(p);
-  if (done) *done = i;
-  return st;
-}
-
-mo_status mo_bench_consume(mo_consumer *c, uint64_t n, uint32_t batch, char *copy_to, uint64_t *done,
-                           uint64_t *bytes) {
-  enum { MAX_BATCH = 256 };
-  mo_view views[MAX_BATCH];
-  if (batch == 0) batch = 1;
-  if (batch > MAX_BATCH) batch = MAX_BATCH;
-  uint64_t i = done ? *done : 0, total = 0;
-  volatile uint8_t sink = 0;
-  mo_status st = MO_OK;
-  mo_consumer_release(c); /* never block while holding records */
-  while (i < n) {
-    uint32_t want = n - i < batch ? (uint32_t)(n - i) : batch, got = 0;
-    st = mo_consumer_read_many(c, views, want, -1, &got);
-    if (st != MO_OK) break;
-    for (uint32_t k = 0; k < got; k++) {
-      if (k > 0 && views[k].object_id != views[k - 1].object_id + 1) st = MO_INVALID_STATE; /* numbered */
-      if (copy_to) memcpy(copy_to, views[k].payload, views[k].extent);
-      else if (views[k].extent) sink = views[k].payload[0];
-      total += views[k].extent;
-    }
-    mo_consumer_release(c); /* one store per batch */
-    i += got;
-    if (st != MO_OK) break;
-  }
-  (void)sink;
-  if (done) *done = i;
-  if (bytes) *bytes += total;
-  return st;
-}

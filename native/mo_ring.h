@@ -293,12 +293,6 @@ mo_status mo_segment_name_check(const char *name, uint64_t len, const char **rea
 /* Bytes a record with this payload extent occupies in a ring: round_up(40 + extent, 8); 0 when
  * that does not fit in 64 bits (no ring holds such a record: see MO_MAX_EXTENT). */
 uint64_t mo_record_size(uint64_t extent);
-/* Write an MO01 header (40 bytes) at hdr. */
-void mo_record_encode(void *hdr, uint64_t object_id, uint64_t sequence, uint64_t extent, uint32_t flags);
-/* Validate the record at rec, of which avail bytes are readable, against docs/wire-format.md; fills
- * *out.  Never reads past rec + avail.  This is the consumer's check, exposed for fuzzing. */
-mo_status mo_record_check(const void *rec, uint64_t avail, uint64_t max_extent, uint32_t alignment,
-                          uint64_t expected_sequence, mo_view *out);
 
 /* --- arena -------------------------------------------------------------------------------- */
 /* Bytes an arena with these rings needs; 0 if a config is invalid (capacity 0 or above
@@ -314,8 +308,11 @@ mo_status mo_arena_init(void *base, uint64_t size, const mo_ring_config *rings, 
  * why. */
 mo_status mo_arena_check(const void *base, uint64_t size, const char **reason);
 uint32_t mo_arena_ring_count(const void *base);
-int32_t mo_arena_creator_pid(const void *base);
-uint64_t mo_arena_creator_start(const void *base);
+/* The creator recorded in the superblock whose first len bytes are at head (the start of a
+ * mapped arena, or just MO_SUPERBLOCK_FIXED bytes read from a segment file: a cleaner judges
+ * segments it does not map; any alignment).  MO_OK and *pid, *start (either may be NULL), or MO_ARENA_INVALID
+ * when len < MO_SUPERBLOCK_FIXED or the arena magic is not there (yet). */
+mo_status mo_arena_creator(const void *head, uint64_t len, int32_t *pid, uint64_t *start);
 /* Fill *out with a view of ring index of a checked arena. */
 mo_status mo_arena_ring(void *base, uint64_t size, uint32_t index, mo_ring *out);
 
@@ -337,8 +334,6 @@ void mo_producer_set_wait(mo_producer *p, uint64_t spin_ns, uint64_t poll_ns);
  * MO_OUTPUT_EXTENT_ALIGNMENT_VIOLATION, MO_OUTPUT_RING_CAPACITY_EXCEEDED (extent > capacity -
  * MO_HEADER_LEN).  Waits for space per timeout_ns. */
 mo_status mo_producer_reserve(mo_producer *p, uint64_t extent, int64_t timeout_ns, void **payload);
-/* Payload offset of the open reservation within the data region (for bindings). */
-uint64_t mo_producer_reserved_offset(const mo_producer *p);
 /* Close the reservation with its header and publish it (one store-release); returns its
  * sequence or -(status). */
 int64_t mo_producer_commit(mo_producer *p, uint64_t object_id, uint32_t flags);
@@ -354,9 +349,6 @@ void mo_producer_abort(mo_producer *p);
 /* reserve + copy + commit in one call; returns the sequence or -(status). */
 int64_t mo_producer_write(mo_producer *p, uint64_t object_id, uint32_t flags, const char *data,
                           uint64_t len, int64_t timeout_ns);
-/* mo_producer_write(p, object_id, 0, data, len, -1): flags 0, no time limit.  A binding fast path:
- * FFI calls get cheaper with every argument dropped. */
-int64_t mo_producer_put(mo_producer *p, uint64_t object_id, const char *data, uint64_t len);
 /* Write n records, published with one store-release (more only if the ring fills meanwhile).
  * Payload i is the next len_i bytes of data, len_i = lengths ? lengths[i] : fixed_len; object
  * ids and flags come from the arrays (NULL means all 0).  *written (may be NULL) counts the
@@ -365,9 +357,6 @@ int64_t mo_producer_put(mo_producer *p, uint64_t object_id, const char *data, ui
 mo_status mo_producer_write_many(mo_producer *p, const uint64_t *object_ids, const uint32_t *flags,
                                  const char *data, const uint64_t *lengths, uint64_t fixed_len,
                                  uint32_t n, int64_t timeout_ns, uint32_t *written);
-/* TEST AND FUZZING ONLY: copy len raw bytes (zero-padded to a multiple of 8) at the write
- * position, wrapping if needed, and publish them with no framing.  MO_WOULD_BLOCK if full. */
-mo_status mo_producer_publish_raw(mo_producer *p, const char *bytes, uint64_t len);
 /* Publish, mark the producer side closed and wake the consumer.  Idempotent. */
 void mo_producer_close(mo_producer *p);
 /* Publish and give up the claim without closing (another process may attach). */
@@ -382,12 +371,6 @@ void mo_consumer_set_wait(mo_consumer *c, uint64_t spin_ns, uint64_t poll_ns);
 mo_status mo_consumer_peek(mo_consumer *c, mo_view *out);
 /* As mo_consumer_peek, waiting per timeout_ns. */
 mo_status mo_consumer_read(mo_consumer *c, mo_view *out, int64_t timeout_ns);
-/* Binding fast paths: read into c->views[c->slot] and advance slot (MO_INVALID_STATE when
- * slot == nviews: give more views).  take waits without limit; take_next releases first (slot 0). */
-mo_status mo_consumer_take(mo_consumer *c);
-mo_status mo_consumer_take_timed(mo_consumer *c, int64_t timeout_ns);
-mo_status mo_consumer_take_next(mo_consumer *c);
-mo_status mo_consumer_take_next_timed(mo_consumer *c, int64_t timeout_ns);
 /* Wait per timeout_ns for one record, then take up to max records already published without
  * waiting further.  *n counts records filled in out[]; a bad record after good ones ends the
  * batch with MO_OK and is reported by the next call. */
@@ -400,25 +383,9 @@ uint64_t mo_consumer_release(mo_consumer *c);
  * copied or -(status). */
 int64_t mo_consumer_gather(const mo_consumer *c, const mo_view *views, uint32_t n, char *dst,
                            uint64_t dst_len);
-/* TEST AND FUZZING ONLY (and last-resort recovery): release outstanding records, then skip
- * every published byte without looking at it; the expected sequence is unchanged.  Returns the
- * bytes skipped. */
-uint64_t mo_consumer_discard(mo_consumer *c);
 /* Release outstanding records, mark the consumer side closed and wake the producer. */
 void mo_consumer_close(mo_consumer *c);
 void mo_consumer_detach(mo_consumer *c);
-
-/* --- C-only benchmark loops (the ceiling for the bindings) -------------------------------- */
-/* Records *done..n-1 (start with *done = 0): every payload byte written (the record number
- * first, when size >= 8), object_id = the record number, batch records per publish, waiting
- * without limit.  Returns MO_OK, or the status that stopped it with *done updated; on
- * MO_INTERRUPTED run the signal handlers and call again. */
-mo_status mo_bench_produce(mo_producer *p, uint64_t n, uint64_t size, uint32_t batch, uint64_t *done);
-/* Read records *done..n-1 in batches of up to batch (max 256) per read_many and per release;
- * copy each payload into copy_to (NULL: touch one byte in place); add payload bytes to *bytes.
- * MO_INVALID_STATE if object ids within a batch are not consecutive. */
-mo_status mo_bench_consume(mo_consumer *c, uint64_t n, uint32_t batch, char *copy_to, uint64_t *done,
-                           uint64_t *bytes);
 
 /* MO_CDEF_END */
 
@@ -440,6 +407,59 @@ typedef struct mo_record_header {
   uint32_t flags;
   uint32_t reserved;
 } mo_record_header;
+
+/* The record codec: the one place in C that encodes an MO01 header (docs/wire-format.md) and
+ * the one place that judges it.  The producer, the consumer and the tool entry points of
+ * mo_ring_extra.h all go through these. */
+
+/* The header of a record: the wire format's fixed fields, then the caller's. */
+static inline mo_record_header mo_record_header_make(uint64_t object_id, uint64_t sequence, uint64_t extent,
+                                                     uint32_t flags) {
+  mo_record_header h = {MO_RECORD_MAGIC, MO_RECORD_VERSION, MO_HEADER_LEN, object_id, sequence, extent, flags, 0};
+  return h;
+}
+
+/* The largest extent whose record size round_up(40 + extent, 8) fits in 64 bits. */
+#define MO_RECORD_EXTENT_LIMIT (UINT64_MAX - 7 - MO_HEADER_LEN)
+
+/* 1 if a record with this extent fits in room bytes.  Compares the extent against what is left
+ * after the header instead of adding to it, so a hostile extent near 2^64 cannot wrap around. */
+static inline int mo_record_fits(uint64_t extent, uint64_t room) {
+  return room >= MO_HEADER_LEN && extent <= room - MO_HEADER_LEN && extent <= MO_RECORD_EXTENT_LIMIT &&
+         ((MO_HEADER_LEN + extent + 7) & ~(uint64_t)7) <= room;
+}
+
+static inline int mo_extent_misaligned(uint64_t extent, uint32_t alignment) {
+  if ((alignment & (alignment - 1)) == 0) return (extent & (alignment - 1)) != 0;
+  return extent % alignment != 0;
+}
+
+/* The consumer's validation of one header, of which the record has room bytes readable (on a
+ * private copy, so a misbehaving producer cannot change it between the check and the use). */
+static inline mo_status mo_record_header_check(const mo_record_header *h, uint64_t room, uint64_t max_extent,
+                                               uint32_t alignment, uint64_t expected_sequence) {
+  if (__builtin_expect(h->magic != MO_RECORD_MAGIC, 0)) return MO_INVALID_OBJECT_MAGIC;
+  if (__builtin_expect(h->version != MO_RECORD_VERSION || h->header_len != MO_HEADER_LEN || h->reserved != 0, 0))
+    return MO_INVALID_OBJECT_HEADER;
+  if (__builtin_expect(h->extent > max_extent, 0)) return MO_OBJECT_EXTENT_INVALID;
+  if (__builtin_expect(mo_extent_misaligned(h->extent, alignment), 0)) return MO_OBJECT_EXTENT_ALIGNMENT_VIOLATION;
+  if (__builtin_expect(!mo_record_fits(h->extent, room), 0)) return MO_OBJECT_EXTENT_INVALID;
+  if (__builtin_expect(h->sequence != expected_sequence, 0)) return MO_SEQUENCE_VIOLATION;
+  return MO_OK;
+}
+
+/* A view's header fields as read (also on a validation error: they go into the message). */
+static inline void mo_view_fill(mo_view *out, const mo_record_header *h, uint64_t expected_sequence) {
+  out->magic = h->magic;
+  out->version = h->version;
+  out->header_len = h->header_len;
+  out->object_id = h->object_id;
+  out->sequence = h->sequence;
+  out->extent = h->extent;
+  out->flags = h->flags;
+  out->reserved = h->reserved;
+  out->expected_sequence = expected_sequence;
+}
 
 /* The arena's first bytes. */
 typedef struct mo_superblock {
@@ -486,6 +506,9 @@ struct mo_ring_ctrl {
 };
 
 #define MO_OWNER_PID_BITS 22 /* PID_MAX_LIMIT is 2^22 */
+
+/* mo_producer.state and mo_consumer.state. */
+enum { MO_STATE_DETACHED = 0, MO_STATE_ATTACHED = 1, MO_STATE_CLOSED = 2 };
 #endif /* !__cplusplus */
 
 #ifdef __cplusplus

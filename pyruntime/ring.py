@@ -208,7 +208,9 @@ class Arena:
         raise _error(st, f"{name} ring {i}")
       self._rings.append(r)
     self.specs = [RingSpec(r.capacity, r.max_extent, r.alignment) for r in self._rings]
-    self.creator_pid = lib.mo_arena_creator_pid(self._ptr)
+    pid = ffi.new("int32_t *")
+    lib.mo_arena_creator(self._ptr, size, pid, ffi.NULL)  # MO_OK: mo_arena_check passed above
+    self.creator_pid = pid[0]
 
   @classmethod
   def create(cls, specs: Sequence[RingSpec], *, prefix: str = DEFAULT_PREFIX) -> "Arena":

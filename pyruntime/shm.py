@@ -11,7 +11,6 @@ import atexit
 import os
 import signal
 import stat
-import struct
 import threading
 
 from .errors import ArenaInvalid, ShmSpaceError
@@ -19,9 +18,6 @@ from .errors import ArenaInvalid, ShmSpaceError
 SHM_DIR = "/dev/shm"
 DEFAULT_PREFIX = "pyruntime"
 
-# The superblock's fixed part (native/mo_ring.h, struct mo_superblock).
-SUPERBLOCK = struct.Struct("<8sIIQiIQ")
-ARENA_MAGIC = b"MOARENA\0"
 
 
 # Flags for every open of an existing entry: no link is followed (ELOOP instead), a FIFO or device
@@ -194,17 +190,18 @@ def read_owner(path: str, dir_fd: int | None = None) -> tuple[int, int] | None:
     fd = os.open(path, os.O_RDONLY | _SAFE_OPEN, dir_fd=dir_fd)
   except OSError:
     return None
+  from ._ring import ffi, lib
   try:
     _check_ours(os.fstat(fd), path)
-    head = os.pread(fd, SUPERBLOCK.size, 0)
+    head = os.pread(fd, lib.MO_SUPERBLOCK_FIXED, 0)
   except (OSError, ArenaInvalid):
     return None
   finally:
     os.close(fd)
-  if len(head) < SUPERBLOCK.size: return None
-  magic, _version, _count, _size, pid, _sbsize, start = SUPERBLOCK.unpack(head)
-  if magic != ARENA_MAGIC: return None
-  return pid, start
+  # The superblock's layout is C's (mo_arena_creator reads it, magic first), not restated here.
+  pid, start = ffi.new("int32_t *"), ffi.new("uint64_t *")
+  if lib.mo_arena_creator(ffi.from_buffer(head), len(head), pid, start) != 0: return None
+  return pid[0], start[0]
 
 
 def _stale(entry: str, prefix: str, dfd: int) -> bool:

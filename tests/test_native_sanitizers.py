@@ -67,7 +67,8 @@ def build_with(flags: list[str], sources: list[Path], out: Path, probe_dir: Path
 
 def test_ring_c_asan_ubsan(tmp_path):
   exe = tmp_path / "test_ring"
-  prefix, cc = build_with(ASAN, [NATIVE / "tests" / "test_ring.c", NATIVE / "mo_ring.c"], exe, tmp_path)
+  prefix, cc = build_with(ASAN, [NATIVE / "tests" / "test_ring.c", NATIVE / "mo_ring.c",
+                                  NATIVE / "mo_ring_extra.c"], exe, tmp_path)
   r = _run([*prefix, str(exe)], timeout=120)
   assert r.returncode == 0, f"[{cc}] test_ring failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
   assert "all checks passed" in r.stdout

@@ -21,12 +21,14 @@ HOSTILE = f"pyrt_hostile{os.getpid()}"
 PREFIX = "pyruntime-test"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEAD_PID = 2**22 - 1  # above PID_MAX_LIMIT: never a live process
+SUPERBLOCK = struct.Struct("<8sIIQiIQ")  # fixed part of struct mo_superblock (native/mo_ring.h)
 U64 = 2**64 - 1
 
 
 def superblock(pid: int, start: int = 0) -> bytes:
-  """The fixed part of an arena superblock naming `pid` as the creator (shm.SUPERBLOCK)."""
-  return shm.SUPERBLOCK.pack(shm.ARENA_MAGIC, 1, 1, 8192, pid, 4096, start)
+  """The fixed part of an arena superblock naming `pid` as the creator (struct mo_superblock of
+  native/mo_ring.h, restated here on purpose: the test checks C's reading against the layout)."""
+  return SUPERBLOCK.pack(b"MOARENA\0", 1, 1, 8192, pid, 4096, start)
 
 
 @pytest.fixture

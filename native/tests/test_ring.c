@@ -3,11 +3,11 @@
  * tests/test_native_sanitizers.py:
  *
  *   cc -std=gnu11 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all \
- *      -Inative native/tests/test_ring.c native/mo_ring.c -o test_ring && ./test_ring
+ *      -Inative native/tests/test_ring.c native/mo_ring.c native/mo_ring_extra.c -o test_ring && ./test_ring
  *
  * The arena lives in heap memory here (no shared memory needed): the library only sees bytes.
  */
-#include "mo_ring.h"
+#include "mo_ring_extra.h" /* the core and the test entry points */
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -367,7 +367,12 @@ static void test_arena(void) {
   CHECK_ST(mo_arena_init(base, size, cfg, 2), MO_OK);
   const char *why = NULL;
   CHECK_ST(mo_arena_check(base, size, &why), MO_OK);
-  CHECK(mo_arena_ring_count(base) == 2 && mo_arena_creator_pid(base) == getpid());
+  int32_t creator = 0;
+  uint64_t creator_start = 0;
+  CHECK(mo_arena_ring_count(base) == 2);
+  CHECK(mo_arena_creator(base, MO_SUPERBLOCK_FIXED, &creator, &creator_start) == MO_OK && creator == getpid());
+  CHECK(creator_start == mo_self_start_time());
+  CHECK(mo_arena_creator(base, MO_SUPERBLOCK_FIXED - 1, NULL, NULL) == MO_ARENA_INVALID);
   mo_ring r;
   CHECK_ST(mo_arena_ring(base, size, 1, &r), MO_OK);
   CHECK(r.capacity == 8192 && r.max_extent == 4096 && r.alignment == 8 && r.index == 1);

@@ -81,12 +81,14 @@ _INVALID_STATE = lib.MO_INVALID_STATE
 
 
 def record_size(extent: int) -> int:
-  """Bytes a record with `extent` payload bytes occupies in a ring (header + payload, 8-aligned)."""
-  return (HEADER_LEN + extent + 7) & ~7
+  """Bytes a record with `extent` payload bytes occupies in a ring (header + payload, 8-aligned).
+  C's mo_record_size, so the framing arithmetic has one home."""
+  return lib.mo_record_size(extent)
 
 
 def encode_header(object_id: int, sequence: int, extent: int, flags: int = 0) -> bytes:
-  """The 40-byte MO01 header, exactly as the producer writes it (for tests and tools)."""
+  """The 40-byte MO01 header, exactly as the producer writes it (for tests and tools): C's
+  mo_record_encode, i.e. the producer's own mo_record_header_make."""
   buf = ffi.new("char[]", HEADER_LEN)
   lib.mo_record_encode(buf, object_id, sequence, extent, flags)
   return ffi.buffer(buf)[:]

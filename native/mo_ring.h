@@ -7,6 +7,11 @@
  * sides, and the C API.  The library never allocates: the caller maps the memory and owns every
  * handle struct.  C11, Linux (futex), little-endian hosts.
  *
+ * This is the core (mo_ring.c).  What the library carries for its bindings, tests and benchmarks
+ * -- FFI shortcuts (put, take*), raw publish and discard for fuzzing, the record codec as
+ * stand-alone calls, C benchmark loops -- is declared in mo_ring_extra.h (mo_ring_extra.c),
+ * written on this API.
+ *
  * ---------------------------------------------------------------------------------------------
  * 1. Arena layout (all offsets from the start of the mapping; all integers little-endian)
  *
@@ -15,6 +20,9 @@
  *      S  ring 0: mo_ring_ctrl     MO_CTRL_SIZE bytes (cursor lines, wait lines, config)
  *         ring 0: data             capacity bytes (a power of two)
  *         ring 1: ...
+ *
+ *    The superblock's fields are struct mo_superblock (below the API); bindings read the
+ *    creator through mo_arena_creator() rather than restating offsets.
  *
  *    S and every ring offset are multiples of MO_PAGE.  The creator writes everything, then stores
  *    the superblock magic last (release), so an attacher that sees the magic sees an initialised
@@ -40,6 +48,11 @@
  *    implicitly runs to the end of the data region, and starts the record at offset 0.  Padding
  *    is not an MO01 record and takes no sequence number; consumers skip it.  Every payload is one
  *    contiguous span.
+ *
+ *    In C the header is struct mo_record_header (below the API); it is encoded by
+ *    mo_record_header_make() and judged by mo_record_header_check() -- the one encoder and the
+ *    one validator, used by producer, consumer and tools alike.  Python's ring.encode_header and
+ *    ring.record_size call them too (mo_record_encode, mo_record_size).
  *
  * 3. Cursors and memory ordering
  *
@@ -256,7 +269,7 @@ typedef struct mo_consumer {
   uint64_t wakes;
   uint64_t records;
   uint32_t state;         /* 0 detached, 1 attached, 2 closed */
-  uint32_t slot;          /* next slot of views[] filled by mo_consumer_take*(); reset by release */
+  uint32_t slot;          /* next slot of views[] for mo_consumer_take*() (mo_ring_extra.h); release resets it */
   mo_view *views;         /* caller-owned slots for mo_consumer_take*() (bindings) */
   uint32_t nviews;
   uint32_t wait_flags;    /* MO_WAIT_RETURN_ON_POLL or 0 */
@@ -415,7 +428,9 @@ typedef struct mo_record_header {
 /* The header of a record: the wire format's fixed fields, then the caller's. */
 static inline mo_record_header mo_record_header_make(uint64_t object_id, uint64_t sequence, uint64_t extent,
                                                      uint32_t flags) {
-  mo_record_header h = {MO_RECORD_MAGIC, MO_RECORD_VERSION, MO_HEADER_LEN, object_id, sequence, extent, flags, 0};
+  mo_record_header h = {.magic = MO_RECORD_MAGIC, .version = MO_RECORD_VERSION, .header_len = MO_HEADER_LEN,
+                        .object_id = object_id, .sequence = sequence, .extent = extent, .flags = flags,
+                        .reserved = 0};
   return h;
 }
 
@@ -439,10 +454,12 @@ static inline int mo_extent_misaligned(uint64_t extent, uint32_t alignment) {
 static inline mo_status mo_record_header_check(const mo_record_header *h, uint64_t room, uint64_t max_extent,
                                                uint32_t alignment, uint64_t expected_sequence) {
   if (__builtin_expect(h->magic != MO_RECORD_MAGIC, 0)) return MO_INVALID_OBJECT_MAGIC;
-  if (__builtin_expect(h->version != MO_RECORD_VERSION || h->header_len != MO_HEADER_LEN || h->reserved != 0, 0))
+  if (__builtin_expect(h->version != MO_RECORD_VERSION || h->header_len != MO_HEADER_LEN, 0))
     return MO_INVALID_OBJECT_HEADER;
+  if (__builtin_expect(h->reserved != 0, 0)) return MO_INVALID_OBJECT_HEADER;
   if (__builtin_expect(h->extent > max_extent, 0)) return MO_OBJECT_EXTENT_INVALID;
-  if (__builtin_expect(mo_extent_misaligned(h->extent, alignment), 0)) return MO_OBJECT_EXTENT_ALIGNMENT_VIOLATION;
+  if (__builtin_expect(mo_extent_misaligned(h->extent, alignment), 0))
+    return MO_OBJECT_EXTENT_ALIGNMENT_VIOLATION;
   if (__builtin_expect(!mo_record_fits(h->extent, room), 0)) return MO_OBJECT_EXTENT_INVALID;
   if (__builtin_expect(h->sequence != expected_sequence, 0)) return MO_SEQUENCE_VIOLATION;
   return MO_OK;

@@ -666,12 +666,12 @@ if _fast is not None:
   Record.register(_FastRecord)
 
 
-_VIEW_FIELDS = ["object_id", "sequence", "extent", "flags", "reserved", "position", "data_offset",
-                "expected_sequence", "magic", "version", "header_len", "payload"]
-_VIEW_FORMATS = {"flags": "<u4", "reserved": "<u4", "magic": "<u4", "version": "<u2", "header_len": "<u2"}
-VIEW_DTYPE = np.dtype({"names": _VIEW_FIELDS,
-                       "formats": [_VIEW_FORMATS.get(f, "<u8") for f in _VIEW_FIELDS],
-                       "offsets": [ffi.offsetof("mo_view", f) for f in _VIEW_FIELDS],
+# struct mo_view as a numpy dtype, every name, width and offset taken from the C declaration
+# (the payload pointer becomes a u8 address).
+_VIEW_FIELDS = ffi.typeof("mo_view").fields
+VIEW_DTYPE = np.dtype({"names": [name for name, _ in _VIEW_FIELDS],
+                       "formats": [f"<u{ffi.sizeof(f.type)}" for _, f in _VIEW_FIELDS],
+                       "offsets": [f.offset for _, f in _VIEW_FIELDS],
                        "itemsize": ffi.sizeof("mo_view")})
 
 

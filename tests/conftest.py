@@ -95,11 +95,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("ring_binding", RING_BINDINGS, indirect=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_launcher(smollm2_path):
-  """One 2-stage SmolLM2 pipeline for every test file that only generates through it (loading and capturing the
-  kernels costs a minute here). Built from the default model source (None), as `pyruntime generate` does; started
-  in the main thread, so the stages' parent-death signal follows the test process. Tests must not kill its stages."""
+  """A 2-stage SmolLM2 pipeline for a test file that only generates through it (loading and capturing the kernels
+  costs a minute here). Per file, not per session: other files check that their process has no stages and no
+  segments of its own left, and xdist runs whole files per worker. Built from the default model source (None), as
+  `pyruntime generate` does; started in the main thread, so the stages' parent-death signal follows the test
+  process. Tests must not kill its stages."""
   from pyruntime.launcher import Launcher
   lm = Launcher(None, stages=2, max_context=SMOLLM2_CONTEXT).start()
   yield lm

@@ -300,7 +300,7 @@ SMOL_PROMPTS = [
    3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
   [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30],  # raw text, no template
 ]
-SMOL_NEW = 32
+SMOL_NEW = 16
 SMOL_CTX = 256
 
 
@@ -339,15 +339,6 @@ def test_smollm2_three_stages_equal_reference(smollm2_path, smol_ref):
   stages = load_split(smollm2_path, suggest_split(read_header(smollm2_path), 3, by="compute"), max_context=SMOL_CTX)
   sampler = Sampler(SamplingParams(), stages[-1].vocab_size, stages[-1].device)  # the tail's own greedy sampler
   for prompt, want in zip(SMOL_PROMPTS, smol_ref, strict=True): assert chain(stages, prompt, SMOL_NEW, sampler=sampler) == want
-
-
-@pytest.mark.slow
-def test_smollm2_fp16_boundary_reported(smollm2_path, smol_ref):
-  stages = load_split(smollm2_path, [(0, 22), (22, 30)], max_context=SMOL_CTX, boundary_dtype="float16")
-  got, want = chain(stages, SMOL_PROMPTS[0], SMOL_NEW), smol_ref[0]
-  agree = sum(a == b for a, b in zip(got, want, strict=True))
-  print(f"\nfp16 boundary, SmolLM2: {agree}/{SMOL_NEW} tokens agree with exact mode; first difference at "
-        f"{next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)}")
 
 
 # --- batched decode: batch invariance ------------------------------------------------------------

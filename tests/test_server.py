@@ -150,20 +150,20 @@ def test_client_disconnect_mid_stream_frees_the_slot(live):
 PROMPTS = ["The capital of France is", "My favourite fruit is", "Once upon a time there was", "In the year 3000,", "The ocean is"]
 
 
-def test_load_three_clients_ten_requests_each(live):
+def test_load_three_clients_four_requests_each(live):
   lm, srv = live
   ref_client = client_for(srv)
-  opts = dict(model="default", max_tokens=5, temperature=0.7)   # short: 35 generations, one at a time, at a few tokens/s
+  opts = dict(model="default", max_tokens=5, temperature=0.7)   # short: 17 generations at a few tokens/s
   refs = [complete(ref_client, False, prompt=p, seed=100 + i, **opts)[0] for i, p in enumerate(PROMPTS)]   # single-client results
-  assert len(set(refs)) == len(PROMPTS), refs   # distinct, so that a mixed-up answer would show that a mixed-up answer would show
+  assert len(set(refs)) == len(PROMPTS), refs   # distinct, so that a mixed-up answer would show
   results: list[tuple[int, int, str]] = []
   failures: list[BaseException] = []
   lock = threading.Lock()
 
   def run(k: int) -> None:
     c = client_for(srv)
-    for j in range(10):
-      i = (j + 2 * k) % len(PROMPTS)   # each client asks every prompt twice, the clients out of step
+    for j in range(4):
+      i = (j + 2 * k) % len(PROMPTS)   # the clients out of step, every prompt asked by two of them
       try: text = complete(c, (j + k) % 2 == 1, prompt=PROMPTS[i], seed=100 + i, **opts)[0]
       except BaseException as e:  # noqa: BLE001
         with lock: failures.append(e)
@@ -174,6 +174,6 @@ def test_load_three_clients_ten_requests_each(live):
   for t in threads: t.start()
   for t in threads: t.join(300)
   assert not failures, failures
-  assert len(results) == 30
+  assert len(results) == 12
   for k, i, text in results: assert text == refs[i], (k, i, text, refs[i])
   assert metric(srv, "pyruntime_queue_depth") == 0

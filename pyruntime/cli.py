@@ -250,14 +250,16 @@ def cmd_inspect(a: argparse.Namespace) -> int:
   from pyruntime.model import suggest_split
   from pyruntime.source import resolve_model
   h = read_header(resolve_model(a.model))
-  blocks = int(h.get("block_count"))
+  blocks = h.num_blocks
   per_block = [sum(t.nbytes for n, t in h.tensors.items() if n.startswith(f"blk.{i}.")) for i in range(blocks)]
   other = {n: t.nbytes for n, t in h.tensors.items() if not n.startswith("blk.")}
+  unused = sum(t.nbytes for n, t in h.tensors.items() if n.startswith("blk.") and int(n.split(".")[1]) >= blocks)
   info = {"path": str(h.path), "architecture": h.arch, "name": h.kv.get("general.name"), "blocks": blocks,
           "dim": h.get("embedding_length"), "heads": h.get("attention.head_count"), "kv_heads": h.get("attention.head_count_kv"),
           "context_length": h.get("context_length"), "vocab_size": len(h.kv.get("tokenizer.ggml.tokens", [])),
           "tied_embeddings": "output.weight" not in h.tensors, "weight_bytes": sum(t.nbytes for t in h.tensors.values()),
           "bytes_per_block": per_block, "non_block_bytes": other,
+          "unused_bytes": unused,  # multi-token-prediction (nextn) layers: in the file, run by nobody
           "suggested_split": {f"{n}_stages": {"by_memory": suggest_split(h, n, by="memory"), "by_compute": suggest_split(h, n, by="compute")}
                               for n in range(1, a.max_stages + 1) if n <= blocks}}
   if a.json: print(json.dumps(info, indent=1))

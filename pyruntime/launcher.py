@@ -253,7 +253,7 @@ class Launcher:
                                 on_progress=lambda done, total: self._event({"event": Event.DOWNLOAD_PROGRESS, "bytes": done, "total": total}))
       self.header = read_header(self.path)
       self.model_name = self.header.kv.get("general.name") or self.path.stem
-      self.num_blocks = int(self.header.get("block_count"))
+      self.num_blocks = self.header.num_blocks
       self.split = [tuple(r) for r in (self.split_wanted or suggest_split(self.header, self.stages_wanted, by="memory"))]
       check_split(self.split, self.num_blocks)
       self.devices = parse_devices(self.devices_wanted, len(self.split))

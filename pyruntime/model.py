@@ -58,9 +58,7 @@ def check_architecture(header: GGUFHeader) -> None:
     raise errors.UnsupportedArchitecture(f"{arch!r} with recurrent (SSM) layers is not supported")
 
 
-def num_blocks(header: GGUFHeader) -> int:
-  arch = header.arch
-  return header.kv[f"{arch}.block_count"] - header.kv.get(f"{arch}.nextn_predict_layers", 0)
+def num_blocks(header: GGUFHeader) -> int: return header.num_blocks
 
 
 def model_config(header: GGUFHeader, max_context: int | None = None) -> TransformerConfig:

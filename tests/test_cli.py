@@ -14,7 +14,7 @@ def test_inspect_json_describes_the_model_and_suggests_splits(smollm2_path):
   assert out.returncode == 0, out.stderr
   info = json.loads(out.stdout)
   assert info["architecture"] == "llama" and info["blocks"] == 30 and info["tied_embeddings"] is True
-  assert sum(info["bytes_per_block"]) + sum(info["non_block_bytes"].values()) == info["weight_bytes"]
+  assert sum(info["bytes_per_block"]) + sum(info["non_block_bytes"].values()) + info["unused_bytes"] == info["weight_bytes"]
   for n in (1, 2, 3):
     for split in info["suggested_split"][f"{n}_stages"].values():
       assert len(split) == n and split[0][0] == 0 and split[-1][1] == 30
@@ -123,3 +123,15 @@ def test_generate_without_a_terminal_shows_progress_then_a_clean_error(tmp_path)
   assert any(line.startswith("pyruntime: loaded 2 stages in ") for line in lines)
   assert lines[-1].startswith("pyruntime: ContextLengthExceeded: "), out.stderr
   assert "" not in lines and out.stdout == ""
+
+
+def test_inspect_counts_blocks_without_nextn_layers(tmp_path):
+  """A file with nextn_predict_layers: inspect shows the blocks tinygrad runs, the nextn layers' bytes apart."""
+  from tinymodels import TINY_MODELS, write_tiny_gguf
+  path = write_tiny_gguf(tmp_path / "nextn.gguf", **{**TINY_MODELS["qwen3"], "n_blocks": 4}, nextn=1)
+  out = subprocess.run([*CLI, "inspect", str(path), "--json", "--max-stages", "4"], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  info = json.loads(out.stdout)
+  assert info["blocks"] == 4 and len(info["bytes_per_block"]) == 4 and info["unused_bytes"] > 0
+  assert sum(info["bytes_per_block"]) + sum(info["non_block_bytes"].values()) + info["unused_bytes"] == info["weight_bytes"]
+  assert all(s[-1][1] == 4 for split in info["suggested_split"].values() for s in split.values())

@@ -416,3 +416,16 @@ def tiny_refs_blocks(path) -> int:
   from pyruntime.gguf import read_header
   from pyruntime.model import num_blocks
   return num_blocks(read_header(path))
+
+
+def test_nextn_layers_are_not_blocks(tmp_path):
+  """block_count counts the multi-token-prediction layers; tinygrad runs block_count - nextn_predict_layers blocks, and so
+  does every count here: the stages, the suggested splits, and a split over all 4 blocks equals the reference."""
+  path = write_tiny_gguf(tmp_path / "nextn.gguf", **{**TINY_MODELS["qwen3"], "n_blocks": 4}, nextn=1)
+  h = read_header(path)
+  assert h.get("block_count") == 5 and h.num_blocks == 4
+  ref, _ = Transformer.from_gguf(path, max_context=CTX)
+  assert len(ref.blk) == 4
+  for by in ("memory", "compute"): assert suggest_split(h, 2, by)[-1][1] == 4
+  with pytest.raises(errors.LayerRangeInvalid): StageModel.load(path, 3, 5, max_context=CTX)
+  assert chain(load_split(path, [(0, 1), (1, 4)]), PROMPT2, 4) == reference_tokens(ref, PROMPT2, 4)

@@ -92,8 +92,9 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
                     n_kv_heads: int = 2, hidden: int = 128, context: int = 256, tied: bool = True, qkv_bias: bool = False,
                     qk_norm: bool = False, head_dim: int | None = None, rope_theta: float = 10000.0, seed: int = 0,
                     types: dict | None = None, expert_count: int = 0, pre: str | None = None,
-                    chat_template: str | None = CHATML, vocab_size: int = VOCAB_SIZE) -> pathlib.Path:
-  """Write a random model of `arch` to `path` and return the path."""
+                    chat_template: str | None = CHATML, vocab_size: int = VOCAB_SIZE, nextn: int = 0) -> pathlib.Path:
+  """Write a random model of `arch` to `path` and return the path. `nextn` multi-token-prediction layers follow the
+  n_blocks blocks (counted in block_count, run by nobody)."""
   path = pathlib.Path(path)
   types = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0, **(types or {})}
   rng = np.random.default_rng(seed)
@@ -101,7 +102,8 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
   tokens, merges, token_types = tiny_vocab(vocab_size)
 
   w = gguf.GGUFWriter(str(path), arch)
-  w.add_uint32(f"{arch}.block_count", n_blocks)
+  w.add_uint32(f"{arch}.block_count", n_blocks + nextn)
+  if nextn: w.add_uint32(f"{arch}.nextn_predict_layers", nextn)
   w.add_uint32(f"{arch}.context_length", context)
   w.add_uint32(f"{arch}.embedding_length", dim)
   w.add_uint32(f"{arch}.feed_forward_length", hidden)
@@ -139,8 +141,9 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
 
   # tied: a small embedding so the blocks, not the input token, dominate the residual (else greedy repeats the input)
   add("token_embd.weight", rng.standard_normal((len(tokens), dim)).astype(np.float32) * (0.1 if tied else 1.0), types["token_embd"])
-  for i in range(n_blocks):
+  for i in range(n_blocks + nextn):
     p = f"blk.{i}."
+    if i >= n_blocks: add(p + "nextn.eh_proj.weight", lin(dim, 2 * dim), Q.F16)
     add(p + "attn_norm.weight", norm(dim), Q.F32)
     add(p + "attn_q.weight", lin(n_heads * hd, dim), types["attn"])
     add(p + "attn_k.weight", lin(n_kv_heads * hd, dim), types["attn"])

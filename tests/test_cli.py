@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -135,3 +136,22 @@ def test_inspect_counts_blocks_without_nextn_layers(tmp_path):
   assert info["blocks"] == 4 and len(info["bytes_per_block"]) == 4 and info["unused_bytes"] > 0
   assert sum(info["bytes_per_block"]) + sum(info["non_block_bytes"].values()) + info["unused_bytes"] == info["weight_bytes"]
   assert all(s[-1][1] == 4 for split in info["suggested_split"].values() for s in split.values())
+
+
+def test_inspect_moe_counts_experts_in_bytes_and_used_experts_in_compute(tmp_path):
+  """glm4moe: a block's bytes hold all 8 experts; its compute per token only the 3 a token is routed to."""
+  from tinymodels import TINY_FAMILIES, write_tiny_gguf
+
+  from pyruntime.gguf import read_header
+  path = write_tiny_gguf(tmp_path / "moe.gguf", **TINY_FAMILIES["glm4moe"])
+  out = subprocess.run([*CLI, "inspect", str(path), "--json", "--max-stages", "3"], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  info = json.loads(out.stdout)
+  h = read_header(path)
+  exps = [n for n in h.tensors if n.startswith("blk.1.") and "_exps." in n]
+  rest = [n for n in h.tensors if n.startswith("blk.1.") and n not in exps]
+  params = {n: math.prod(t.dims) for n, t in h.tensors.items()}
+  assert info["experts"] == 8 and info["experts_per_token"] == 3 and info["leading_dense_blocks"] == 1
+  assert info["bytes_per_block"][1] == sum(h.tensors[n].nbytes for n in exps + rest)
+  assert info["compute_per_block"][1] == sum(params[n] for n in rest) + sum(params[n] * 3 // 8 for n in exps)
+  assert info["suggested_split"]["3_stages"]["by_compute"][-1][1] == 4

@@ -240,6 +240,7 @@ class Launcher:
   def __exit__(self, *exc: Any) -> None: self.close()
 
   def start(self) -> "Launcher":
+    from pyruntime.boundary import Boundary
     from pyruntime.devices import parse_devices
     from pyruntime.gguf import read_header
     from pyruntime.model import suggest_split
@@ -267,7 +268,10 @@ class Launcher:
       self.vocab_size = self.tokenizer.vocab_size
       itemsize = 2 if self.boundary_dtype == "float16" else 4
       # ring i feeds stage i; ring n carries the tail's tokens back (sizes: protocol.ring_bytes)
-      rb = ring_bytes(self.context_length, self.dim, itemsize, self.vocab_size, self.max_streams)
+      # a residual row is hidden_states and what else the family's boundary carries (router logits, positions), in units
+      # of the boundary dtype
+      row = Boundary.residual(self.header.arch, 1, self.dim, self.boundary_dtype, int(self.header.get("expert_count", 0))).token_bytes
+      rb = ring_bytes(self.context_length, row // itemsize, itemsize, self.vocab_size, self.max_streams)
       specs = [RingSpec(capacity=_pow2(rb["head_capacity"]), max_extent=rb["head"], alignment=4)]
       specs += [RingSpec(capacity=_pow2(rb["mid_capacity"]), max_extent=rb["mid"], alignment=itemsize) for _ in self.split[1:]]
       specs.append(RingSpec(capacity=_pow2(rb["tail_capacity"]), max_extent=rb["tail"], alignment=4))

@@ -726,7 +726,7 @@ class StageModel:
       return time.perf_counter() - t0
     for rows in shapes: step(rows)  # capture
     self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
-    self._shape_for = {n: min((r for r in shapes if r >= n), key=lambda r: (self.shape_ms[r], r)) for n in range(1, self.slots + 1)}
+    if shapes: self._shape_for = {n: min((r for r in shapes if r >= n), key=lambda r: (self.shape_ms[r], r)) for n in range(1, self.slots + 1)}
     for slot in range(self.slots): self.reset_slot(slot)
     return shapes
 

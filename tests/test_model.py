@@ -206,6 +206,15 @@ def test_family_configs_exercise_what_they_claim(family_refs):
   assert cfg("qwen35moe", 0).num_experts == 8 and cfg("qwen35moe", 0).shared_expert_gate
 
 
+def test_family_stage_warms_up_and_refuses_the_batched_decode(family_paths, family_refs):
+  """A non-dense stage decodes per stream: warm_up captures tinygrad's T=1 decode (no batch shapes), forward_batch is
+  refused by name, and the warmed-up stage is still exact."""
+  stages = load_split(family_paths["glm4moe"], [(0, 2), (2, 4)], slots=2)
+  for s in stages: assert not s.batched and s.warm_up() == []
+  with pytest.raises(errors.InvalidOption): stages[0].forward_batch([0], np.asarray([5], np.uint32), [1])
+  assert chain(stages, PROMPT, NEW) == family_refs["glm4moe"]["tokens"]
+
+
 def test_recurrent_state_is_per_slot_and_reset_with_the_stream(family_paths, family_refs):
   """qwen35: two streams interleaved on two slots, then a new stream on a reused slot, each equal their solo reference
   runs (the recurrent state lives per slot and starts from zero with each stream); a recurrent stage cannot rewind."""

@@ -6,8 +6,10 @@ A model of L blocks is cut into contiguous ranges. The cut in front of block `po
   split run is bit-identical to the unsplit one, or float16 to halve the bytes);
 - point L (tail egress): the sampled token id, `token_id` u32 (or the last position's logits when asked for).
 
-Dense architectures carry exactly `hidden_states`; mixture-of-experts boundaries also require `router_logits`,
-MLA boundaries `mla_position_state` (we refuse those architectures at load time, but the rule lives here).
+Dense architectures carry exactly `hidden_states`; mixture-of-experts boundaries also require `router_logits` (float32,
+one per expert: the last MoE block before the cut), MLA boundaries `mla_position_state` (uint32: the position each row
+stands for). A record holds its tokens' tensors one after the other: all hidden_states rows, then all router_logits
+rows, then the positions.
 A stage refuses a boundary of another architecture (`BoundaryArchitectureMismatch`) or of another schema
 (`BoundarySchemaMismatch`: another point, other tensors, another dtype or width).
 """
@@ -26,11 +28,12 @@ MOE_ARCHS = frozenset({"qwen3moe", "qwen2moe", "qwen35moe", "mixtral", "deepseek
 MLA_ARCHS = frozenset({"deepseek2", "kimi-k2", "glm4moe-mla"})
 
 TOKEN_IDS, HIDDEN, TOKEN_ID = "token_ids", "hidden_states", "token_id"
+ROUTER, MLA_POS = "router_logits", "mla_position_state"
 
 
 def residual_tensors(arch: str) -> tuple[str, ...]:
   """The tensors a between-stages boundary of `arch` must carry, in order."""
-  return (HIDDEN,) + (("router_logits",) if arch in MOE_ARCHS else ()) + (("mla_position_state",) if arch in MLA_ARCHS else ())
+  return (HIDDEN,) + ((ROUTER,) if arch in MOE_ARCHS else ()) + ((MLA_POS,) if arch in MLA_ARCHS else ())
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,13 @@ class Boundary:
   def hidden(cls, arch: str, point: int, dim: int, dtype: str = "float32") -> Boundary:
     if dtype not in ("float32", "float16"): raise errors.BoundarySchemaMismatch(f"hidden_states dtype must be float32 or float16, not {dtype!r}")
     return cls(arch, point, {HIDDEN: (dtype, dim)})
+  @classmethod
+  def residual(cls, arch: str, point: int, dim: int, dtype: str = "float32", experts: int = 0) -> Boundary:
+    """The between-stages boundary of `arch`'s family: hidden_states, plus for MoE the router logits (float32, one per
+    expert) of the last MoE block before the cut, plus for MLA the position (uint32) each residual row stands for."""
+    b = cls.hidden(arch, point, dim, dtype)
+    extra = {ROUTER: ("float32", experts), MLA_POS: ("uint32", 1)}
+    return cls(arch, point, {k: b.tensors.get(k) or extra[k] for k in residual_tensors(arch)})
   @classmethod
   def sampled(cls, arch: str, num_blocks: int) -> Boundary: return cls(arch, num_blocks, {TOKEN_ID: ("uint32", 1)})
 
@@ -99,12 +109,17 @@ class Boundary:
 
   def ingress_array(self, payload: Any) -> np.ndarray:
     """A zero-copy numpy view of a payload: (T,) uint32 token ids, or (T, dim) hidden states."""
+    return next(iter(self.ingress_arrays(payload).values()))
+
+  def ingress_arrays(self, payload: Any) -> dict[str, np.ndarray]:
+    """Zero-copy numpy views of each tensor of a payload: (T,) for token ids, (T, width) for the rest."""
     mv = memoryview(payload).cast("B")
-    n = self.tokens_in(mv.nbytes)
-    if len(self.tensors) != 1: raise errors.BoundarySchemaMismatch(f"multi-tensor boundaries are not supported: {list(self.tensors)}")
-    dt, w = next(iter(self.tensors.values()))
-    arr = np.frombuffer(mv, dtype=DTYPES[dt])
-    return arr if self.kind == "token_ids" else arr.reshape(n, w)
+    n, off, out = self.tokens_in(mv.nbytes), 0, {}
+    for name, (dt, w) in self.tensors.items():
+      arr = np.frombuffer(mv, dtype=DTYPES[dt], count=n * w, offset=off)
+      out[name] = arr if self.kind == "token_ids" else arr.reshape(n, w)
+      off += n * w * DTYPES[dt].itemsize
+    return out
 
   # --- wire form ------------------------------------------------------------------------------
   def to_dict(self) -> dict:
@@ -146,7 +161,7 @@ class StageBoundary:
     except (KeyError, TypeError) as e: raise errors.BoundarySchemaMismatch(f"not a stage boundary description: {d!r}") from e
 
   @classmethod
-  def for_range(cls, arch: str, start: int, end: int, num_blocks: int, dim: int, dtype: str = "float32") -> StageBoundary:
-    ingress = Boundary.token_ids(arch) if start == 0 else Boundary.hidden(arch, start, dim, dtype)
-    egress = Boundary.sampled(arch, num_blocks) if end == num_blocks else Boundary.hidden(arch, end, dim, dtype)
+  def for_range(cls, arch: str, start: int, end: int, num_blocks: int, dim: int, dtype: str = "float32", experts: int = 0) -> StageBoundary:
+    ingress = Boundary.token_ids(arch) if start == 0 else Boundary.residual(arch, start, dim, dtype, experts)
+    egress = Boundary.sampled(arch, num_blocks) if end == num_blocks else Boundary.residual(arch, end, dim, dtype, experts)
     return cls(ingress.validate(), egress.validate())

@@ -249,23 +249,29 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
   from pyruntime.gguf import read_header
-  from pyruntime.plan import block_tensor_names, suggest_split
+  from pyruntime.plan import block_tensor_names, suggest_split, tensor_cost
   from pyruntime.source import resolve_model
   h = read_header(resolve_model(a.model))
-  blocks = int(h.get("block_count"))
-  per_block = [sum(h.tensors[n].nbytes for n in block_tensor_names(h, i)) for i in range(blocks)]
+  blocks = h.num_blocks
+  per_block = [sum(t.nbytes for n, t in h.tensors.items() if n.startswith(f"blk.{i}.")) for i in range(blocks)]
   other = {n: t.nbytes for n, t in h.tensors.items() if not n.startswith("blk.")}
+  unused = sum(t.nbytes for n, t in h.tensors.items() if n.startswith("blk.") and int(n.split(".")[1]) >= blocks)
   info = {"path": str(h.path), "architecture": h.arch, "name": h.kv.get("general.name"), "blocks": blocks,
           "dim": h.get("embedding_length"), "heads": h.get("attention.head_count"), "kv_heads": h.get("attention.head_count_kv"),
           "context_length": h.get("context_length"), "vocab_size": len(h.kv.get("tokenizer.ggml.tokens", [])),
           "tied_embeddings": "output.weight" not in h.tensors, "weight_bytes": sum(t.nbytes for t in h.tensors.values()),
           "bytes_per_block": per_block, "non_block_bytes": other,
+          "compute_per_block": [tensor_cost(h, block_tensor_names(h, i), "compute") for i in range(blocks)],  # parameters a token touches
+          "unused_bytes": unused,  # multi-token-prediction (nextn) layers: in the file, run by nobody
+          "experts": h.get("expert_count", 0), "experts_per_token": h.get("expert_used_count", 0),
+          "leading_dense_blocks": h.get("leading_dense_block_count", 0), "kv_lora_rank": h.get("attention.kv_lora_rank", 0),
           "suggested_split": {f"{n}_stages": {"by_memory": suggest_split(h, n, by="memory"), "by_compute": suggest_split(h, n, by="compute")}
                               for n in range(1, a.max_stages + 1) if n <= blocks}}
   if a.json: print(json.dumps(info, indent=1))
   else:
     for k, v in info.items():
       if k == "bytes_per_block": v = f"{min(v)}..{max(v)} bytes (total {sum(v)})"
+      if k == "compute_per_block": v = f"{min(v)}..{max(v)} parameters per token"
       if k == "suggested_split":
         for n, s in v.items(): print(f"split {n:>10}: memory {s['by_memory']}  compute {s['by_compute']}")
         continue

@@ -64,6 +64,11 @@ class GGUFHeader:
   @property
   def arch(self) -> str: return self.kv["general.architecture"]
   def get(self, key: str, default=None): return self.kv.get(f"{self.arch}.{key}", default)
+  @property
+  def num_blocks(self) -> int:
+    """The blocks the model runs: `block_count` counts the multi-token-prediction (nextn) layers too, which
+    tinygrad's `from_gguf` neither builds nor runs; every count of blocks (stages, splits, inspect) uses this one."""
+    return int(self.get("block_count")) - int(self.get("nextn_predict_layers", 0))
 
 
 def tensor_nbytes(dims: tuple[int, ...], ggml_type: int) -> int:

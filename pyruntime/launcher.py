@@ -287,7 +287,7 @@ class Launcher:
                               on_progress=lambda done, total: self._event({"event": Event.DOWNLOAD_PROGRESS, "bytes": done, "total": total}))
     self.header: GGUFHeader = read_header(self.path)
     self.model_name = self.header.kv.get("general.name") or self.path.stem
-    self.num_blocks = int(self.header.get("block_count"))
+    self.num_blocks = self.header.num_blocks
     self.split = plan_split(self.header, self.stages_wanted, self.split_wanted)
     self.devices = parse_devices(self.devices_wanted, len(self.split))
     # stages on devices of their own compute at once when the streams are cut into one micro-batch per stage; stages
@@ -304,12 +304,15 @@ class Launcher:
     """How a stage on `device` keeps its weights (protocol.WEIGHT_MODES). "auto": tinygrad's own "quantized" for
     reference decoding (its exact tokens) and on accelerators; on a CPU, "float32" (several times faster there) when a
     float32 copy of the whole model takes at most half of the memory available now, every stage sharing it."""
+    from pyruntime.plan import DENSE_ARCHS
     if self.weights_wanted != "auto": return self.weights_wanted
-    if self.decode == "reference" or not device.upper().startswith("CPU"): return "quantized"
+    if self.decode == "reference" or not device.upper().startswith("CPU") or self.header.arch not in DENSE_ARCHS:
+      return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (see stage.py)
     need = 4 * sum(math.prod(t.dims) for t in self.header.tensors.values())
     return "float32" if need <= available_memory() // 2 else "quantized"
 
   def start(self) -> "Launcher":
+    from pyruntime.boundary import Boundary
     from pyruntime.ring import Arena, RingSpec
     t0 = time.monotonic()
     self._install_sigterm()
@@ -317,7 +320,10 @@ class Launcher:
       self.plan()
       itemsize = 2 if self.boundary_dtype == "float16" else 4
       # ring i feeds stage i; ring n carries the tail's tokens back (sizes: protocol.ring_bytes)
-      rb = ring_bytes(self.context_length, self.dim, itemsize, self.vocab_size, self.max_streams)
+      # a residual row is hidden_states and what else the family's boundary carries (router logits, positions), in units
+      # of the boundary dtype
+      row = Boundary.residual(self.header.arch, 1, self.dim, self.boundary_dtype, int(self.header.get("expert_count", 0))).token_bytes
+      rb = ring_bytes(self.context_length, row // itemsize, itemsize, self.vocab_size, self.max_streams)
       specs = [RingSpec(capacity=_pow2(rb["head_capacity"]), max_extent=rb["head"], alignment=4)]
       specs += [RingSpec(capacity=_pow2(rb["mid_capacity"]), max_extent=rb["mid"], alignment=itemsize) for _ in self.split[1:]]
       specs.append(RingSpec(capacity=_pow2(rb["tail_capacity"]), max_extent=rb["tail"], alignment=4))

@@ -25,6 +25,7 @@ import os
 import pathlib
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -32,14 +33,14 @@ from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, function, nn
 from tinygrad.device import Buffer
 from tinygrad.helpers import DEV, flat_mv, getenv, prod
 from tinygrad.llm.gguf import ggml_data_to_tensor
-from tinygrad.llm.model import TransformerBlock, TransformerConfig, precompute_freqs_cis
+from tinygrad.llm.model import FFNBlock, GatedDeltaNetBlock, MLATransformerBlock, SSMConfig, TransformerBlock, TransformerConfig, precompute_freqs_cis
 from tinygrad.nn.state import get_state_dict
 from tinygrad.uop.ops import Ops
 
 from pyruntime import errors
-from pyruntime.boundary import DTYPES, StageBoundary
+from pyruntime.boundary import DTYPES, MLA_POS, ROUTER, StageBoundary
 from pyruntime.gguf import GGUFHeader, TensorInfo, read_header
-from pyruntime.plan import block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
+from pyruntime.plan import FFN_NORM_RENAMED, block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
 from pyruntime.protocol import WEIGHT_MODES
 
 PREFILL_CHUNK = 32  # Transformer.generate's chunk_size: the prefill must be cut at the same places to be exact
@@ -48,7 +49,7 @@ BOUNDARY_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16}
 
 # --- model description from the header alone ---------------------------------------------------
 def model_config(header: GGUFHeader, max_context: int | None = None) -> TransformerConfig:
-  """The TransformerConfig `Transformer.from_gguf` derives, from the header only (dense architectures)."""
+  """The TransformerConfig `Transformer.from_gguf` derives, field for field, from the header only."""
   kv, arch, tensors = header.kv, header.arch, header.tensors
   try:
     max_context = min(max_context, kv[f"{arch}.context_length"]) if max_context is not None else kv[f"{arch}.context_length"]
@@ -56,15 +57,46 @@ def model_config(header: GGUFHeader, max_context: int | None = None) -> Transfor
     head_dim = kv.get(f"{arch}.attention.key_length_mla", kv.get(f"{arch}.attention.key_length", kv[f"{arch}.embedding_length"] // n_heads))
     rope_dim = kv.get(f"{arch}.rope.dimension_count", head_dim)
     qn = tensors.get("blk.0.attn_q_norm.weight")
+    lead = kv.get(f"{arch}.leading_dense_block_count", 0)
+    ssm = SSMConfig(**{k: kv[f"{arch}.ssm.{k}"] for k in ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")}) \
+      if arch in ("qwen35", "qwen35moe") else None
     return TransformerConfig(
       num_blocks=num_blocks(header), dim=kv[f"{arch}.embedding_length"],
       hidden_dim=kv.get(f"{arch}.expert_feed_forward_length", kv.get(f"{arch}.feed_forward_length", 0)),
       n_heads=n_heads, n_kv_heads=n_kv_heads, norm_eps=kv[f"{arch}.attention.layer_norm_rms_epsilon"],
       vocab_size=len(kv["tokenizer.ggml.tokens"]), head_dim=head_dim, rope_theta=kv[f"{arch}.rope.freq_base"], rope_dim=rope_dim,
       v_head_dim=kv.get(f"{arch}.attention.value_length_mla", kv.get(f"{arch}.attention.value_length", head_dim)),
-      max_context=max_context, qk_norm=int(qn.shape[0]) if qn is not None else 0, qkv_bias="blk.0.attn_q.bias" in tensors)
+      max_context=max_context, qk_norm=int(qn.shape[0]) if qn is not None else 0, qkv_bias="blk.0.attn_q.bias" in tensors,
+      num_experts=kv.get(f"{arch}.expert_count", 0), num_experts_per_tok=kv.get(f"{arch}.expert_used_count", 0),
+      norm_topk_prob=kv.get(f"{arch}.expert_weights_norm", arch in ("qwen3moe", "qwen35moe")),
+      kv_lora_rank=kv.get(f"{arch}.attention.kv_lora_rank", 0), q_lora_rank=kv.get(f"{arch}.attention.q_lora_rank", 0),
+      leading_dense_blocks=lead,
+      shared_expert_dim=kv.get(f"{arch}.expert_shared_feed_forward_length",
+                               kv.get(f"{arch}.expert_shared_count", 0) * kv.get(f"{arch}.expert_feed_forward_length", 0)),
+      shared_expert_gate=f"blk.{lead}.ffn_gate_inp_shexp.weight" in tensors,
+      dense_hidden_dim=kv.get(f"{arch}.feed_forward_length", 0) if lead else 0,
+      routed_scaling_factor=kv.get(f"{arch}.expert_weights_scale", 1.0), attn_output_gate=arch in ("qwen35", "qwen35moe"), ssm=ssm,
+      full_attention_interval=kv.get(f"{arch}.full_attention_interval", 0),
+      expert_bias=f"blk.{lead}.exp_probs_b.bias" in tensors)
   except KeyError as e:
     raise errors.ModelLoadFailed(f"{header.path}: GGUF metadata lacks {e.args[0]!r}") from e
+
+
+def new_block(cfg: TransformerConfig, i: int) -> FFNBlock:
+  """Block i as `Transformer.__init__` builds it: recurrent or attention (MLA when kv_lora_rank > 0), dense FFN for the
+  leading dense blocks, else the config's FFN (experts when it has them)."""
+  dense = replace(cfg, num_experts=0, num_experts_per_tok=0, shared_expert_dim=0, hidden_dim=cfg.dense_hidden_dim or cfg.hidden_dim)
+  if cfg.ssm:
+    cfg = replace(cfg, qk_norm=cfg.head_dim)
+    if (i + 1) % cfg.full_attention_interval != 0: return GatedDeltaNetBlock(cfg, cfg.ssm)
+  return (MLATransformerBlock if cfg.kv_lora_rank > 0 else TransformerBlock)(dense if i < cfg.leading_dense_blocks else cfg)
+
+
+def family(cfg: TransformerConfig) -> str:
+  """dense (llama / qwen2 / qwen3 blocks only: the batched decode serves them), else what the model adds to them."""
+  if cfg.ssm: return "hybrid"
+  if cfg.kv_lora_rank: return "mla"
+  return "moe" if cfg.num_experts else "dense"
 
 
 def resolve_device(device: str | None) -> str:
@@ -85,6 +117,12 @@ def _host_mv(arr: np.ndarray) -> memoryview:
   if not arr.flags.c_contiguous: arr = np.ascontiguousarray(arr)
   if arr.flags.writeable or arr.nbytes == 0: return memoryview(arr).cast("B")
   return memoryview((ctypes.c_char * arr.nbytes).from_address(arr.ctypes.data)).cast("B")
+
+
+def _copy_rows(dst: Tensor, src: Buffer, s: int, nt: int) -> None:
+  """Rows [0, nt) of a (1, *, w) JIT output buffer into rows [s, s+nt) of dst, device to device."""
+  w, dt = dst.shape[-1], dst.dtype
+  dst.uop.buffer.view(nt * w, dt, s * w * dt.itemsize).ensure_allocated().copyin(src.view(nt * w, dt, 0).ensure_allocated().as_memoryview())
 
 
 _TRACE_REUSE = bool(getenv("PYRUNTIME_TRACE_REUSE", 1))
@@ -143,7 +181,13 @@ class StageModel:
     self.device = resolve_device(device)
     self.boundary_dtype = boundary_dtype
     self._bdtype = BOUNDARY_DTYPES[boundary_dtype]
-    self.boundary = StageBoundary.for_range(self.arch, start, end, L, cfg.dim, boundary_dtype)
+    self.boundary = StageBoundary.for_range(self.arch, start, end, L, cfg.dim, boundary_dtype, experts=cfg.num_experts)
+    self.family = family(cfg)
+    # tinygrad's generate prefills one token at a time when any block of the model is recurrent: every stage must cut the
+    # prompt where the reference does, attention-only stages too
+    self.recurrent = cfg.ssm is not None
+    self.chunk = 1 if self.recurrent else PREFILL_CHUNK
+    self.batched = self.family == "dense"  # the batched decode is written for dense blocks; the others decode per stream
     self.half = bool(getenv("HALF", 1))  # the reference casts every weight to float16 unless HALF=0
 
     self.weights = weights or ("float16" if getenv("REALIZE", 0) else getenv("PYRUNTIME_WEIGHTS", "quantized"))
@@ -152,10 +196,10 @@ class StageModel:
     except errors.PyruntimeError: raise
     except Exception as e: raise errors.ModelLoadFailed(f"{self.path}: loading blocks [{start}, {end}) failed: {type(e).__name__}: {e}") from e
 
-    self._kv: list[Tensor] | None = None  # per block: (slots, 2, n_kv_heads, max_context, head_dim), allocated on first use
+    self._kv: list[Tensor] | None = None  # per block and state tensor (see _state_specs): every slot's, allocated on first use
     self._pos = [0] * slots
     self._v_start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
-    self._v_toks = UOp.variable("toks", 1, PREFILL_CHUNK)
+    self._v_toks = UOp.variable("toks", 1, self.chunk)
     self._prefill_jit, self._decode_jit = TinyJit(self._run), TinyJit(self._run)
     # every lazy one-time value (rope table, weights) is realized already, so the JITs capture on their first call
     # (the reference runs once eagerly, then captures): same kernels, half the warm-up
@@ -165,7 +209,11 @@ class StageModel:
       self._stage_in = self._empty((PREFILL_CHUNK, self._embd_row_bytes), dtypes.uint8)
     else:
       self._stage_in = self._empty((1, PREFILL_CHUNK, cfg.dim), self._bdtype)
-    self._init_batched_decode()
+    if self.batched: self._init_batched_decode()
+    # MoE boundaries carry the router logits of the last MoE block before the cut: that block's function returns them too
+    moe = [b for b in self.blk if b.config.num_experts]
+    self._router_block = moe[-1] if moe and ROUTER in self.boundary.egress.tensors else None
+    self.last_router: Tensor | None = None  # (1, T, experts) of the last forward, when the egress carries them
 
   # --- loading ----------------------------------------------------------------------------------
   def _empty(self, shape: tuple[int, ...], dtype) -> Tensor:
@@ -191,13 +239,15 @@ class StageModel:
     self.resident_bytes = sum(r.nbytes() for r in raws.values())
     self.tensor_names = names
 
-    with _no_random_init(): self.blk = [TransformerBlock(cfg) for _ in range(self.start, self.end)]
-    self._block_sigs = [tuple(sorted((n.split(".", 2)[2], header.tensors[n].ggml_type, header.tensors[n].dims)
-                                     for n in block_tensor_names(header, i))) for i in range(self.start, self.end)]
+    with _no_random_init(): self.blk = [new_block(cfg, i) for i in range(self.start, self.end)]
+    self._block_sigs = [(type(b).__name__,) + tuple(sorted((n.split(".", 2)[2], header.tensors[n].ggml_type, header.tensors[n].dims)
+                                                           for n in block_tensor_names(header, i)))
+                        for i, b in zip(range(self.start, self.end), self.blk, strict=True)]
     freqs_cis = precompute_freqs_cis(cfg.rope_dim, cfg.max_context, cfg.rope_theta, device=self.device).realize()
     for i, b in zip(range(self.start, self.end), self.blk, strict=True):
-      self._assign(b, {k: self._weight(raws, f"blk.{i}.{k}") for k in get_state_dict(b)}, f"blk.{i}")
-      b.freqs_cis = freqs_cis  # set here, not by the block's _init_state, which only runs without a cache_kv
+      self._assign(b, {k: self._weight(raws, self._tensor_name(i, k)) for k in get_state_dict(b)}, f"blk.{i}")
+      # set here, not by the block's _init_state, which only runs without a cache
+      if not isinstance(b, GatedDeltaNetBlock): b.freqs_cis = freqs_cis
     if self.is_tail:
       with _no_random_init(): self.output_norm, self.output = nn.RMSNorm(cfg.dim, cfg.norm_eps), nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
       self._assign(self.output_norm, {"weight": self._weight(raws, "output_norm.weight")}, "output_norm")
@@ -218,19 +268,29 @@ class StageModel:
       Tensor.realize(*params)
       self.resident_bytes = sum(p.nbytes() for p in params)
 
+  def _tensor_name(self, i: int, key: str) -> str:
+    """The file's tensor for block i's state_dict key: from_gguf reads glm4moe's and qwen35's post_attention_norm as ffn_norm."""
+    name = f"blk.{i}.{key}"
+    if key == "ffn_norm.weight" and self.arch in FFN_NORM_RENAMED and name not in self.header.tensors:
+      return f"blk.{i}.post_attention_norm.weight"
+    return name
+
   def _weight(self, raws: dict[str, Tensor], name: str) -> Tensor:
-    """The reference's state_dict entry for `name`: dequantised (lazily), cast to float16, Q/K permuted for llama."""
+    """The reference's state_dict entry for `name`: dequantised (lazily), cast to float16, and permuted as from_gguf
+    does: llama's Q/K rotary halves, and for MLA the rotary part of q (q_b) and of the shared key (kv_a_mqa)."""
     if name not in raws: raise errors.ModelLoadFailed(f"{self.path}: tensor {name!r} is missing")
     ti, cfg = self.header.tensors[name], self.config
     w = ggml_data_to_tensor(raws[name], prod(ti.dims), ti.ggml_type).reshape(*ti.shape)
     if self.half: w = w.cast("float16")
-    if self.arch == "llama" and name.endswith("attn_q.weight"):
+    if (name.endswith("attn_q.weight") or name.endswith("attn_q_b.weight")) and (self.arch == "llama" or cfg.kv_lora_rank):
       w = w.reshape(cfg.n_heads, w.shape[0] // cfg.n_heads, -1)
       prefix = cfg.head_dim - cfg.rope_dim
       w = w[:, :prefix].cat(w[:, prefix:].rearrange("n (h two) d -> n (two h) d", two=2), dim=1).reshape(-1, w.shape[-1])
     elif self.arch == "llama" and name.endswith("attn_k.weight"):
       w = w.reshape(cfg.n_kv_heads, w.shape[0] // cfg.n_kv_heads, -1)
       w = w.rearrange("n (h two) d -> n (two h) d", two=2).reshape(-1, w.shape[-1])
+    elif cfg.kv_lora_rank and name.endswith("attn_kv_a_mqa.weight"):
+      w = w[:cfg.kv_lora_rank].cat(w[cfg.kv_lora_rank:].rearrange("(h two) d -> (two h) d", two=2), dim=0)
     return w
 
   def _assign(self, module, weights: dict[str, Tensor], where: str) -> None:
@@ -241,23 +301,48 @@ class StageModel:
 
   # --- running ----------------------------------------------------------------------------------
   def _run(self, inp: Tensor, start_pos: int | UOp, toks: int | UOp, caches: list[Tensor]) -> Tensor:
-    for b, c in zip(self.blk, caches, strict=True): b.cache_kv = c
+    it = iter(caches)
+    for b in self.blk:
+      for attr, _, _ in self._state_specs(b): setattr(b, attr, next(it))
     if self.is_head:
       x = self._embed(inp, toks)
     else:
       x = inp.float() if self._bdtype != dtypes.float32 else inp
-    x = self._blocks(x, lambda b, h: b(h, start_pos))
+    router: list[Tensor] = []
+    def call(b: FFNBlock, h: Tensor) -> Tensor:
+      if b is not self._router_block: return b(h, start_pos)
+      h, logits = self._block_with_router(b, h, start_pos)
+      router.append(logits)
+      return h
+    x = self._blocks(x, call, fresh=self._router_block)
     # .contiguous(): the JIT's output must be a buffer of its own (not a view into the (T, vocab) logits or a function call)
     if self.is_tail: return self.output(self.output_norm(x))[:, -1, :].contiguous()
-    return (x.cast(self._bdtype) if self._bdtype != dtypes.float32 else x).contiguous()
+    x = (x.cast(self._bdtype) if self._bdtype != dtypes.float32 else x).contiguous()
+    return (x, router[0].contiguous()) if router else x
 
-  def _blocks(self, x: Tensor, call: Callable[[TransformerBlock, Tensor], Tensor]) -> Tensor:
+  @staticmethod
+  def _block_with_router(b: FFNBlock, x: Tensor, start_pos: int | UOp) -> tuple[Tensor, Tensor]:
+    """FFNBlock.__call__ that also returns the block's router logits (ffn_gate_inp of the normed residual, the very value
+    _feed_forward routes by): the block's output is the same computation, the logits a second output of its function."""
+    b._init_state(x)
+    @function(precompile=True, allow_implicit=True)
+    def _run(x: Tensor, start_pos: int | UOp) -> tuple[Tensor, Tensor]:
+      h = x + b._attention(b.attn_norm(x), start_pos)
+      n = b.ffn_norm(h)
+      return (h + b._feed_forward(n)).contiguous(), b.ffn_gate_inp(n).float().contiguous()
+    return _run(x, start_pos)
+
+  def _blocks(self, x: Tensor, call: Callable[[FFNBlock, Tensor], Tensor], fresh: FFNBlock | None = None) -> Tensor:
     """x through this stage's blocks, `call(block, x)` tracing each into a tinygrad function. Tracing a block into its
     tinygrad function costs ~0.5 s of Python; blocks with
     the same tensor types and shapes trace to the same function body, so the first one of each kind is traced and
-    the others call that body with their own weights and cache (PYRUNTIME_TRACE_REUSE=0 traces every block)."""
+    the others call that body with their own weights and cache (PYRUNTIME_TRACE_REUSE=0 traces every block). The block
+    `fresh` (one whose function has another body: it returns the router logits too) is traced by itself."""
     traced: dict[tuple, tuple[UOp, TransformerBlock]] = {}
     for b, sig in zip(self.blk, self._block_sigs, strict=True):
+      if b is fresh:
+        x = call(b, x)
+        continue
       if _TRACE_REUSE and (t := traced.get(sig)) is not None:
         fn, a = t
         sa, sb = get_state_dict(a), get_state_dict(b)
@@ -361,6 +446,8 @@ class StageModel:
     window of consecutive slots from the lowest named one (`rows` picks each slot's row; the window's other rows are
     fillers). Its offset is symbolic, so a window anywhere runs the same kernels. Like forward, the result may alias
     an internal buffer."""
+    if not self.batched:
+      raise errors.InvalidOption("decode", f"the batched decode serves dense models; {self.arch} ({self.family}) decodes per stream")
     if not slots: raise errors.ActivationExtentInvalid("a batch needs at least one row")
     if len(set(slots)) != len(slots): raise errors.SlotInvalid(f"a batch names a KV slot twice: {slots}")
     n = len(slots)
@@ -399,20 +486,43 @@ class StageModel:
     if self.half: w = w.cast("float16")
     return w[:toks].reshape(1, toks, self.dim).float()
 
-  # --- KV caches: one batched tensor per block, a contiguous region per slot -----------------------
+  # --- per-stream state: one batched tensor per block and state, a contiguous region per slot --------
+  @staticmethod
+  def _state_specs(b: FFNBlock) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(attribute, one stream's shape as the block's _init_state makes it for B=1, zeroed for a new stream): the KV cache,
+    MLA's single latent cache, or the recurrent block's conv and recurrent state (which a stream starts from zero)."""
+    c = b.config
+    if isinstance(b, GatedDeltaNetBlock):
+      return [("conv_state", (1, b.ssm_conv_kernel - 1, b.conv_channels), True),
+              ("recurrent_state", (1, b.num_v_heads, b.head_v_dim, b.head_v_dim), True)]
+    if isinstance(b, MLATransformerBlock): return [("cache_k", (1, 1, c.max_context, c.kv_lora_rank + c.rope_dim), False)]
+    return [("cache_kv", (2, 1, c.n_kv_heads, c.max_context, c.head_dim), False)]
+
+  def _specs(self) -> list[tuple[str, tuple[int, ...], bool]]: return [sp for b in self.blk for sp in self._state_specs(b)]
+
   def _kv_caches(self) -> list[Tensor]:
     if self._kv is None:
-      cfg = self.config
-      # the reference's cache is Tensor.empty(2, B, n_kv_heads, max_context, head_dim) in the default float dtype; with the
-      # slot first, each slot's region is exactly that tensor for B=1, so the prefill JIT runs on a view of it unchanged
-      self._kv = [self._empty((self.slots, 2, cfg.n_kv_heads, cfg.max_context, cfg.head_dim), dtypes.default_float) for _ in self.blk]
+      # the reference's state tensors are made per block in the default float dtype with B first (the KV cache: 2, B, ...);
+      # with the slot first, each slot's region is exactly that tensor for B=1, so the JITs run on a view of it unchanged
+      self._kv = []
+      for _, shape, zero in self._specs():
+        one = list(shape)
+        one.remove(1)
+        self._kv.append(t := self._empty((self.slots, *one), dtypes.default_float))
+        if zero: t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))
     return self._kv
 
   def _slot_caches(self, slot: int) -> list[Tensor]:
-    cfg = self.config
-    n = 2 * cfg.n_kv_heads * cfg.max_context * cfg.head_dim
-    return [Tensor(UOp.from_buffer(kv.uop.buffer.view(n, kv.dtype, slot * n * kv.dtype.itemsize).ensure_allocated()))
-            .reshape(2, 1, cfg.n_kv_heads, cfg.max_context, cfg.head_dim) for kv in self._kv_caches()]
+    out = []
+    for kv, (_, shape, _) in zip(self._kv_caches(), self._specs(), strict=True):
+      n = prod(shape)
+      out.append(Tensor(UOp.from_buffer(kv.uop.buffer.view(n, kv.dtype, slot * n * kv.dtype.itemsize).ensure_allocated())).reshape(shape))
+    return out
+
+  def _zero_state(self, slot: int) -> None:
+    """A new stream on a recurrent stage starts from zero state (the reference's _state_reset_ops)."""
+    for t, (_, _, zero) in zip(self._slot_caches(slot), self._specs(), strict=True):
+      if zero: t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))
 
   @property
   def kv_bytes(self) -> int:
@@ -423,6 +533,7 @@ class StageModel:
     """Forget a stream: the slot's next record must start at position 0 (its cache is overwritten, never read stale)."""
     self._check_slot(slot)
     self._pos[slot] = 0
+    if self.recurrent and self._kv is not None: self._zero_state(slot)
 
   def position(self, slot: int) -> int:
     self._check_slot(slot)
@@ -452,6 +563,8 @@ class StageModel:
     self.check_rows(inp)
     if not isinstance(start_pos, (int, np.integer)) or start_pos < 0 or start_pos > self._pos[slot]:
       raise errors.StreamPositionInvalid(f"slot {slot} holds {self._pos[slot]} positions; a record cannot start at {start_pos!r}")
+    if self.recurrent and start_pos != self._pos[slot]:
+      raise errors.StreamPositionInvalid(f"slot {slot} holds {self._pos[slot]} positions of recurrent state, which cannot go back to {start_pos}")
     if start_pos + inp.shape[0] > self.context_length:
       raise errors.ContextLengthExceeded(int(start_pos + inp.shape[0]), self.context_length)
     return np.ascontiguousarray(inp)
@@ -479,10 +592,12 @@ class StageModel:
     T, caches = inp.shape[0], self._slot_caches(slot)
     if prefill is None: prefill = T > 1 or start_pos == 0
     if not prefill and T != 1: raise errors.ActivationExtentInvalid(f"a decode step takes one token, got {T}")
-    multi = T > PREFILL_CHUNK and not self.is_tail
+    multi = T > self.chunk and not self.is_tail
     res = self._empty((1, T, self.dim), self._bdtype) if multi else None
-    for s in range(0, T, PREFILL_CHUNK):
-      nt = min(PREFILL_CHUNK, T - s)
+    E = self.config.num_experts
+    routed = self._empty((1, T, E), dtypes.float32) if multi and self._router_block is not None else None
+    for s in range(0, T, self.chunk):
+      nt = min(self.chunk, T - s)
       self._stage_chunk(inp, s, nt)
       sp = self._v_start_pos.bind(int(start_pos + s))
       if prefill:
@@ -491,12 +606,14 @@ class StageModel:
       else:
         ret = self._decode_jit(self._stage_in if self.is_head else self._stage_in[:, :1], sp, 1, caches)
       self._pos[slot] = int(start_pos + s + nt)
+      ret, *rl = ret if isinstance(ret, tuple) else (ret,)
       out = ret.uop.buf_uop.buffer
+      if rl: self.last_router = self._wrap(rl[0].uop.buf_uop.buffer, (1, T, E))
       if res is not None:
-        # a prompt longer than one chunk: the JIT reuses its output buffer, so move each chunk's residual out now
-        n, isz = nt * self.dim, self._bdtype.itemsize
-        res.uop.buffer.view(n, self._bdtype, s * self.dim * isz).ensure_allocated().copyin(
-          out.view(n, self._bdtype, 0).ensure_allocated().as_memoryview())
+        # a prompt longer than one chunk: the JIT reuses its output buffers, so move each chunk's rows out now
+        _copy_rows(res, out, s, nt)
+        if routed is not None: _copy_rows(routed, rl[0].uop.buf_uop.buffer, s, nt)
+    if routed is not None: self.last_router = routed
     if res is not None: return res
     return self._wrap(out, (self.vocab_size,) if self.is_tail else (1, T, self.dim))
 
@@ -510,6 +627,7 @@ class StageModel:
     batched=False the reference's T=1 decode), so no stream ever waits for a kernel compilation mid-flight; then time
     each shape and let n rows run in the cheapest shape that holds them (a larger shape can be cheaper: kernel
     heuristics differ by shape). Leaves every slot empty. Returns the shapes."""
+    batched = batched and self.batched
     shapes = sorted({min(self.slots, 1 << k) for k in range(self.slots.bit_length() + 1)}) if batched else []
     zeros = np.zeros(1, np.uint32) if self.is_head else np.zeros((1, self.dim), DTYPES[self.boundary_dtype])
     for slot in range(self.slots):
@@ -524,7 +642,7 @@ class StageModel:
       return time.perf_counter() - t0
     for rows in shapes: step(rows)  # capture
     self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
-    self._shape_for = {n: min((r for r in shapes if r >= n), key=lambda r: (self.shape_ms[r], r)) for n in range(1, self.slots + 1)}
+    if shapes: self._shape_for = {n: min((r for r in shapes if r >= n), key=lambda r: (self.shape_ms[r], r)) for n in range(1, self.slots + 1)}
     for slot in range(self.slots): self.reset_slot(slot)
     return shapes
 
@@ -536,8 +654,23 @@ class StageModel:
 
   @property
   def row_bytes(self) -> int:
-    """Bytes of one token's egress residual (the boundary dtype)."""
-    return self.dim * self._bdtype.itemsize
+    """Bytes of one token's egress record: the residual in the boundary dtype, and what else the family's boundary carries."""
+    return self.boundary.egress.token_bytes
+
+  def egress_into(self, t: Tensor, dst: memoryview, start_pos: int) -> int:
+    """One egress record of the forward that returned `t` (positions start_pos...): the boundary's tensors one after
+    the other (docs/wire-format.md): hidden_states, then router_logits (zeros when no MoE block precedes the cut:
+    glm4moe's and deepseek2's leading dense blocks), then mla_position_state. Returns the bytes written."""
+    mv = flat_mv(memoryview(dst))
+    off, T = self.output_into(t, mv), t.shape[1]
+    for name, (dt, w) in list(self.boundary.egress.tensors.items())[1:]:
+      n = T * w * DTYPES[dt].itemsize
+      if len(mv) < off + n: raise errors.OutputExtentInvalid(f"{off + n} bytes do not fit in a span of {len(mv)}")
+      if name == ROUTER and self.last_router is not None: self.last_router.uop.buffer.copyout(mv[off:off + n])
+      elif name == ROUTER: mv[off:off + n] = bytes(n)
+      elif name == MLA_POS: mv[off:off + n] = np.arange(start_pos, start_pos + T, dtype="<u4").tobytes()
+      off += n
+    return off
 
   def output_into(self, t: Tensor, dst: memoryview) -> int:
     """Copy a realized tensor's bytes into a writable buffer (a ring span) with no intermediate host copy.

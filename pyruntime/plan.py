@@ -11,24 +11,31 @@ from pyruntime import errors
 from pyruntime.gguf import GGUFHeader
 
 DENSE_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
+# the architectures tinygrad 0.13's Transformer.from_gguf runs as they are meant to run (README: the per-family table)
+MOE_SUPPORTED = frozenset({"qwen3moe", "glm4moe", "deepseek2"})
+MLA_SUPPORTED = frozenset({"deepseek2"})
+SSM_SUPPORTED = frozenset({"qwen35", "qwen35moe"})
+SUPPORTED_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | SSM_SUPPORTED
+FFN_NORM_RENAMED = frozenset({"qwen35", "qwen35moe", "glm4moe"})  # from_gguf reads their post_attention_norm as ffn_norm
 
 
 def check_architecture(header: GGUFHeader) -> None:
-  """Refuse, by name, everything but dense llama / qwen2 / qwen3."""
+  """Refuse, by name, what tinygrad's from_gguf does not run (or would run wrongly)."""
   arch, kv = header.arch, header.kv
-  if arch not in DENSE_ARCHS:
-    raise errors.UnsupportedArchitecture(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(DENSE_ARCHS))} (dense)")
-  if kv.get(f"{arch}.expert_count", 0) or any(".ffn_gate_exps." in n for n in header.tensors):
-    raise errors.UnsupportedArchitecture(f"{arch!r} with mixture-of-experts layers is not supported (dense models only)")
-  if kv.get(f"{arch}.attention.kv_lora_rank", 0):
+  if arch not in SUPPORTED_ARCHS:
+    raise errors.UnsupportedArchitecture(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHS))}")
+  if (kv.get(f"{arch}.expert_count", 0) or any(".ffn_gate_exps." in n for n in header.tensors)) and arch not in MOE_SUPPORTED | {"qwen35moe"}:
+    # e.g. Mixtral (llama + experts): from_gguf would weight the experts by the softmax over all of them, not over the top k
+    raise errors.UnsupportedArchitecture(f"{arch!r} with mixture-of-experts layers is not supported (tinygrad does not route {arch!r} experts)")
+  if kv.get(f"{arch}.attention.kv_lora_rank", 0) and arch not in MLA_SUPPORTED:
     raise errors.UnsupportedArchitecture(f"{arch!r} with multi-head latent attention (MLA) is not supported")
-  if kv.get(f"{arch}.ssm.state_size", 0) or kv.get(f"{arch}.full_attention_interval", 0):
+  if (kv.get(f"{arch}.ssm.state_size", 0) or kv.get(f"{arch}.full_attention_interval", 0)) and arch not in SSM_SUPPORTED:
     raise errors.UnsupportedArchitecture(f"{arch!r} with recurrent (SSM) layers is not supported")
 
 
 def num_blocks(header: GGUFHeader) -> int:
-  arch = header.arch
-  return header.kv[f"{arch}.block_count"] - header.kv.get(f"{arch}.nextn_predict_layers", 0)
+  """The model's blocks: `block_count` less the extra prediction layers tinygrad leaves out (GGUFHeader.num_blocks)."""
+  return header.num_blocks
 
 
 def output_tensor_name(header: GGUFHeader) -> str:
@@ -55,19 +62,28 @@ def model_weight_bytes(header: GGUFHeader) -> int:
   return sum(t.nbytes for t in header.tensors.values())
 
 
+def tensor_cost(header: GGUFHeader, names: list[str], by: str) -> int:
+  """by="memory": their bytes; by="compute": the parameters a token touches, of routed experts (`*_exps`) only the
+  expert_used_count of expert_count it goes through."""
+  used, experts = header.get("expert_used_count", 0), header.get("expert_count", 0)
+  def cost(name: str) -> int:
+    t = header.tensors[name]
+    if by == "memory": return t.nbytes
+    return math.prod(t.dims) * used // experts if experts and "_exps." in t.name else math.prod(t.dims)
+  return sum(cost(n) for n in names)
+
+
 def suggest_split(header: GGUFHeader, n_stages: int, by: str = "memory") -> list[tuple[int, int]]:
   """Contiguous [start, end) ranges covering every block once, balancing the stages' on-device weight bytes
   (by="memory": the tail also holds output_norm + output, the head nothing extra) or their compute
-  (by="compute": parameters touched per token, so the output projection counts on the tail)."""
+  (by="compute": parameters touched per token, so the output projection counts on the tail, and of an MoE block's
+  routed experts only the expert_used_count of expert_count a token goes through)."""
   L = num_blocks(header)
   if not isinstance(n_stages, int) or not 1 <= n_stages <= L:
     raise errors.LayerRangeInvalid(f"cannot cut {L} blocks into {n_stages} non-empty stages")
   if by not in ("memory", "compute"): raise ValueError(f"by must be 'memory' or 'compute', not {by!r}")
-  def cost(name: str) -> int:
-    t = header.tensors[name]
-    return t.nbytes if by == "memory" else math.prod(t.dims)
-  blk = [sum(cost(n) for n in block_tensor_names(header, i)) for i in range(L)]
-  tail_extra = sum(cost(n) for n in ("output_norm.weight", output_tensor_name(header)))
+  blk = [tensor_cost(header, block_tensor_names(header, i), by) for i in range(L)]
+  tail_extra = tensor_cost(header, ["output_norm.weight", output_tensor_name(header)], by)
   prefix = [0]
   for c in blk: prefix.append(prefix[-1] + c)
   def stage_cost(s: int, e: int) -> int: return prefix[e] - prefix[s] + (tail_extra if e == L else 0)
@@ -110,5 +126,5 @@ def parse_split(text: str) -> list[tuple[int, int]]:
 def plan_split(header: GGUFHeader, stages: int, split: Sequence[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
   """The split a pipeline runs: the one asked for, checked, or the memory-balanced one for `stages` stages."""
   ranges = [tuple(r) for r in (split or suggest_split(header, stages, by="memory"))]
-  check_split(ranges, int(header.get("block_count")))
+  check_split(ranges, num_blocks(header))
   return ranges  # type: ignore[return-value]

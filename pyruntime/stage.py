@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from pyruntime import errors
+from pyruntime.boundary import MLA_POS
 from pyruntime.protocol import (
   ABI_VERSION,
   FLAG_CLOSE,
@@ -31,7 +32,6 @@ from pyruntime.protocol import (
   FLAG_ERROR,
   FLAG_MORE,
   FLAG_OPEN,
-  PREFILL_CHUNK,
   WEIGHT_MODES,
   Command,
   Event,
@@ -239,6 +239,9 @@ class Stage:
     except errors.PyruntimeError: raise
     except Exception as e: raise Fatal("ModelLoadFailed", f"{type(e).__name__}: {e}", traceback=traceback.format_exc()) from e
     m = self.model
+    # the batched decode serves dense blocks; the other families run tinygrad's own decode, one stream at a time (which
+    # keeps streams in flight exact trivially)
+    if not m.batched: self.decode_mode = "reference"
     self.ch.emit(Event.WEIGHTS_LOADED, stage=self.index, elapsed_s=round(time.monotonic() - t0, 4), path=str(path), arch=m.arch,
                  num_blocks=m.num_blocks, start=m.start, end=m.end, is_head=m.is_head, is_tail=m.is_tail, dim=m.dim,
                  vocab_size=m.vocab_size, context_length=m.context_length, resident_bytes=m.resident_bytes,
@@ -348,7 +351,11 @@ class Stage:
       raise errors.StreamNotOpen(f"record {rec.sequence} names stream {stream_id}, which is not open")
     if st.failed: return
     try:
-      x = self.model.boundary.ingress_array(rec.payload)
+      parts = self.model.boundary.ingress.ingress_arrays(rec.payload)
+      x = next(iter(parts.values()))
+      if MLA_POS in parts and not np.array_equal(parts[MLA_POS].reshape(-1), np.arange(pos, pos + len(x))):
+        raise errors.BoundarySchemaMismatch(f"stream {stream_id}: mla_position_state says positions {parts[MLA_POS].reshape(-1)[:4].tolist()}..., "
+                                            f"the record stands at {pos}")
       if pos != st.position:
         raise errors.StreamPositionInvalid(f"stream {stream_id} stands at position {st.position}, record says {pos}")
       if st.prompt_tokens is None: st.prompt_tokens = len(x)
@@ -409,15 +416,22 @@ class Stage:
     t0 = time.monotonic()
     items = [(sid, st, *st.pending.popleft()) for sid, st in rows]
     if self.decode_mode == "reference":
-      outs = [self.model.forward(st.slot, x, pos, prefill=False) for _, st, pos, x in items]
+      # each result aliases the stage's output buffers (and its router logits): emit it before the next forward
+      t1 = t0  # t1 - t0: the forwards' time
+      for i, (sid, st, pos, x) in enumerate(items):
+        tf = time.monotonic()
+        out = self.model.forward(st.slot, x, pos, prefill=False)
+        t1 += time.monotonic() - tf
+        self.emit(sid, st, pos, 1, out, FLAG_MORE if i < len(items) - 1 else 0)
+      t2 = time.monotonic()
     else:
       batch = self.model.forward_batch([st.slot for _, st, _, _ in items], np.concatenate([x for *_, x in items]),
                                        [pos for _, _, pos, _ in items])
       outs = self.model.rows(batch, [st.slot for _, st, _, _ in items])
-    t1 = time.monotonic()
-    for i, ((sid, st, pos, _), out) in enumerate(zip(items, outs, strict=True)):
-      self.emit(sid, st, pos, 1, out, FLAG_MORE if i < len(items) - 1 else 0)
-    t2 = time.monotonic()
+      t1 = time.monotonic()
+      for i, ((sid, st, pos, _), out) in enumerate(zip(items, outs, strict=True)):
+        self.emit(sid, st, pos, 1, out, FLAG_MORE if i < len(items) - 1 else 0)
+      t2 = time.monotonic()
     n = len(items)
     self.step_s = 0.8 * self.step_s + 0.2 * (t2 - t0) if self.step_s else t2 - t0
     self.stats.update(records=self.stats["records"] + n, tokens=self.stats["tokens"] + n, decode_steps=self.stats["decode_steps"] + 1,
@@ -427,7 +441,8 @@ class Stage:
   def prefill_chunk(self, sid: int, st: Stream) -> None:
     t0 = time.monotonic()
     pos, x = st.pending[0]
-    n = min(len(x), PREFILL_CHUNK - pos % PREFILL_CHUNK)  # cut where tinygrad's generate cuts: every PREFILL_CHUNK positions
+    chunk = self.model.chunk  # cut where tinygrad's generate cuts: every 32 positions (every one with a recurrent block)
+    n = min(len(x), chunk - pos % chunk)
     if n == len(x): st.pending.popleft()
     else: st.pending[0] = (pos + n, x[n:])
     out = self.model.forward(st.slot, x[:n], pos, prefill=True)
@@ -442,7 +457,7 @@ class Stage:
     """Write one result: the residual of positions [pos, pos+n), or on the tail the token (or logits) after pos+n-1."""
     if not self.model.is_tail:
       span = self.writer.reserve(self.model.row_bytes * n)
-      self.model.output_into(out, span)
+      self.model.egress_into(out, span, pos)
       return self.writer.commit(object_id(sid, pos), flags)
     oid = object_id(sid, pos + n - 1)
     if st.logits: return self.writer.write(oid, out.numpy().astype("<f4", copy=False).reshape(-1), flags)

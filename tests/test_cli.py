@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ def test_inspect_json_describes_the_model_and_suggests_splits(smollm2_path):
   assert out.returncode == 0, out.stderr
   info = json.loads(out.stdout)
   assert info["architecture"] == "llama" and info["blocks"] == 30 and info["tied_embeddings"] is True
-  assert sum(info["bytes_per_block"]) + sum(info["non_block_bytes"].values()) == info["weight_bytes"]
+  assert sum(info["bytes_per_block"]) + sum(info["non_block_bytes"].values()) + info["unused_bytes"] == info["weight_bytes"]
   for n in (1, 2, 3):
     for split in info["suggested_split"][f"{n}_stages"].values():
       assert len(split) == n and split[0][0] == 0 and split[-1][1] == 30
@@ -123,3 +124,34 @@ def test_generate_without_a_terminal_shows_progress_then_a_clean_error(tmp_path)
   assert any(line.startswith("pyruntime: loaded 2 stages in ") for line in lines)
   assert lines[-1].startswith("pyruntime: ContextLengthExceeded: "), out.stderr
   assert "" not in lines and out.stdout == ""
+
+
+def test_inspect_counts_blocks_without_nextn_layers(tmp_path):
+  """A file with nextn_predict_layers: inspect shows the blocks tinygrad runs, the nextn layers' bytes apart."""
+  from tinymodels import TINY_MODELS, write_tiny_gguf
+  path = write_tiny_gguf(tmp_path / "nextn.gguf", **{**TINY_MODELS["qwen3"], "n_blocks": 4}, nextn=1)
+  out = subprocess.run([*CLI, "inspect", str(path), "--json", "--max-stages", "4"], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  info = json.loads(out.stdout)
+  assert info["blocks"] == 4 and len(info["bytes_per_block"]) == 4 and info["unused_bytes"] > 0
+  assert sum(info["bytes_per_block"]) + sum(info["non_block_bytes"].values()) + info["unused_bytes"] == info["weight_bytes"]
+  assert all(s[-1][1] == 4 for split in info["suggested_split"].values() for s in split.values())
+
+
+def test_inspect_moe_counts_experts_in_bytes_and_used_experts_in_compute(tmp_path):
+  """glm4moe: a block's bytes hold all 8 experts; its compute per token only the 3 a token is routed to."""
+  from tinymodels import TINY_FAMILIES, write_tiny_gguf
+
+  from pyruntime.gguf import read_header
+  path = write_tiny_gguf(tmp_path / "moe.gguf", **TINY_FAMILIES["glm4moe"])
+  out = subprocess.run([*CLI, "inspect", str(path), "--json", "--max-stages", "3"], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  info = json.loads(out.stdout)
+  h = read_header(path)
+  exps = [n for n in h.tensors if n.startswith("blk.1.") and "_exps." in n]
+  rest = [n for n in h.tensors if n.startswith("blk.1.") and n not in exps]
+  params = {n: math.prod(t.dims) for n, t in h.tensors.items()}
+  assert info["experts"] == 8 and info["experts_per_token"] == 3 and info["leading_dense_blocks"] == 1
+  assert info["bytes_per_block"][1] == sum(h.tensors[n].nbytes for n in exps + rest)
+  assert info["compute_per_block"][1] == sum(params[n] for n in rest) + sum(params[n] * 3 // 8 for n in exps)
+  assert info["suggested_split"]["3_stages"]["by_compute"][-1][1] == 4

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.llm.model import Transformer
-from tinymodels import TINY_MODELS, write_tiny_gguf, write_unsupported_gguf
+from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf, write_unsupported_gguf
 
 from pyruntime import errors
 from pyruntime.boundary import Boundary, StageBoundary
@@ -33,8 +33,16 @@ NEW = 16
 
 
 # --- helpers -----------------------------------------------------------------------------------
+def fresh(ref: Transformer) -> Transformer:
+  """The reference as for a new conversation: no prefix reuse, and recurrent state zeroed (generate zeroes it only when
+  a prompt diverges from its cached tokens, which an emptied cache never does)."""
+  ref._cached_tokens = []
+  if resets := [r for b in ref.blk for r in b._state_reset_ops()]: Tensor.realize(*resets)
+  return ref
+
+
 def reference_tokens(ref: Transformer, prompt: list[int], n: int, times: list | None = None) -> list[int]:
-  ref._cached_tokens = []  # no prefix reuse between prompts
+  fresh(ref)  # no prefix reuse between prompts
   out = []
   for t in itertools.islice(ref.generate(list(prompt)), n):
     out.append(t)
@@ -50,7 +58,9 @@ def decode_rate(times: list[float], skip: int = 2) -> float:
 def reference_logits(ref: Transformer, tokens: list[int], prompt_len: int, steps: int) -> list[np.ndarray]:
   """The reference model's logits (pre-sampling) for the prefill and the first `steps - 1` decode steps, computed with
   its own modules exactly as `forward` does (same chunking, same symbolic variables), without its argmax."""
-  v_sp, v_toks = UOp.variable("start_pos", 0, ref.max_context - 1), UOp.variable("toks", 1, PREFILL_CHUNK)
+  fresh(ref)
+  chunk = 1 if ref.has_recurrent_block else PREFILL_CHUNK  # generate's one-token prefill for recurrent models
+  v_sp, v_toks = UOp.variable("start_pos", 0, ref.max_context - 1), UOp.variable("toks", 1, chunk)
   t = Tensor(tokens + [0] * (ref.max_context - len(tokens)), dtype="int32").reshape(1, ref.max_context)
   def run(x: Tensor, sp) -> np.ndarray:
     h = ref.token_embd(x).float()
@@ -58,7 +68,7 @@ def reference_logits(ref: Transformer, tokens: list[int], prompt_len: int, steps
     return ref.output(ref.output_norm(h))[:, -1, :].contiguous().realize().numpy().reshape(-1)
   out, pos = [], 0
   while pos < prompt_len:
-    nt = min(PREFILL_CHUNK, prompt_len - pos)
+    nt = min(chunk, prompt_len - pos)
     sp, tk = v_sp.bind(pos), v_toks.bind(nt)
     lg = run(t[:, sp:sp + tk], sp)
     pos += nt
@@ -139,6 +149,93 @@ def test_split_equals_reference(name, ranges, tiny_paths, tiny_refs):
   # the stages hold only their own tensors
   header = read_header(tiny_paths[name])
   for s in stages: assert s.resident_bytes == stage_weight_bytes(header, s.start, s.end)
+
+
+# --- mixture-of-experts and MLA families ----------------------------------------------------------
+FAMILY_SPLITS = [[(0, 4)], [(0, 1), (1, 4)], [(0, 2), (2, 3), (3, 4)], [(0, 3), (3, 4)]]
+
+
+@pytest.fixture(scope="module")
+def family_paths(tmp_path_factory) -> dict[str, pathlib.Path]:
+  d = tmp_path_factory.mktemp("families")
+  return {name: write_tiny_gguf(d / f"{name}.gguf", **TINY_FAMILIES[name]) for name in TINY_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def family_refs(family_paths) -> dict[str, dict]:
+  out = {}
+  for name, path in family_paths.items():
+    ref, _ = Transformer.from_gguf(path, max_context=CTX)
+    toks = reference_tokens(ref, PROMPT, NEW)
+    out[name] = {"ref": ref, "tokens": toks, "logits": reference_logits(ref, PROMPT + toks, len(PROMPT), 2)}
+  return out
+
+
+@pytest.mark.parametrize("name,ranges", [(n, r) for n in TINY_FAMILIES for r in FAMILY_SPLITS],
+                         ids=[f"{n}-{'|'.join(f'{a}:{b}' for a, b in r)}" for n in TINY_FAMILIES for r in FAMILY_SPLITS])
+def test_family_split_equals_reference(name, ranges, family_paths, family_refs):
+  """qwen3moe, glm4moe (leading dense block, expert bias, scale, shared expert + gate) and deepseek2 (MLA): 1, 2 and 3
+  stages, even and uneven, give the reference's tokens and its prefill and decode logits bit for bit."""
+  want = family_refs[name]
+  stages = load_split(family_paths[name], ranges)
+  for s in stages:  # the same blocks tinygrad builds, with the same config (experts, bias, shared gate, MLA ranks)
+    for j, b in enumerate(s.blk):
+      rb = want["ref"].blk[s.start + j]
+      assert type(b) is type(rb) and b.config == rb.config, f"{name} block {s.start + j}"
+  logits: list[np.ndarray] = []
+  assert chain(stages, PROMPT, NEW, logits=logits) == want["tokens"]
+  for i, (a, b) in enumerate(zip(logits, want["logits"], strict=False)):
+    assert np.array_equal(bits(a), bits(b)), f"step {i}: tail logits differ from the reference (max |d| {np.abs(a - b).max()})"
+  header = read_header(family_paths[name])
+  for s in stages: assert s.resident_bytes == stage_weight_bytes(header, s.start, s.end)
+
+
+def test_family_configs_exercise_what_they_claim(family_refs):
+  """The tiny files hold what the tests mean to check: routed experts, expert bias, shared experts and gate, scaling,
+  a leading dense block, MLA with q_lora."""
+  def cfg(name: str, i: int): return family_refs[name]["ref"].blk[i].config
+  q, g, d = cfg("qwen3moe", 0), cfg("glm4moe", 1), cfg("deepseek2", 1)
+  assert q.num_experts == 8 and q.norm_topk_prob and not q.shared_expert_dim
+  assert g.expert_bias and g.shared_expert_gate and g.shared_expert_dim == 32 and g.routed_scaling_factor == 2.5 and g.norm_topk_prob
+  assert cfg("glm4moe", 0).num_experts == 0 and g.leading_dense_blocks == 1 and g.rope_dim == 8 and g.qkv_bias
+  assert d.kv_lora_rank == 32 and d.q_lora_rank == 32 and d.shared_expert_dim == 32 and not d.shared_expert_gate
+  assert cfg("deepseek2", 0).num_experts == 0 and d.routed_scaling_factor == 1.5 and not d.norm_topk_prob
+  for name in ("qwen35", "qwen35moe"):
+    ref = family_refs[name]["ref"]
+    assert ref.has_recurrent_block and [type(b).__name__ for b in ref.blk] == ["GatedDeltaNetBlock", "TransformerBlock"] * 2
+    assert cfg(name, 1).attn_output_gate and cfg(name, 1).qk_norm == cfg(name, 1).head_dim
+  assert cfg("qwen35moe", 0).num_experts == 8 and cfg("qwen35moe", 0).shared_expert_gate
+
+
+def test_family_stage_warms_up_and_refuses_the_batched_decode(family_paths, family_refs):
+  """A non-dense stage decodes per stream: warm_up captures tinygrad's T=1 decode (no batch shapes), forward_batch is
+  refused by name, and the warmed-up stage is still exact."""
+  stages = load_split(family_paths["glm4moe"], [(0, 2), (2, 4)], slots=2)
+  for s in stages: assert not s.batched and s.warm_up() == []
+  with pytest.raises(errors.InvalidOption): stages[0].forward_batch([0], np.asarray([5], np.uint32), [1])
+  assert chain(stages, PROMPT, NEW) == family_refs["glm4moe"]["tokens"]
+
+
+def test_recurrent_state_is_per_slot_and_reset_with_the_stream(family_paths, family_refs):
+  """qwen35: two streams interleaved on two slots, then a new stream on a reused slot, each equal their solo reference
+  runs (the recurrent state lives per slot and starts from zero with each stream); a recurrent stage cannot rewind."""
+  ref = family_refs["qwen35"]["ref"]
+  want1, want2 = family_refs["qwen35"]["tokens"][:6], reference_tokens(ref, PROMPT2, 6)
+  stages = load_split(family_paths["qwen35"], [(0, 1), (1, 4)], slots=2)
+  assert all(s.chunk == 1 for s in stages)  # the attention-only tail [1, 4) too: generate prefills one token at a time
+  streams = {0: (list(PROMPT), []), 1: (list(PROMPT2), [])}
+  pos = {0: 0, 1: 0}
+  for s in stages:
+    for slot in streams: s.reset_slot(slot)
+  while any(len(o) < 6 for _, o in streams.values()):
+    for slot, (prompt, out) in streams.items():
+      x = np.asarray(prompt if not out else out[-1:], dtype=np.uint32)
+      h = stages[0].forward(slot, x, pos[slot]).numpy().reshape(len(x), -1)
+      out.append(int(stages[1].forward(slot, np.ascontiguousarray(h), pos[slot]).numpy().argmax()))
+      pos[slot] += len(x)
+  assert streams[0][1] == want1 and streams[1][1] == want2
+  assert chain(stages, PROMPT2, 6, slot=0) == want2  # slot 0 reused: its state starts over
+  with pytest.raises(errors.StreamPositionInvalid): stages[0].forward(0, np.asarray([5], np.uint32), 3)
 
 
 @pytest.mark.parametrize("name", list(TINY_MODELS))
@@ -228,7 +325,7 @@ def test_layer_range_invalid(tiny_paths, start, end):
   with pytest.raises(errors.LayerRangeInvalid): StageModel.load(tiny_paths["qwen3"], start, end)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "llama_moe", "gpt2"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "mixtral", "llama_moe", "gpt2"])
 def test_unsupported_architecture(tmp_path, arch):
   path = write_unsupported_gguf(tmp_path / f"{arch}.gguf", arch)
   with pytest.raises(errors.UnsupportedArchitecture) as e: StageModel.load(path, 0, 1)
@@ -407,3 +504,16 @@ def test_float32_weights_hold_the_float16_values(tiny_paths):
     wq, wf = bq.ffn_gate.weight, bf.ffn_gate.weight
     assert wf.dtype == dtypes.float32 and np.array_equal(wq.float().numpy(), wf.numpy())
   with pytest.raises(errors.InvalidOption): StageModel.load(tiny_paths["llama_untied"], 0, 4, max_context=CTX, weights="int3")
+
+
+def test_nextn_layers_are_not_blocks(tmp_path):
+  """block_count counts the multi-token-prediction layers; tinygrad runs block_count - nextn_predict_layers blocks, and so
+  does every count here: the stages, the suggested splits, and a split over all 4 blocks equals the reference."""
+  path = write_tiny_gguf(tmp_path / "nextn.gguf", **{**TINY_MODELS["qwen3"], "n_blocks": 4}, nextn=1)
+  h = read_header(path)
+  assert h.get("block_count") == 5 and h.num_blocks == 4
+  ref, _ = Transformer.from_gguf(path, max_context=CTX)
+  assert len(ref.blk) == 4
+  for by in ("memory", "compute"): assert suggest_split(h, 2, by)[-1][1] == 4
+  with pytest.raises(errors.LayerRangeInvalid): StageModel.load(path, 3, 5, max_context=CTX)
+  assert chain(load_split(path, [(0, 1), (1, 4)]), PROMPT2, 4) == reference_tokens(ref, PROMPT2, 4)

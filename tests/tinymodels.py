@@ -86,14 +86,46 @@ TINY_MODELS: dict[str, dict] = {
   "qwen3": dict(arch="qwen3", n_blocks=5, n_heads=4, n_kv_heads=2, tied=False, qk_norm=True, head_dim=32, rope_theta=1e6,
                 types={"token_embd": Q.Q8_0, "output": Q.F16, "attn": Q.Q4_0, "ffn": Q.Q8_0}),
 }
+# mixture-of-experts and MLA families, as tinygrad's from_gguf runs them
+TINY_FAMILIES: dict[str, dict] = {
+  # qwen3moe: 8 routed experts, 2 per token, softmax over the top 2 (norm_topk_prob), q/k norm, no shared expert
+  "qwen3moe": dict(arch="qwen3moe", n_blocks=4, n_heads=4, n_kv_heads=2, tied=False, qk_norm=True, head_dim=16, rope_theta=1e6,
+                   moe=dict(experts=8, used=2, ff=32), types={"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0}),
+  # glm4moe: a leading dense block, sigmoid routing with expert bias (selection on probability + bias, weights from the
+  # unbiased probabilities, renormalised, times expert_weights_scale), a shared expert with its gate, post_attention_norm,
+  # q/k/v bias, partial rotary (rope on 8 of 16 dims)
+  "glm4moe": dict(arch="glm4moe", n_blocks=4, n_heads=4, n_kv_heads=2, tied=False, qkv_bias=True, head_dim=16, rope_dim=8,
+                  post_norm=True, moe=dict(experts=8, used=3, ff=32, shared=1, lead=1, bias=True, scale=2.5, norm=True, shared_gate=True),
+                  types={"token_embd": Q.F16, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q4_0}),
+  # deepseek2: multi-head latent attention (q_lora and kv_lora, the q_b / kv_a_mqa rotary permutations, one latent cache
+  # per block), a leading dense block, softmax routing without renormalisation, scaled, one shared expert, no gate
+  "deepseek2": dict(arch="deepseek2", n_blocks=4, n_heads=4, n_kv_heads=1, tied=False,
+                    mla=dict(q_lora=32, kv_lora=32, rope=8, nope=16, v=16),
+                    moe=dict(experts=8, used=2, ff=32, shared=1, lead=1, scale=1.5, norm=False),
+                    types={"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0}),
+  # qwen35: hybrid, every 2nd block full attention (gated output, q/k norm, partial rotary), the others recurrent
+  # GatedDeltaNet blocks (conv + recurrent state per stream), post_attention_norm, dense FFN
+  "qwen35": dict(arch="qwen35", n_blocks=4, n_heads=4, n_kv_heads=2, tied=True, head_dim=16, rope_dim=8, post_norm=True,
+                 ssm=dict(conv_kernel=4, state_size=16, group_count=2, time_step_rank=4, inner_size=64, interval=2),
+                 types={"token_embd": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0}),
+  # qwen35moe: the same hybrid with routed experts and a gated shared expert in every block
+  "qwen35moe": dict(arch="qwen35moe", n_blocks=4, n_heads=4, n_kv_heads=2, tied=False, head_dim=16, rope_dim=8, post_norm=True,
+                    ssm=dict(conv_kernel=4, state_size=16, group_count=2, time_step_rank=4, inner_size=64, interval=2),
+                    moe=dict(experts=8, used=2, ff=32, shared=1, shared_gate=True),
+                    types={"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0}),
+}
 
 
 def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int = 64, n_blocks: int = 4, n_heads: int = 4,
                     n_kv_heads: int = 2, hidden: int = 128, context: int = 256, tied: bool = True, qkv_bias: bool = False,
                     qk_norm: bool = False, head_dim: int | None = None, rope_theta: float = 10000.0, seed: int = 0,
                     types: dict | None = None, expert_count: int = 0, pre: str | None = None,
-                    chat_template: str | None = CHATML, vocab_size: int = VOCAB_SIZE) -> pathlib.Path:
-  """Write a random model of `arch` to `path` and return the path."""
+                    chat_template: str | None = CHATML, vocab_size: int = VOCAB_SIZE, nextn: int = 0, rope_dim: int | None = None,
+                    moe: dict | None = None, mla: dict | None = None, post_norm: bool = False, ssm: dict | None = None) -> pathlib.Path:
+  """Write a random model of `arch` to `path` and return the path. `nextn` multi-token-prediction layers follow the
+  n_blocks blocks (counted in block_count, run by nobody). `moe` makes the FFNs mixtures of experts (see TINY_FAMILIES),
+  `mla` the attention multi-head latent attention; `post_norm` names ffn_norm post_attention_norm (glm4moe, qwen35);
+  `ssm` makes all but every `interval`-th block a recurrent GatedDeltaNet block (qwen35)."""
   path = pathlib.Path(path)
   types = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0, **(types or {})}
   rng = np.random.default_rng(seed)
@@ -101,7 +133,8 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
   tokens, merges, token_types = tiny_vocab(vocab_size)
 
   w = gguf.GGUFWriter(str(path), arch)
-  w.add_uint32(f"{arch}.block_count", n_blocks)
+  w.add_uint32(f"{arch}.block_count", n_blocks + nextn)
+  if nextn: w.add_uint32(f"{arch}.nextn_predict_layers", nextn)
   w.add_uint32(f"{arch}.context_length", context)
   w.add_uint32(f"{arch}.embedding_length", dim)
   w.add_uint32(f"{arch}.feed_forward_length", hidden)
@@ -109,10 +142,31 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
   w.add_uint32(f"{arch}.attention.head_count_kv", n_kv_heads)
   w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
   w.add_float32(f"{arch}.rope.freq_base", rope_theta)
-  if head_dim is not None:
+  if mla:
+    hd = mla["nope"] + mla["rope"]
+    w.add_uint32(f"{arch}.attention.kv_lora_rank", mla["kv_lora"])
+    w.add_uint32(f"{arch}.attention.q_lora_rank", mla["q_lora"])
+    w.add_uint32(f"{arch}.attention.key_length_mla", hd)
+    w.add_uint32(f"{arch}.attention.value_length_mla", mla["v"])
+    w.add_uint32(f"{arch}.attention.key_length", mla["kv_lora"] + mla["rope"])
+    w.add_uint32(f"{arch}.attention.value_length", mla["kv_lora"])
+    w.add_uint32(f"{arch}.rope.dimension_count", mla["rope"])
+  elif head_dim is not None:
     w.add_uint32(f"{arch}.attention.key_length", hd)
     w.add_uint32(f"{arch}.attention.value_length", hd)
-  else: w.add_uint32(f"{arch}.rope.dimension_count", hd)
+    if rope_dim: w.add_uint32(f"{arch}.rope.dimension_count", rope_dim)
+  else: w.add_uint32(f"{arch}.rope.dimension_count", rope_dim or hd)
+  if ssm:
+    for k in ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size"): w.add_uint32(f"{arch}.ssm.{k}", ssm[k])
+    w.add_uint32(f"{arch}.full_attention_interval", ssm["interval"])
+  if moe:
+    w.add_uint32(f"{arch}.expert_count", moe["experts"])
+    w.add_uint32(f"{arch}.expert_used_count", moe["used"])
+    w.add_uint32(f"{arch}.expert_feed_forward_length", moe["ff"])
+    if moe.get("shared"): w.add_uint32(f"{arch}.expert_shared_count", moe["shared"])
+    if moe.get("lead"): w.add_uint32(f"{arch}.leading_dense_block_count", moe["lead"])
+    if "scale" in moe: w.add_float32(f"{arch}.expert_weights_scale", moe["scale"])
+    if "norm" in moe: w.add_bool(f"{arch}.expert_weights_norm", moe["norm"])
   if expert_count:
     w.add_uint32(f"{arch}.expert_count", expert_count)
     w.add_uint32(f"{arch}.expert_used_count", min(2, expert_count))
@@ -136,26 +190,66 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
   def lin(out_f: int, in_f: int, scale: float = 1.0) -> np.ndarray:
     return rng.standard_normal((out_f, in_f)).astype(np.float32) * (scale / np.sqrt(in_f))
   def norm(n: int) -> np.ndarray: return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+  def add_recurrent(p: str, ssm: dict) -> None:
+    hv, inner = ssm["time_step_rank"], ssm["inner_size"]
+    conv = inner + 2 * ssm["group_count"] * ssm["state_size"]
+    add(p + "attn_qkv.weight", lin(conv, dim), types["attn"])
+    add(p + "attn_gate.weight", lin(inner, dim), types["attn"])
+    add(p + "ssm_alpha.weight", lin(hv, dim), Q.F16)
+    add(p + "ssm_beta.weight", lin(hv, dim), Q.F16)
+    add(p + "ssm_conv1d.weight", 0.5 * rng.standard_normal((conv, ssm["conv_kernel"])), Q.F32)
+    add(p + "ssm_dt.bias", 0.1 * rng.standard_normal(hv), Q.F32)
+    add(p + "ssm_a", -np.exp(0.3 * rng.standard_normal(hv)), Q.F32)
+    add(p + "ssm_norm.weight", norm(inner // hv), Q.F32)
+    add(p + "ssm_out.weight", lin(dim, inner, scale=2.0), types["attn"])
+
+  def add_experts(p: str, moe: dict) -> None:
+    E, ff = moe["experts"], moe["ff"]
+    add(p + "ffn_gate_inp.weight", lin(E, dim, scale=4.0), Q.F32)  # the router: spread logits, so no top-k ties
+    if moe.get("bias"): add(p + "exp_probs_b.bias", 0.3 * rng.standard_normal(E), Q.F32)
+    add(p + "ffn_gate_exps.weight", np.stack([lin(ff, dim) for _ in range(E)]), types["ffn"])
+    add(p + "ffn_up_exps.weight", np.stack([lin(ff, dim) for _ in range(E)]), types["ffn"])
+    add(p + "ffn_down_exps.weight", np.stack([lin(dim, ff, scale=2.0) for _ in range(E)]), types["ffn"])
+    if sh := moe.get("shared", 0) * ff:
+      add(p + "ffn_gate_shexp.weight", lin(sh, dim), types["ffn"])
+      add(p + "ffn_up_shexp.weight", lin(sh, dim), types["ffn"])
+      add(p + "ffn_down_shexp.weight", lin(dim, sh, scale=2.0), types["ffn"])
+      if moe.get("shared_gate"): add(p + "ffn_gate_inp_shexp.weight", 0.5 * rng.standard_normal(dim), Q.F32)
 
   # tied: a small embedding so the blocks, not the input token, dominate the residual (else greedy repeats the input)
   add("token_embd.weight", rng.standard_normal((len(tokens), dim)).astype(np.float32) * (0.1 if tied else 1.0), types["token_embd"])
-  for i in range(n_blocks):
+  for i in range(n_blocks + nextn):
     p = f"blk.{i}."
+    if i >= n_blocks: add(p + "nextn.eh_proj.weight", lin(dim, 2 * dim), Q.F16)
     add(p + "attn_norm.weight", norm(dim), Q.F32)
-    add(p + "attn_q.weight", lin(n_heads * hd, dim), types["attn"])
-    add(p + "attn_k.weight", lin(n_kv_heads * hd, dim), types["attn"])
-    add(p + "attn_v.weight", lin(n_kv_heads * hd, dim), types["attn"])
-    if qkv_bias:
-      for n, k in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
-        add(p + f"attn_{n}.bias", 0.1 * rng.standard_normal(k * hd), Q.F32)
-    if qk_norm:
-      add(p + "attn_q_norm.weight", norm(hd), Q.F32)
-      add(p + "attn_k_norm.weight", norm(hd), Q.F32)
-    add(p + "attn_output.weight", lin(dim, n_heads * hd, scale=2.0), types["attn"])
-    add(p + "ffn_norm.weight", norm(dim), Q.F32)
-    add(p + "ffn_gate.weight", lin(hidden, dim), types["ffn"])
-    add(p + "ffn_up.weight", lin(hidden, dim), types["ffn"])
-    add(p + "ffn_down.weight", lin(dim, hidden, scale=2.0), types["ffn"])
+    if ssm and (i + 1) % ssm["interval"] != 0:
+      add_recurrent(p, ssm)
+    elif mla:
+      add(p + "attn_q_a.weight", lin(mla["q_lora"], dim), types["attn"])
+      add(p + "attn_q_a_norm.weight", norm(mla["q_lora"]), Q.F32)
+      add(p + "attn_q_b.weight", lin(n_heads * hd, mla["q_lora"]), types["attn"])
+      add(p + "attn_kv_a_mqa.weight", lin(mla["kv_lora"] + mla["rope"], dim), types["attn"])
+      add(p + "attn_kv_a_norm.weight", norm(mla["kv_lora"]), Q.F32)
+      add(p + "attn_k_b.weight", rng.standard_normal((n_heads, mla["kv_lora"], mla["nope"])) / np.sqrt(mla["nope"]), Q.F16)
+      add(p + "attn_v_b.weight", rng.standard_normal((n_heads, mla["v"], mla["kv_lora"])) / np.sqrt(mla["kv_lora"]), Q.F16)
+      add(p + "attn_output.weight", lin(dim, n_heads * mla["v"], scale=2.0), types["attn"])
+    else:
+      add(p + "attn_q.weight", lin(n_heads * hd * (2 if ssm else 1), dim), types["attn"])  # qwen35: q and its output gate
+      add(p + "attn_k.weight", lin(n_kv_heads * hd, dim), types["attn"])
+      add(p + "attn_v.weight", lin(n_kv_heads * hd, dim), types["attn"])
+      if qkv_bias:
+        for n, k in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
+          add(p + f"attn_{n}.bias", 0.1 * rng.standard_normal(k * hd), Q.F32)
+      if qk_norm or ssm:  # qwen35's attention blocks always norm q and k
+        add(p + "attn_q_norm.weight", norm(hd), Q.F32)
+        add(p + "attn_k_norm.weight", norm(hd), Q.F32)
+      add(p + "attn_output.weight", lin(dim, n_heads * hd, scale=2.0), types["attn"])
+    add(p + ("post_attention_norm.weight" if post_norm else "ffn_norm.weight"), norm(dim), Q.F32)
+    if moe and i >= moe.get("lead", 0): add_experts(p, moe)
+    else:
+      add(p + "ffn_gate.weight", lin(hidden, dim), types["ffn"])
+      add(p + "ffn_up.weight", lin(hidden, dim), types["ffn"])
+      add(p + "ffn_down.weight", lin(dim, hidden, scale=2.0), types["ffn"])
   add("output_norm.weight", norm(dim), Q.F32)
   if not tied: add("output.weight", lin(len(tokens), dim, scale=4.0), types["output"])
 
@@ -166,9 +260,9 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
   return path
 
 
-def write_unsupported_gguf(path: str | pathlib.Path, arch: str = "qwen3moe") -> pathlib.Path:
-  """A small model of an architecture we refuse (e.g. qwen3moe, deepseek2): header + a few tensors."""
+def write_unsupported_gguf(path: str | pathlib.Path, arch: str = "qwen2moe") -> pathlib.Path:
+  """A small model of an architecture we refuse (e.g. qwen2moe, mixtral, gpt2): header + a few tensors."""
   path = pathlib.Path(path)
   if arch == "llama_moe":  # llama metadata with experts (Mixtral-style): refused too
     return write_tiny_gguf(path, arch="llama", n_blocks=2, expert_count=4)
-  return write_tiny_gguf(path, arch=arch, n_blocks=2, expert_count=4 if "moe" in arch or arch == "deepseek2" else 0)
+  return write_tiny_gguf(path, arch=arch, n_blocks=2, expert_count=4 if "moe" in arch or arch == "mixtral" else 0)

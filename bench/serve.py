@@ -41,12 +41,12 @@ def percentile(xs: list[float], p: float) -> float:
   return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def stream_one(client: Any, url: str, prompt: str, tokens: int, model: str) -> dict:
-  """One streaming completion; the arrival time of every token event."""
+def stream_one(client: Any, url: str, prompt: str, tokens: int, model: str, times: list[float] | None = None) -> dict:
+  """One streaming completion; the arrival time of every token event (appended to `times` as they come, if given)."""
   body = {"model": model, "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True, "temperature": 0,
           "stream_options": {"include_usage": True}}
   t0 = time.monotonic()
-  times: list[float] = []
+  times = [] if times is None else times
   usage: dict = {}
   with client.stream("POST", url + "/v1/completions", json=body) as r:
     if r.status_code != 200: raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
@@ -113,14 +113,15 @@ def long_prompt(url: str, tokens: int, model: str, prompt_tokens: int = 1000) ->
   tokens against its own median gap (the issue's target: at most 3x)."""
   import httpx
   res: dict[int, dict] = {}
+  live: dict[int, list[float]] = {i: [] for i in range(4)}   # token times as they arrive
 
   def one(i: int) -> None:
-    with httpx.Client(timeout=600) as cl: res[i] = stream_one(cl, url, PROMPTS[i], tokens, model)
+    with httpx.Client(timeout=600) as cl: res[i] = stream_one(cl, url, PROMPTS[i], tokens, model, live[i])
   run_level(url, 4, 4, 1, model)  # warm the 4-row and 1-row shapes
   threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
   for t in threads: t.start()
   deadline = time.monotonic() + 600
-  while not all(len(res.get(i, {"times": []})["times"]) for i in range(4)) and time.monotonic() < deadline: time.sleep(0.05)
+  while not all(live.values()) and time.monotonic() < deadline: time.sleep(0.05)
   time.sleep(1.0)  # every stream is decoding now
   long_text = " ".join(["The quick brown fox jumps over the lazy dog."] * (prompt_tokens // 10))
   t_long = time.monotonic()

@@ -214,6 +214,10 @@ class StageModel:
     moe = [b for b in self.blk if b.config.num_experts]
     self._router_block = moe[-1] if moe and ROUTER in self.boundary.egress.tensors else None
     self.last_router: Tensor | None = None  # (1, T, experts) of the last forward, when the egress carries them
+    # how often that block routed a token to each expert (its top-k, chosen as tinygrad's FFNBlock chooses): the stage's
+    # expert load, counted from the router logits it sends, so it costs a top-k over (T, experts) on the host per record
+    self.expert_load = np.zeros(cfg.num_experts, np.int64) if self._router_block is not None else None
+    self._router_bias: np.ndarray | None = None
 
   # --- loading ----------------------------------------------------------------------------------
   def _empty(self, shape: tuple[int, ...], dtype) -> Tensor:
@@ -666,11 +670,23 @@ class StageModel:
     for name, (dt, w) in list(self.boundary.egress.tensors.items())[1:]:
       n = T * w * DTYPES[dt].itemsize
       if len(mv) < off + n: raise errors.OutputExtentInvalid(f"{off + n} bytes do not fit in a span of {len(mv)}")
-      if name == ROUTER and self.last_router is not None: self.last_router.uop.buffer.copyout(mv[off:off + n])
+      if name == ROUTER and self.last_router is not None:
+        self.last_router.uop.buffer.copyout(mv[off:off + n])
+        self._count_routes(np.frombuffer(mv[off:off + n], dtype=np.float32).reshape(T, w))
       elif name == ROUTER: mv[off:off + n] = bytes(n)
       elif name == MLA_POS: mv[off:off + n] = np.arange(start_pos, start_pos + T, dtype="<u4").tobytes()
       off += n
     return off
+
+  def _count_routes(self, logits: np.ndarray) -> None:
+    """Add a record's routing to expert_load: top-k of the logits, or with an expert bias (glm4moe, deepseek v3) of
+    sigmoid(logits) + bias, as FFNBlock._feed_forward selects."""
+    b = self._router_block
+    if hasattr(b, "exp_probs_b"):
+      if self._router_bias is None: self._router_bias = b.exp_probs_b["bias"].float().numpy().reshape(-1)
+      logits = 1.0 / (1.0 + np.exp(-logits)) + self._router_bias
+    k = b.config.num_experts_per_tok
+    np.add.at(self.expert_load, np.argpartition(-logits, k - 1, axis=-1)[:, :k].reshape(-1), 1)
 
   def output_into(self, t: Tensor, dst: memoryview) -> int:
     """Copy a realized tensor's bytes into a writable buffer (a ring span) with no intermediate host copy.

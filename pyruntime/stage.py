@@ -552,6 +552,7 @@ class Stage:
              pending_tokens=sum(len(x) for st in self.streams.values() for _, x in st.pending))
     s.pop("started")
     if self.writer is not None: s["egress_occupancy"] = self.writer.occupancy()
+    if self.model is not None and self.model.expert_load is not None: s["expert_load"] = self.model.expert_load.tolist()
     self.ch.emit(Event.STAGE_STATS, stage=self.index, **s)
 
   # --- lifecycle ----------------------------------------------------------------------------------

@@ -58,7 +58,16 @@ def test_streams_equal_reference_alone_and_together(family):
   for t in threads: t.start()
   for t in threads: t.join(300)
   assert together == solo
-  assert max(s["max_batch"] for s in lm.stage_stats()) > 1  # they were in flight together
+  stats = lm.stage_stats()
+  assert max(s["max_batch"] for s in stats) > 1  # they were in flight together
+  # the expert load of every stage whose egress carries router logits: each token it sent down went to top-k experts
+  for s, (_, end) in zip(stats[:-1], SPLITS[name][:-1], strict=True):
+    cfg = lm.header.kv
+    k = cfg.get(f"{lm.header.arch}.expert_used_count", 0)
+    moe_before_cut = k and end > cfg.get(f"{lm.header.arch}.leading_dense_block_count", 0)
+    if not moe_before_cut: assert "expert_load" not in s or not any(s["expert_load"]); continue
+    load = s["expert_load"]
+    assert len(load) == cfg[f"{lm.header.arch}.expert_count"] and sum(load) == k * s["tokens"] and sum(v > 0 for v in load) > 1, load
 
 
 @pytest.mark.parametrize("name", MOE)

@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -118,22 +119,29 @@ SPLITS = {  # 1, 2 and 3 stages, even and uneven
 }
 
 
+def write_models(folder: pathlib.Path, models: dict[str, dict]) -> dict[str, pathlib.Path]:
+  return {name: write_tiny_gguf(folder / f"{name}.gguf", **kw) for name, kw in models.items()}
+
+
+def reference_runs(paths: dict[str, pathlib.Path], steps: Callable[[str], int]) -> dict[str, dict]:
+  """Per model: tinygrad's model, its tokens for PROMPT, and its logits for the prefill and the first steps(name) - 1
+  decode steps."""
+  out = {}
+  for name, path in paths.items():
+    ref, _ = Transformer.from_gguf(path, max_context=CTX)
+    toks = reference_tokens(ref, PROMPT, NEW)
+    out[name] = {"ref": ref, "tokens": toks, "logits": reference_logits(ref, PROMPT + toks, len(PROMPT), steps(name))}
+  return out
+
+
 @pytest.fixture(scope="module")
-def tiny_paths(tmp_path_factory) -> dict[str, pathlib.Path]:
-  d = tmp_path_factory.mktemp("tiny")
-  return {name: write_tiny_gguf(d / f"{name}.gguf", **TINY_MODELS[name]) for name in TINY_MODELS}
+def tiny_paths(tmp_path_factory) -> dict[str, pathlib.Path]: return write_models(tmp_path_factory.mktemp("tiny"), TINY_MODELS)
 
 
 @pytest.fixture(scope="module")
 def tiny_refs(tiny_paths) -> dict[str, dict]:
-  """Per model: the reference's tokens for PROMPT, and its logits for the prefill (and the first decode step)."""
-  out = {}
-  for name, path in tiny_paths.items():
-    ref, _ = Transformer.from_gguf(path, max_context=CTX)
-    toks = reference_tokens(ref, PROMPT, NEW)
-    steps = 2 if name in ("llama_tied", "qwen3") else 1  # the prefill, and a T=1 decode step where it matters most
-    out[name] = {"ref": ref, "tokens": toks, "logits": reference_logits(ref, PROMPT + toks, len(PROMPT), steps)}
-  return out
+  # the prefill, and a T=1 decode step where it matters most
+  return reference_runs(tiny_paths, lambda name: 2 if name in ("llama_tied", "qwen3") else 1)
 
 
 @pytest.mark.parametrize("name,ranges", [(n, r) for n, rs in SPLITS.items() for r in rs],
@@ -156,19 +164,11 @@ FAMILY_SPLITS = [[(0, 4)], [(0, 1), (1, 4)], [(0, 2), (2, 3), (3, 4)], [(0, 3), 
 
 
 @pytest.fixture(scope="module")
-def family_paths(tmp_path_factory) -> dict[str, pathlib.Path]:
-  d = tmp_path_factory.mktemp("families")
-  return {name: write_tiny_gguf(d / f"{name}.gguf", **TINY_FAMILIES[name]) for name in TINY_FAMILIES}
+def family_paths(tmp_path_factory) -> dict[str, pathlib.Path]: return write_models(tmp_path_factory.mktemp("families"), TINY_FAMILIES)
 
 
 @pytest.fixture(scope="module")
-def family_refs(family_paths) -> dict[str, dict]:
-  out = {}
-  for name, path in family_paths.items():
-    ref, _ = Transformer.from_gguf(path, max_context=CTX)
-    toks = reference_tokens(ref, PROMPT, NEW)
-    out[name] = {"ref": ref, "tokens": toks, "logits": reference_logits(ref, PROMPT + toks, len(PROMPT), 2)}
-  return out
+def family_refs(family_paths) -> dict[str, dict]: return reference_runs(family_paths, lambda name: 2)
 
 
 @pytest.mark.parametrize("name,ranges", [(n, r) for n in TINY_FAMILIES for r in FAMILY_SPLITS],

@@ -263,6 +263,7 @@ class Launcher:
     self._shut = False                    # the stages are gone and the arena unlinked
     self._failure: errors.StageFailed | None = None  # what ended the pipeline, for every stream still running
     self._close_lock = threading.Lock()
+    self._stats_lock = threading.Lock()   # one QueryStats round trip at a time (the server's /metrics, a benchmark)
     self._old_sigterm: Any = None
     # launcher time per token, between a token's arrival and the next write: wall, and this thread's CPU
     # (on a loaded machine the wall time includes being preempted by the stage we just woke)
@@ -402,8 +403,15 @@ class Launcher:
 
   def stage_stats(self, timeout: float = 10.0) -> list[dict]:
     """Each stage's counters (records, tokens, compute_s, wait_s, wall_s), asked over the control channel."""
-    for h in self.handles: h.send(Command.QUERY_STATS)
-    return [self._expect(h, Event.STAGE_STATS, timeout) for h in self.handles]
+    with self._stats_lock:
+      for h in self.handles: h.send(Command.QUERY_STATS)
+      return [self._expect(h, Event.STAGE_STATS, timeout) for h in self.handles]
+
+  def expert_load(self) -> list[list[int] | None]:
+    """Per stage, how often its last MoE block routed a token to each expert (None: the stage counts none, see
+    model.StageModel.expert_load); [] for a model without experts, which costs no round trip."""
+    if not int(self.header.get("expert_count", 0)): return []
+    return [s.get("expert_load") for s in self.stage_stats()]
 
   # --- generation --------------------------------------------------------------------------------
   def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:

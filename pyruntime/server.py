@@ -115,7 +115,7 @@ class Metrics:
   def error(self, code: str) -> None:
     with self.lock: self.errors[code] += 1
 
-  def render(self, *, stats: dict, occupancy: list[float], alive: list[bool]) -> str:
+  def render(self, *, stats: dict, occupancy: list[float], alive: list[bool], expert_load: list[list[int] | None] = ()) -> str:
     with self.lock:
       out: list[str] = []
       def head(name: str, kind: str, text: str) -> None: out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}"])
@@ -150,6 +150,11 @@ class Metrics:
       for i, v in enumerate(occupancy): out.append(f'pyruntime_ring_occupancy_ratio{{ring="{i}"}} {_fmt(v)}')
       head("pyruntime_stage_up", "gauge", "1 while the stage process is alive.")
       for i, a in enumerate(alive): out.append(f'pyruntime_stage_up{{stage="{i}"}} {int(a)}')
+      if any(expert_load):
+        head("pyruntime_expert_routed_tokens_total", "counter",
+             "Tokens a stage's last mixture-of-experts block routed to each expert (the stage's expert load).")
+        for i, load in enumerate(expert_load):
+          for e, n in enumerate(load or []): out.append(f'pyruntime_expert_routed_tokens_total{{stage="{i}",expert="{e}"}} {int(n)}')
       return "\n".join(out) + "\n"
 
 
@@ -166,6 +171,7 @@ class LauncherLike(Protocol):
   def scheduler_stats(self) -> dict: ...
   def alive(self) -> list[bool]: ...
   def ring_occupancy(self) -> list[float]: ...
+  def expert_load(self) -> list[list[int] | None]: ...
   def close(self) -> None: ...   # ends its stages; the server calls it on a failed launcher it replaces, and at its own end
 
 
@@ -488,6 +494,10 @@ class ServerState:
     try: return [float(v) for v in self.launcher.ring_occupancy()]
     except Exception: return []  # noqa: BLE001 - the arena is gone once the launcher closed
 
+  def expert_load(self) -> list[list[int] | None]:
+    try: return list(self.launcher.expert_load())
+    except Exception: return []  # noqa: BLE001 - a closed or failed launcher has no stages to ask
+
 
 def _log(text: str) -> None:
   sys.stderr.write(f"pyruntime: {text}\n"); sys.stderr.flush()
@@ -628,7 +638,8 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   async def health(request: Request) -> JSONResponse: return _health(state)
 
   async def metrics(request: Request) -> Response:
-    text = state.metrics.render(stats=state.scheduler_stats(), occupancy=state.occupancy(), alive=state.alive())
+    text = state.metrics.render(stats=state.scheduler_stats(), occupancy=state.occupancy(), alive=state.alive(),
+                                expert_load=await asyncio.to_thread(state.expert_load))  # a round trip to each stage: off the loop
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
   async def internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -68,6 +68,7 @@ def test_streams_equal_reference_alone_and_together(family):
     if not moe_before_cut: assert "expert_load" not in s or not any(s["expert_load"]); continue
     load = s["expert_load"]
     assert len(load) == cfg[f"{lm.header.arch}.expert_count"] and sum(load) == k * s["tokens"] and sum(v > 0 for v in load) > 1, load
+  assert lm.expert_load() == ([s.get("expert_load") for s in stats] if name in MOE else [])  # what /metrics shows
 
 
 @pytest.mark.parametrize("name", MOE)

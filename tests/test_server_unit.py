@@ -86,6 +86,8 @@ class FakeLauncherForUnitTests:
     if self._closed: raise errors.LauncherClosed("closed")
     return [0.0, 0.25, 0.5]
 
+  def expert_load(self) -> list[list[int] | None]: return [[3, 0, 5], None]   # a 3-expert MoE cut after its head
+
   def close(self) -> None:
     self._closed, self._alive = True, [False, False]
 
@@ -539,6 +541,7 @@ def test_metrics(server):
   assert 'pyruntime_decode_tokens_per_second_bucket{le="50"} 2' in t and 'pyruntime_decode_tokens_per_second_bucket{le="20"} 0' in t
   assert "pyruntime_queue_depth 0" in t and "pyruntime_requests_running 0" in t
   assert 'pyruntime_ring_occupancy_ratio{ring="1"} 0.25' in t and 'pyruntime_ring_occupancy_ratio{ring="2"} 0.5' in t
+  assert 'pyruntime_expert_routed_tokens_total{stage="0",expert="2"} 5' in t and 'stage="1",expert' not in t
   for line in t.splitlines():   # every sample line is `name{labels} number`
     if not line.startswith("#"): assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.]+(e[+-]?[0-9]+)?', line), line
 

@@ -194,9 +194,10 @@ def _parse(c: _Cursor) -> GGUFHeader:
     for d in dims:
       n *= d
       if n > INT64_MAX: raise c.fail(f"tensor {name!r} has dimensions {dims}: more than 2**63 elements", at)
-    if typ in GGML_TYPES and dims[0] % GGML_TYPES[typ][0]:
-      raise c.fail(f"tensor {name!r}: its first dimension {dims[0]} is not a multiple of the block size {GGML_TYPES[typ][0]} "
-                   f"of GGML type {typ}", at)
+    # a quantized type packs its first dimension in blocks (a scalar, with no dimension, has none to pack)
+    if typ in GGML_TYPES and (block := GGML_TYPES[typ][0]) > 1 and (not dims or dims[0] % block):
+      raise c.fail(f"tensor {name!r}: its first dimension {dims[0] if dims else '(none: a scalar)'} is not a multiple of the block "
+                   f"size {block} of GGML type {typ}", at)
     if typ not in GGML_TYPES: raise c.fail(f"tensor {name!r} has unknown or unsupported GGML type {typ}", at)
     if offset % alignment: raise c.fail(f"tensor {name!r} starts at data offset {offset}, not a multiple of the alignment {alignment}", at)
     infos.append((name, dims, typ, offset, tensor_nbytes(dims, typ)))

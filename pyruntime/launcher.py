@@ -295,13 +295,14 @@ class Launcher:
     # that share the CPU would only take cores from each other
     self.micro_batches = len(self.split) if len(set(self.devices)) == len(self.devices) and not any(
       d.upper().startswith("CPU") for d in self.devices) else 1
-    self.weights = [self._weights_for(d) for d in self.devices]
+    fits = 4 * sum(math.prod(t.dims) for t in self.header.tensors.values()) <= available_memory() // 2  # float32 copy
+    self.weights = [self._weights_for(d, fits) for d in self.devices]
     self.context_length = int(min(self.max_context_wanted or 1 << 62, self.header.get("context_length")))
     self.tokenizer: Tokenizer = Tokenizer.from_gguf_kv(self.header.kv)
     self.dim = int(self.header.get("embedding_length"))
     self.vocab_size = self.tokenizer.vocab_size
 
-  def _weights_for(self, device: str) -> str:
+  def _weights_for(self, device: str, float32_fits: bool) -> str:
     """How a stage on `device` keeps its weights (protocol.WEIGHT_MODES). "auto": tinygrad's own "quantized" for
     reference decoding (its exact tokens) and on accelerators; on a CPU, "float32" (several times faster there) when a
     float32 copy of the whole model takes at most half of the memory available now, every stage sharing it."""
@@ -309,8 +310,7 @@ class Launcher:
     if self.weights_wanted != "auto": return self.weights_wanted
     if self.decode == "reference" or not device.upper().startswith("CPU") or self.header.arch not in DENSE_ARCHS:
       return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (see stage.py)
-    need = 4 * sum(math.prod(t.dims) for t in self.header.tensors.values())
-    return "float32" if need <= available_memory() // 2 else "quantized"
+    return "float32" if float32_fits else "quantized"
 
   def start(self) -> "Launcher":
     from pyruntime.boundary import Boundary

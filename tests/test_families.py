@@ -54,10 +54,18 @@ def test_streams_equal_reference_alone_and_together(family):
   def one(i: int) -> None:
     time.sleep(0.05 * i)
     together[i] = generate(lm, i).token_ids
+  # a long stream runs beside all three, so they share steps however fast this machine runs six tokens
+  tokens_before = lm.scheduler_stats()["tokens"]
+  beside = lm.submit(PROMPTS[1], raw=True, max_tokens=None, ignore_eos=True, on_event=lambda ev: None)
+  deadline = time.monotonic() + 60
+  while lm.scheduler_stats()["tokens"] == tokens_before: assert time.monotonic() < deadline; time.sleep(0.005)
   threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
   for t in threads: t.start()
   for t in threads: t.join(300)
+  still_running = beside.state == "open"
+  beside.cancel()
   assert together == solo
+  assert still_running, "the long stream ended before the three did: the check below would not show they shared a step"
   stats = lm.stage_stats()
   assert max(s["max_batch"] for s in stats) > 1  # they were in flight together
   # the expert load of every stage whose egress carries router logits: each token it sent down went to top-k experts

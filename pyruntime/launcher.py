@@ -597,7 +597,8 @@ class Launcher:
     after `grace_s` SIGKILL. After a failure the survivors get SIGTERM at once instead.
     """
     self._closed = True  # the driver stops reading; if it is closing the launcher itself (a failure), that finishes first
-    if self._driver is not None and self._driver is not threading.current_thread(): self._driver.join()
+    # it looks at _closed every POLL_S; the bound is for a driver stuck in a consumer's callback: closing goes on regardless
+    if self._driver is not None and self._driver is not threading.current_thread(): self._driver.join(STOP_GRACE_S)
     with self._close_lock:
       if self._shut: return
       self._shut = True

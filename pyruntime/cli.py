@@ -267,6 +267,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           "leading_dense_blocks": h.get("leading_dense_block_count", 0), "kv_lora_rank": h.get("attention.kv_lora_rank", 0),
           "suggested_split": {f"{n}_stages": {"by_memory": suggest_split(h, n, by="memory"), "by_compute": suggest_split(h, n, by="compute")}
                               for n in range(1, a.max_stages + 1) if n <= blocks}}
+  if a.server: info["expert_load"] = _server_expert_load(a.server)
   if a.json: print(json.dumps(info, indent=1))
   else:
     for k, v in info.items():
@@ -275,8 +276,35 @@ def cmd_inspect(a: argparse.Namespace) -> int:
       if k == "suggested_split":
         for n, s in v.items(): print(f"split {n:>10}: memory {s['by_memory']}  compute {s['by_compute']}")
         continue
+      if k == "expert_load":
+        if not v: print(f"{k:>16}: none counted by {a.server} (a dense model, or no token routed yet)")
+        for stage, load in v.items(): print(f"{k:>16}: stage {stage}: {_load_summary(load)}")
+        continue
       print(f"{k:>16}: {v}")
   return 0
+
+
+def _server_expert_load(url: str) -> dict[int, list[int]]:
+  """A running server's per-stage expert load, from its /metrics (what the stages have routed since it started)."""
+  import urllib.error
+  import urllib.request
+
+  from pyruntime.server import parse_expert_load
+  try:
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as r: text = r.read().decode()
+  except (urllib.error.URLError, OSError, ValueError) as e: raise errors.ServerUnreachable(f"{url}/metrics: {e}") from None
+  if "pyruntime_stage_up" not in text: raise errors.ServerUnreachable(f"{url}/metrics is not a pyruntime server's")
+  return parse_expert_load(text)
+
+
+def _load_summary(load: list[int]) -> str:
+  """One stage's expert load for people: how many routings, the busiest experts' shares, and how uneven it is."""
+  total = sum(load)
+  if not total: return f"no routings yet over {len(load)} experts"
+  top = sorted(range(len(load)), key=lambda e: -load[e])[:3]
+  busiest = ", ".join(f"e{e} {100 * load[e] / total:.1f} %" for e in top)
+  return (f"{total} routings over {len(load)} experts; busiest {busiest}; busiest/mean {max(load) * len(load) / total:.2f}; "
+          f"idle {sum(v == 0 for v in load)}")
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -332,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("model", nargs="?", default=None, help="GGUF path, hf source or 'default' (default: the bundled SmolLM2-135M)")
   p.add_argument("--max-stages", type=int, default=4, help="suggest splits for 1 to this many stages")
   p.add_argument("--json", action="store_true", help="print JSON instead of text")
+  p.add_argument("--server", default=None, metavar="URL",
+                 help="also show the expert load a running `pyruntime serve` of this model counted (per stage: tokens routed to each expert)")
   p.set_defaults(fn=cmd_inspect)
   p = command("serve", "an OpenAI-compatible HTTP server")
   _add_model_args(p)

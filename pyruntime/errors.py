@@ -78,6 +78,8 @@ class GgufLocalPathMissing(ModelSourceError): pass
 class GgufDownloadFailed(ModelSourceError): pass
 class DefaultModelMissing(ModelSourceError): pass
 class ModelLoadFailed(ModelSourceError): pass
+class ServerUnreachable(PyruntimeError):
+  """`pyruntime inspect --server URL`: no pyruntime server answered /metrics there."""
 
 
 # --- generation and serving (docs/serving.md) ---------------------------------------------------------

@@ -210,12 +210,14 @@ class StageModel:
     else:
       self._stage_in = self._empty((1, PREFILL_CHUNK, cfg.dim), self._bdtype)
     if self.batched: self._init_batched_decode()
-    # MoE boundaries carry the router logits of the last MoE block before the cut: that block's function returns them too
+    # MoE boundaries carry the router logits of the last MoE block before the cut: that block's function returns them too.
+    # The tail has no such boundary, but its last MoE block returns them as well, for the expert load below.
     moe = [b for b in self.blk if b.config.num_experts]
-    self._router_block = moe[-1] if moe and ROUTER in self.boundary.egress.tensors else None
+    self._router_block = moe[-1] if moe and (ROUTER in self.boundary.egress.tensors or self.is_tail) else None
     self.last_router: Tensor | None = None  # (1, T, experts) of the last forward, when the egress carries them
     # how often that block routed a token to each expert (its top-k, chosen as tinygrad's FFNBlock chooses): the stage's
-    # expert load, counted from the router logits it sends, so it costs a top-k over (T, experts) on the host per record
+    # expert load, counted from the router logits it sends (the tail: from those of each forward), so it costs a top-k
+    # over (T, experts) on the host per record
     self.expert_load = np.zeros(cfg.num_experts, np.int64) if self._router_block is not None else None
     self._router_bias: np.ndarray | None = None
 
@@ -320,7 +322,9 @@ class StageModel:
       return h
     x = self._blocks(x, call, fresh=self._router_block)
     # .contiguous(): the JIT's output must be a buffer of its own (not a view into the (T, vocab) logits or a function call)
-    if self.is_tail: return self.output(self.output_norm(x))[:, -1, :].contiguous()
+    if self.is_tail:
+      logits = self.output(self.output_norm(x))[:, -1, :].contiguous()
+      return (logits, router[0].contiguous()) if router else logits
     x = (x.cast(self._bdtype) if self._bdtype != dtypes.float32 else x).contiguous()
     return (x, router[0].contiguous()) if router else x
 
@@ -612,7 +616,8 @@ class StageModel:
       self._pos[slot] = int(start_pos + s + nt)
       ret, *rl = ret if isinstance(ret, tuple) else (ret,)
       out = ret.uop.buf_uop.buffer
-      if rl: self.last_router = self._wrap(rl[0].uop.buf_uop.buffer, (1, T, E))
+      if rl and self.is_tail: self._count_routes(self._wrap(rl[0].uop.buf_uop.buffer, (1, nt, E)).numpy().reshape(nt, E))
+      elif rl: self.last_router = self._wrap(rl[0].uop.buf_uop.buffer, (1, T, E))
       if res is not None:
         # a prompt longer than one chunk: the JIT reuses its output buffers, so move each chunk's rows out now
         _copy_rows(res, out, s, nt)
@@ -648,6 +653,7 @@ class StageModel:
     self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
     if shapes: self._shape_for = {n: min((r for r in shapes if r >= n), key=lambda r: (self.shape_ms[r], r)) for n in range(1, self.slots + 1)}
     for slot in range(self.slots): self.reset_slot(slot)
+    if self.expert_load is not None: self.expert_load[:] = 0  # the warm-up's zeros were routed too: count only streams
     return shapes
 
   def rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:

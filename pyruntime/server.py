@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import re
 import socket
 import sys
 import threading
@@ -151,11 +152,23 @@ class Metrics:
       head("pyruntime_stage_up", "gauge", "1 while the stage process is alive.")
       for i, a in enumerate(alive): out.append(f'pyruntime_stage_up{{stage="{i}"}} {int(a)}')
       if any(expert_load):
-        head("pyruntime_expert_routed_tokens_total", "counter",
+        head(EXPERT_METRIC, "counter",
              "Tokens a stage's last mixture-of-experts block routed to each expert (the stage's expert load).")
         for i, load in enumerate(expert_load):
-          for e, n in enumerate(load or []): out.append(f'pyruntime_expert_routed_tokens_total{{stage="{i}",expert="{e}"}} {int(n)}')
+          for e, n in enumerate(load or []): out.append(f'{EXPERT_METRIC}{{stage="{i}",expert="{e}"}} {int(n)}')
       return "\n".join(out) + "\n"
+
+
+EXPERT_METRIC = "pyruntime_expert_routed_tokens_total"
+_EXPERT_LINE = re.compile(EXPERT_METRIC + r'\{stage="(\d+)",expert="(\d+)"\} (\d+)$')
+
+
+def parse_expert_load(metrics: str) -> dict[int, list[int]]:
+  """The expert load a server's /metrics text shows: per stage that counts one, tokens routed to each expert."""
+  seen: dict[int, dict[int, int]] = {}
+  for line in metrics.splitlines():
+    if m := _EXPERT_LINE.match(line): seen.setdefault(int(m[1]), {})[int(m[2])] = int(m[3])
+  return {stage: [by_expert.get(e, 0) for e in range(max(by_expert) + 1)] for stage, by_expert in sorted(seen.items())}
 
 
 # --- admission and streams ----------------------------------------------------------------------------

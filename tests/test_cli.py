@@ -155,3 +155,10 @@ def test_inspect_moe_counts_experts_in_bytes_and_used_experts_in_compute(tmp_pat
   assert info["bytes_per_block"][1] == sum(h.tensors[n].nbytes for n in exps + rest)
   assert info["compute_per_block"][1] == sum(params[n] for n in rest) + sum(params[n] * 3 // 8 for n in exps)
   assert info["suggested_split"]["3_stages"]["by_compute"][-1][1] == 4
+
+
+def test_inspect_names_a_server_that_is_not_there(tmp_path):
+  from tinymodels import TINY_MODELS, write_tiny_gguf
+  path = write_tiny_gguf(tmp_path / "tiny.gguf", **TINY_MODELS["llama_tied"])
+  out = subprocess.run([*CLI, "inspect", str(path), "--server", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 2 and "ServerUnreachable" in out.stderr and "127.0.0.1:9/metrics" in out.stderr, out.stderr

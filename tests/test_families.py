@@ -4,6 +4,7 @@ logits, MLA positions) crosses every cut."""
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 
@@ -68,15 +69,33 @@ def test_streams_equal_reference_alone_and_together(family):
   assert still_running, "the long stream ended before the three did: the check below would not show they shared a step"
   stats = lm.stage_stats()
   assert max(s["max_batch"] for s in stats) > 1  # they were in flight together
-  # the expert load of every stage whose egress carries router logits: each token it sent down went to top-k experts
-  for s, (_, end) in zip(stats[:-1], SPLITS[name][:-1], strict=True):
+  # the expert load of every stage that holds a MoE block (the tail too): each token it computed went to top-k experts
+  for s, (_, end) in zip(stats, SPLITS[name], strict=True):
     cfg = lm.header.kv
     k = cfg.get(f"{lm.header.arch}.expert_used_count", 0)
-    moe_before_cut = k and end > cfg.get(f"{lm.header.arch}.leading_dense_block_count", 0)
-    if not moe_before_cut: assert "expert_load" not in s or not any(s["expert_load"]); continue
+    holds_moe = k and end > cfg.get(f"{lm.header.arch}.leading_dense_block_count", 0)  # the dense blocks lead
+    if not holds_moe: assert "expert_load" not in s or not any(s["expert_load"]); continue
     load = s["expert_load"]
     assert len(load) == cfg[f"{lm.header.arch}.expert_count"] and sum(load) == k * s["tokens"] and sum(v > 0 for v in load) > 1, load
   assert lm.expert_load() == ([s.get("expert_load") for s in stats] if name in MOE else [])  # what /metrics shows
+
+
+def test_inspect_shows_a_running_servers_expert_load(family, capsys):
+  """`pyruntime inspect MODEL --server URL` after a run: each stage's expert load, as the stages counted it."""
+  from pyruntime import cli
+  from pyruntime.server import BackgroundServer, create_app
+  name, path, lm = family
+  generate(lm, 1)
+  with BackgroundServer(create_app(lm)) as srv:
+    assert cli.main(["inspect", str(path), "--server", srv.url, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["expert_load"]
+    assert cli.main(["inspect", str(path), "--server", srv.url]) == 0
+    text = capsys.readouterr().out
+  want = {str(i): load for i, load in enumerate(lm.expert_load()) if load is not None}
+  assert shown == want and (bool(want) == (name in MOE))
+  for stage, load in want.items():
+    assert f"stage {stage}: {sum(load)} routings over {len(load)} experts; busiest e{int(np.argmax(load))} " in text
+  if not want: assert "none counted" in text
 
 
 @pytest.mark.parametrize("name", MOE)

@@ -22,7 +22,7 @@ import pytest
 from pyruntime import errors, params
 from pyruntime import openai_api as api
 from pyruntime.launcher import Delta, Done, Timings, Usage
-from pyruntime.server import BackgroundServer, create_app
+from pyruntime.server import BackgroundServer, create_app, parse_expert_load
 
 SAMPLING = set(params.SAMPLING)
 
@@ -542,6 +542,7 @@ def test_metrics(server):
   assert "pyruntime_queue_depth 0" in t and "pyruntime_requests_running 0" in t
   assert 'pyruntime_ring_occupancy_ratio{ring="1"} 0.25' in t and 'pyruntime_ring_occupancy_ratio{ring="2"} 0.5' in t
   assert 'pyruntime_expert_routed_tokens_total{stage="0",expert="2"} 5' in t and 'stage="1",expert' not in t
+  assert parse_expert_load(t) == {0: [3, 0, 5]}   # what `pyruntime inspect --server` reads back
   for line in t.splitlines():   # every sample line is `name{labels} number`
     if not line.startswith("#"): assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.]+(e[+-]?[0-9]+)?', line), line
 

@@ -391,3 +391,11 @@ def test_nextn_layers_are_not_blocks(tmp_path):
   for by in ("memory", "compute"): assert suggest_split(h, 2, by)[-1][1] == 4
   with pytest.raises(errors.LayerRangeInvalid): StageModel.load(path, 3, 5, max_context=CTX)
   assert chain(load_split(path, [(0, 1), (1, 4)]), PROMPT2, 4) == reference_tokens(ref, PROMPT2, 4)
+  # the launcher plans over the same 4 blocks (it once counted 5, and refused every split before anything ran)
+  from pyruntime.launcher import Launcher
+  for stages, split, want in ((2, None, 4), (3, None, 4), (2, [(0, 2), (2, 4)], 4)):
+    lm = Launcher(path, stages=stages, split=split, max_context=CTX)
+    lm.plan()
+    assert lm.num_blocks == want and lm.split[-1][1] == want and len(lm.split) == stages
+  lm = Launcher(path, split=[(0, 2), (2, 5)], max_context=CTX)
+  with pytest.raises(errors.LayerRangeInvalid): lm.plan()

@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="when a stage dies, restart the pipeline, giving up after this many failed attempts in a row; 0: never restart")
   p.set_defaults(fn=cmd_serve)
   p = command("bench", "benchmarks: ring | pipeline | serve")
-  p.add_argument("what", choices=["ring", "pipeline", "serve"], help="which benchmark")
+  p.add_argument("what", choices=["ring", "pipeline", "serve", "launcher"], help="which benchmark")
   p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
   p.set_defaults(fn=cmd_bench)
   p = command("shm", "shared-memory housekeeping")

@@ -52,14 +52,20 @@ def generate(lm: Launcher, i: int, n: int = N) -> Done:
 
 
 def test_streams_in_flight_equal_their_solo_runs(lm):
-  """8 streams of different prompt lengths (one of two prefill chunks), greedy and seeded, started at staggered
-  times so they join a running batch at different steps: each gives exactly its solo tokens."""
+  """8 streams of different prompt lengths (one of two prefill chunks), greedy and seeded, each started when the one
+  before has two tokens out, so they join a running batch at different steps: each gives exactly its solo tokens."""
   solo = {i: generate(lm, i).token_ids for i in range(len(PROMPTS))}
   together: dict[int, list[int]] = {}
+  under_way = [threading.Event() for _ in PROMPTS]  # by tokens, not by time: a fast machine runs 10 tokens in 50 ms
 
   def one(i: int) -> None:
-    time.sleep(0.15 * i)
-    together[i] = generate(lm, i).token_ids
+    if i: under_way[i - 1].wait(60)
+    tokens = 0
+    for ev in lm.generate(PROMPTS[i], raw=True, max_tokens=N, ignore_eos=True, **SAMPLED.get(i, {})):
+      tokens += isinstance(ev, Delta) and bool(ev.token_ids)
+      if tokens >= 2: under_way[i].set()
+      if isinstance(ev, Done): together[i] = ev.token_ids
+    under_way[i].set()
   threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
   for t in threads: t.start()
   for t in threads: t.join(300)

@@ -25,6 +25,7 @@ import numpy as np
 
 from pyruntime import errors
 from pyruntime.boundary import MLA_POS
+from pyruntime.gc_policy import collect_due, collect_on_this_thread
 from pyruntime.protocol import (
   ABI_VERSION,
   FLAG_CLOSE,
@@ -583,6 +584,7 @@ class Stage:
     database among it) belongs to the thread that created it. Between records we look for commands.
     The queue holds command lines, an InvalidCommand (the reader could not read a line) or None (stdin closed)."""
     while True:
+      collect_due()  # between records: the only place this process collects garbage (pyruntime/gc_policy.py)
       try:
         if self.looping:
           try: item = commands.get_nowait()
@@ -630,6 +632,7 @@ def _die_with_parent() -> None:
 
 
 def main() -> None:
+  collect_on_this_thread()  # never on tinygrad's CPU worker threads, where a collection can deadlock them
   channel = Channel()
   stage = Stage(channel)
 

@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from pyruntime.gc_policy import collect_due, collect_on_this_thread
+
 SHM = pathlib.Path("/dev/shm")
 OURS = re.compile(r"^pyruntime-(\d+)-")
 
@@ -17,6 +19,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line("markers", "long: only with --long")
+  # tests run tinygrad in this process: a collection on one of its CPU worker threads can deadlock it
+  # (pyruntime/gc_policy.py), so garbage is collected on the main thread, between tests
+  collect_on_this_thread()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -65,6 +70,14 @@ def no_own_segments_leaked():
   leaked = [n for n in own_segments() if n not in before]
   for n in leaked: (SHM / n).unlink(missing_ok=True)
   assert not leaked, f"segments left in /dev/shm: {leaked}"
+
+
+@pytest.fixture(autouse=True)
+def garbage_collected_between_tests(no_own_segments_leaked):
+  """What the automatic collector would have done during the test, done after it on the main thread (before the
+  segment check, which it precedes in teardown)."""
+  yield
+  collect_due()
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import pathlib
@@ -78,6 +79,9 @@ def garbage_collected_between_tests(no_own_segments_leaked):
   segment check, which it precedes in teardown)."""
   yield
   collect_due()
+  if gc.isenabled():  # a test turned automatic collection back on: off again, and say which test did
+    gc.disable()
+    pytest.fail("the test left automatic garbage collection on (pyruntime/gc_policy.py: it must stay off here)")
 
 
 @pytest.fixture(scope="session")

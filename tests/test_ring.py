@@ -276,6 +276,7 @@ def test_writers_and_readers_die_with_their_last_reference(ring_binding):
   import gc
   import weakref
   with make() as a:
+    was_enabled = gc.isenabled()  # off in this suite (tests/conftest.py): leave it as it was
     gc.disable()
     try:
       w, r = a.writer(0), a.reader(0)
@@ -287,7 +288,7 @@ def test_writers_and_readers_die_with_their_last_reference(ring_binding):
       del w, r
       assert [x() for x in refs] == [None] * len(refs)
     finally:
-      gc.enable()
+      if was_enabled: gc.enable()
 
 
 

@@ -65,6 +65,8 @@ def test_streams_equal_reference_alone_and_together(family):
   for t in threads: t.join(300)
   still_running = beside.state == "open"
   beside.cancel()
+  deadline = time.monotonic() + 60
+  while beside.state != "done": assert time.monotonic() < deadline; time.sleep(0.005)  # its CLOSE came back: nothing in flight
   assert together == solo
   assert still_running, "the long stream ended before the three did: the check below would not show they shared a step"
   stats = lm.stage_stats()

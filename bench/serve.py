@@ -4,6 +4,7 @@ OpenAI-compatible server, for each C in one run, on fixed prompts and output len
     python bench/serve.py [--model M] [--stages 2] [--concurrency 1,2,4,8] [--tokens 32] [--json]
     python bench/serve.py --url http://127.0.0.1:8000          # a server that already runs
     python bench/serve.py --scenario long-prompt              # a 1,000-token prompt arriving while 4 streams decode
+    python bench/serve.py --scenario long-prompt --prefill-share 1,0   # side by side: chunks sized by load, whole chunks
     pyruntime bench serve --json
 
 Per C: aggregate output tokens/s (all clients' tokens over the wall time of the level), time to first token
@@ -14,12 +15,13 @@ for a new batch shape on first use), then measured. Outputs have a fixed length 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 PROMPTS = [
   "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -139,7 +141,33 @@ def long_prompt(url: str, tokens: int, model: str, prompt_tokens: int = 1000) ->
           "streams": rows, "worst_max_over_median": max(r["max_over_median"] for r in rows)}
 
 
+@contextlib.contextmanager
+def server_here(a: argparse.Namespace, prefill_share: float) -> Iterator[tuple[str, Any]]:
+  """A 2-stage launcher (every batch shape's kernels captured first) and the OpenAI server over it, in this process."""
+  from pyruntime.launcher import Launcher
+  from pyruntime.server import BackgroundServer, create_app
+  with Launcher(a.model, stages=a.stages, max_streams=a.max_streams, max_context=a.max_context, weights=a.weights, warmup=True,
+                prefill_share=prefill_share) as lm:
+    server = BackgroundServer(create_app(lm, queue_size=64)).start()
+    try: yield server.url, lm
+    finally: server.stop()
+
+
+def levels(url: str, lm: Any, a: argparse.Namespace, model: str) -> None:
+  rows = [run_level(url, c, a.tokens, a.requests_per_client, model, lm) for c in (int(x) for x in a.concurrency.split(","))]
+  base = rows[0]["tokens_per_s"] or float("nan")
+  for r in rows: r["vs_c1"] = round(r["tokens_per_s"] / base, 3)
+  if a.json: return print(json.dumps(rows))
+  print(f"{'C':>3} {'tok/s':>8} {'x C=1':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'req':>4} {'err':>4}")
+  for r in rows:
+    print(f"{r['concurrency']:>3} {r['tokens_per_s']:>8.2f} {r['vs_c1']:>6.2f} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
+          f"{r['itl_p50_s']:>8.3f} {r['itl_p99_s']:>8.3f} {r['requests']:>4} {r['errors']:>4}  "
+          + " | ".join(f"stage {x['stage']}: {x['decode_steps']} steps x {x['mean_rows']} rows, {x['prefill_chunks']} chunks, "
+                       f"busy {x['busy_s']} s, idle {x['wait_s']} s" for x in r["stages"] or []))
+
+
 def main(argv: list[str] | None = None) -> int:
+  from pyruntime.protocol import PREFILL_SHARE
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--url", default=None, help="a running server (default: start one here)")
   ap.add_argument("--model", default=None, help="GGUF for the server started here (default: the bundled SmolLM2)")
@@ -147,41 +175,30 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--max-streams", type=int, default=8)
   ap.add_argument("--max-context", type=int, default=2048)
   ap.add_argument("--weights", default="auto", choices=("auto", "quantized", "float16", "float32"), help="see Launcher(weights=)")
+  ap.add_argument("--prefill-share", default=str(PREFILL_SHARE),
+                  help="see Launcher(prefill_share=); a comma list runs one server per value, one after another, in this run")
   ap.add_argument("--concurrency", default="1,2,4,8")
   ap.add_argument("--tokens", type=int, default=32, help="output tokens per request")
   ap.add_argument("--requests-per-client", type=int, default=2)
   ap.add_argument("--scenario", choices=["levels", "long-prompt"], default="levels")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args(argv)
-  server = lm = None
-  url = a.url
-  if url is None:
-    from pyruntime.launcher import Launcher
-    from pyruntime.server import BackgroundServer, create_app
-    lm = Launcher(a.model, stages=a.stages, max_streams=a.max_streams, max_context=a.max_context, weights=a.weights, warmup=True).start()
-    server = BackgroundServer(create_app(lm, queue_size=64)).start()
-    url = server.url
-  try:
-    import httpx
-    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    if a.scenario == "long-prompt":
-      out: Any = long_prompt(url, max(a.tokens, 48), model)
-      print(json.dumps(out) if a.json else json.dumps(out, indent=1))
-      return 0
-    rows = [run_level(url, c, a.tokens, a.requests_per_client, model, lm) for c in (int(x) for x in a.concurrency.split(","))]
-    base = rows[0]["tokens_per_s"] or float("nan")
-    for r in rows: r["vs_c1"] = round(r["tokens_per_s"] / base, 3)
-    if a.json: print(json.dumps(rows))
-    else:
-      print(f"{'C':>3} {'tok/s':>8} {'x C=1':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'req':>4} {'err':>4}")
-      for r in rows:
-        print(f"{r['concurrency']:>3} {r['tokens_per_s']:>8.2f} {r['vs_c1']:>6.2f} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
-              f"{r['itl_p50_s']:>8.3f} {r['itl_p99_s']:>8.3f} {r['requests']:>4} {r['errors']:>4}  "
-              + " | ".join(f"stage {x['stage']}: {x['decode_steps']} steps x {x['mean_rows']} rows, {x['prefill_chunks']} chunks, "
-                           f"busy {x['busy_s']} s, idle {x['wait_s']} s" for x in r["stages"] or []))
-  finally:
-    if server is not None: server.stop()
-    if lm is not None: lm.close()
+  import httpx
+  shares = [float(x) for x in a.prefill_share.split(",")]
+  if a.url is not None and len(shares) > 1: ap.error("--prefill-share takes one value with --url (the server's own is used)")
+  results = []
+  for share in shares:
+    with contextlib.nullcontext((a.url, None)) if a.url else server_here(a, share) as (url, lm):
+      model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+      if a.scenario == "levels":
+        if len(shares) > 1: print(f"prefill_share {share:g}")
+        levels(url, lm, a, model)
+        continue
+      out = long_prompt(url, max(a.tokens, 48), model)
+      out["prefill_share"] = share
+      if lm is not None: out["prefill_chunks"] = [s["prefill_chunks"] for s in lm.stage_stats()]
+      results.append(out)
+  if results: print(json.dumps(results if len(results) > 1 else results[0], indent=None if a.json else 1))
   return 0
 
 

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from pyruntime import errors
+from pyruntime.protocol import PREFILL_SHARE
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +29,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                  "once at load; auto: float32 on a CPU when the model fits twice over in free memory (several times faster "
                  "there), quantized on GPUs and with --decode reference")
   p.add_argument("--max-context", type=int, default=None, help="cap on the context in tokens (default: the model's own)")
+  p.add_argument("--prefill-share", type=float, default=PREFILL_SHARE,
+                 help="beside decoding streams, a new prompt's prefill chunks cost about this share of their step "
+                 "(0: whole 32-token chunks, the fastest first token and the longest stalls for the others)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -193,7 +197,7 @@ def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) 
   from pyruntime.plan import parse_split
   return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
                   boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, weights=a.weights,
-                  max_context=a.max_context, warmup=warmup, on_event=LoadProgress(quiet))
+                  max_context=a.max_context, prefill_share=a.prefill_share, warmup=warmup, on_event=LoadProgress(quiet))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -36,12 +36,14 @@ from pyruntime.protocol import (
   FLAG_ERROR,
   FLAG_MORE,
   FLAG_OPEN,
+  PREFILL_SHARE,
   WEIGHT_MODES,
   Command,
   Event,
   OpenInfo,
   decode_json,
   object_id,
+  prefill_share_problem,
   ring_bytes,
   split_object_id,
 )
@@ -230,7 +232,7 @@ class Launcher:
   def __init__(self, model: str | os.PathLike | None = None, *, stages: int = 2, split: Sequence[tuple[int, int]] | None = None,
                devices: str | Sequence[str] | None = None, boundary_dtype: str = "float32", max_streams: int = 8,
                decode: str = "batched", weights: str = "auto", warmup: bool = False, max_context: int | None = None,
-               on_event: Callable[[dict], None] | None = None,
+               prefill_share: float = PREFILL_SHARE, on_event: Callable[[dict], None] | None = None,
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0):
     if boundary_dtype not in ("float32", "float16"): raise errors.InvalidOption("boundary_dtype", "float32 or float16")
     if not isinstance(max_streams, int) or isinstance(max_streams, bool) or not 1 <= max_streams <= 256:
@@ -238,7 +240,8 @@ class Launcher:
     if decode not in ("batched", "reference"): raise errors.InvalidOption("decode", f"'batched' or 'reference', not {decode!r}")
     if weights != "auto" and weights not in WEIGHT_MODES:
       raise errors.InvalidOption("weights", f"'auto' or one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
-    self.weights_wanted = weights
+    if (problem := prefill_share_problem(prefill_share)) is not None: raise errors.InvalidOption("prefill_share", problem)
+    self.weights_wanted, self.prefill_share = weights, prefill_share
     self.model_source, self.stages_wanted, self.split_wanted = model, stages, split
     self.devices_wanted, self.boundary_dtype, self.max_streams, self.decode = devices, boundary_dtype, max_streams, decode
     self.warmup = warmup  # capture every batch shape's kernels at start (a server's choice) rather than on first use
@@ -335,7 +338,7 @@ class Launcher:
         h.send(Command.INITIALIZE_WORKER, device=dev, abi_version=ABI_VERSION)
         h.send(Command.CONFIGURE_ROLE, stage=h.index, start=start, end=end, slots=self.max_streams, boundary_dtype=self.boundary_dtype,
                max_context=self.context_length, decode=self.decode, warmup=self.warmup, weights=w,
-               micro_batches=self.micro_batches)
+               micro_batches=self.micro_batches, prefill_share=self.prefill_share)
         h.send(Command.LOAD_WEIGHTS, model=str(self.path))
       for h in self.handles:  # the stages load in parallel; we just collect
         h.info = self._expect(h, Event.WEIGHTS_LOADED, self.load_timeout_s)

@@ -41,9 +41,10 @@ from pyruntime import errors
 from pyruntime.boundary import DTYPES, MLA_POS, ROUTER, StageBoundary
 from pyruntime.gguf import GGUFHeader, TensorInfo, read_header
 from pyruntime.plan import FFN_NORM_RENAMED, block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
-from pyruntime.protocol import WEIGHT_MODES
+from pyruntime.protocol import PREFILL_CHUNK, WEIGHT_MODES
 
-PREFILL_CHUNK = 32  # Transformer.generate's chunk_size: the prefill must be cut at the same places to be exact
+# PREFILL_CHUNK (32) is Transformer.generate's chunk_size; a chunk of any 1..32 tokens runs the same kernels, so where a
+# prompt is cut changes no bit (tests/test_model.py::test_where_the_prompt_is_cut_changes_no_bit)
 BOUNDARY_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16}
 
 

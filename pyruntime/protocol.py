@@ -43,7 +43,18 @@ FLAG_CLOSE = 1 << 2
 FLAG_ERROR = 1 << 3
 FLAG_MORE = 1 << 4
 
-PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: prefill must be cut at the same places to stay exact
+PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: the most tokens one prefill chunk (record) carries
+# ConfigureRole's "prefill_share": beside decoding streams, a newcomer's prefill chunk is sized to cost about this share
+# of their decode step (0: whole chunks always, the fastest prefill and the longest stalls); see Stage.prefill_size
+PREFILL_SHARE = 1.0
+MAX_PREFILL_SHARE = 16.0
+
+
+def prefill_share_problem(v: object) -> str | None:
+  """What is wrong with `v` as a prefill_share (None: nothing): it must be a number in [0, MAX_PREFILL_SHARE]."""
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_PREFILL_SHARE:  # NaN fails the bound
+    return f"must be a number in [0, {MAX_PREFILL_SHARE:g}], not {v!r}"
+  return None
 
 # ConfigureRole's "weights": how a stage keeps its weights. "quantized": as in the file, dequantised inside every
 # kernel (least memory; tinygrad's default, so `decode="reference"` gives its exact tokens); "float16": dequantised once

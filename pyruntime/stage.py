@@ -33,12 +33,14 @@ from pyruntime.protocol import (
   FLAG_ERROR,
   FLAG_MORE,
   FLAG_OPEN,
+  PREFILL_SHARE,
   WEIGHT_MODES,
   Command,
   Event,
   decode_json,
   error_payload,
   object_id,
+  prefill_share_problem,
   split_object_id,
 )
 
@@ -53,6 +55,9 @@ COMMAND_POLL_S = 0.05  # while records flow, how often the data loop looks for a
 GROUP_WAIT_S = 5.0     # how long to wait for the rest of a step's group (MORE): the upstream writes a group in one go
 DECODE_MODES = ("batched", "reference")  # reference: tinygrad's own T=1 decode kernels, one stream at a time (its exact tokens)
 GATHER_STEPS, GATHER_MIN_S, GATHER_MAX_S = 3.0, 0.005, 1.0  # how long a stage waits for decode rows still on their way
+# Where a prompt is cut never changes a number: every prefill chunk of 1..model.chunk tokens runs the same kernels
+# (symbolic T), each row reduced in the same order (tests/test_model.py proves it bit for bit), so chunks sized by load
+# (Stage.prefill_size, protocol.PREFILL_SHARE) keep every stream's tokens independent of the others.
 MAX_TAKE = 256         # records taken from the ring per loop turn, so a flooding upstream cannot starve the compute
 MAX_COMMAND_BYTES = 64 << 20  # one control line; a longer one is refused (InvalidCommand) rather than buffered without end
 
@@ -171,6 +176,8 @@ class Stage:
     self.micro_batches = 1
     self.gathering: float | None = None  # since when decode rows are being gathered
     self.step_s = 0.0                    # a decode step's duration here (moving average)
+    self.last_prefill: tuple[int, float] | None = None  # the last prefill chunk here: (tokens, seconds)
+    self.prefill_share = PREFILL_SHARE
     self.profile_report: Callable[[], None] | None = None
     self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "decode_steps": 0,
                   "decode_rows": 0, "max_batch": 0, "prefill_chunks": 0, "stream_errors": 0, "started": time.monotonic()}
@@ -206,13 +213,15 @@ class Stage:
             "slots": arg_int(cmd, "slots", 4, lo=1, hi=1024), "boundary_dtype": arg(cmd, "boundary_dtype", str, "float32"),
             "max_context": arg_int(cmd, "max_context", None, lo=1, hi=1 << 24), "decode": arg(cmd, "decode", str, "batched"),
             "warmup": arg(cmd, "warmup", bool, False), "micro_batches": arg_int(cmd, "micro_batches", 1, lo=1, hi=1024),
-            "weights": arg(cmd, "weights", str, "quantized")}
+            "weights": arg(cmd, "weights", str, "quantized"), "prefill_share": arg(cmd, "prefill_share", (int, float), PREFILL_SHARE)}
     if role["boundary_dtype"] not in ("float32", "float16"):
       raise errors.InvalidCommand(f"boundary_dtype must be float32 or float16, not {show(role['boundary_dtype'])}")
     if role["decode"] not in DECODE_MODES: raise errors.InvalidCommand(f"decode must be one of {DECODE_MODES}, not {role['decode']!r}")
     if role["weights"] not in WEIGHT_MODES: raise errors.InvalidCommand(f"weights must be one of {WEIGHT_MODES}, not {show(role['weights'])}")
     self.decode_mode = role["decode"]
     self.micro_batches = role["micro_batches"]
+    if (problem := prefill_share_problem(role["prefill_share"])) is not None: raise errors.InvalidCommand(f"prefill_share {problem}")
+    self.prefill_share = float(role["prefill_share"])
     if role["start"] < 0 or role["end"] <= role["start"]:
       raise errors.LayerRangeInvalid(f"layer range [{role['start']}, {role['end']}) is empty or negative")
     self.role = role
@@ -442,17 +451,31 @@ class Stage:
   def prefill_chunk(self, sid: int, st: Stream) -> None:
     t0 = time.monotonic()
     pos, x = st.pending[0]
-    chunk = self.model.chunk  # cut where tinygrad's generate cuts: every 32 positions (every one with a recurrent block)
-    n = min(len(x), chunk - pos % chunk)
+    n = min(len(x), self.prefill_size())
     if n == len(x): st.pending.popleft()
     else: st.pending[0] = (pos + n, x[n:])
     out = self.model.forward(st.slot, x[:n], pos, prefill=True)
     t1 = time.monotonic()
     if not self.model.is_tail or pos + n == st.prompt_tokens: self.emit(sid, st, pos, n, out, 0)
     t2 = time.monotonic()
+    self.note_prefill(n, t1 - t0)
     self.stats.update(records=self.stats["records"] + 1, tokens=self.stats["tokens"] + n, prefill_chunks=self.stats["prefill_chunks"] + 1,
                       compute_s=self.stats["compute_s"] + t1 - t0, emit_s=self.stats["emit_s"] + t2 - t1,
                       prefill_s=self.stats["prefill_s"] + t2 - t0)
+
+  def prefill_size(self) -> int:
+    """Tokens of the next prefill chunk: the model's whole chunk when no stream decodes here; beside decoding streams,
+    as many as cost about `prefill_share` of their step (0: whole chunks), judged by the last chunk (one token until a step and a chunk
+    were timed). A chunk that came in under that grows by at least one token: a chunk's fixed cost (on a GPU, most of
+    it) makes a per-token figure from a small chunk too dear, and the sizes must still find the right one."""
+    if not self.prefill_share or not self.decoding(): return self.model.chunk
+    if not (self.step_s and self.last_prefill): return 1
+    n, seconds = self.last_prefill
+    target = self.prefill_share * self.step_s
+    fit = int(n * target / seconds) if seconds > 0 else self.model.chunk
+    return max(1, min(self.model.chunk, max(n + 1, fit) if seconds < target else fit))
+
+  def note_prefill(self, n: int, seconds: float) -> None: self.last_prefill = (n, seconds)
 
   def emit(self, sid: int, st: Stream, pos: int, n: int, out: Any, flags: int) -> None:
     """Write one result: the residual of positions [pos, pos+n), or on the tail the token (or logits) after pos+n-1."""

@@ -73,6 +73,12 @@ def test_bad_serve_limits_are_refused_before_loading_the_model():
     assert out.returncode == 2 and "InvalidOption" in out.stderr and option[2:].replace("-", "_") in out.stderr, out.stderr
 
 
+def test_bad_prefill_share_is_refused_before_loading_the_model():
+  out = subprocess.run([*CLI, "generate", "hi", "--model", "/nowhere/model.gguf", "--prefill-share", "-1"], capture_output=True,
+                       text=True, timeout=60)
+  assert out.returncode == 2 and "InvalidOption" in out.stderr and "prefill_share" in out.stderr, out.stderr
+
+
 def test_errors_print_on_their_own_line_without_an_empty_one_first():
   out = subprocess.run([*CLI, "generate", "hi", "--model", "/nowhere/model.gguf"], capture_output=True, text=True, timeout=60)
   assert out.returncode == 2

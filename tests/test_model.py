@@ -81,17 +81,25 @@ def reference_logits(ref: Transformer, tokens: list[int], prompt_len: int, steps
 
 
 def chain(stages: list[StageModel], prompt: list[int], n: int, slot: int = 0, logits: list | None = None,
-          times: list | None = None, sampler: Sampler | None = None) -> list[int]:
-  """Greedy generation through the stages, the residual crossing each cut as a numpy array (as on a ring)."""
+          times: list | None = None, sampler: Sampler | None = None, piece: int | None = None) -> list[int]:
+  """Greedy generation through the stages, the residual crossing each cut as a numpy array (as on a ring). `piece`:
+  the prompt goes in as records of that many tokens (as a stage cuts it beside decoding streams), else as one."""
   for s in stages: s.reset_slot(slot)
-  out, pos, x = [], 0, np.asarray(prompt, dtype=np.uint32)
-  while len(out) < n:
+
+  def through(x: np.ndarray, pos: int, prefill: bool):
     h = x
     for s in stages:
-      r = s.forward(slot, h, pos)
-      if s.is_tail: break
+      r = s.forward(slot, h, pos, prefill=prefill)
+      if s.is_tail: return r
       h = np.empty((len(x), s.dim), dtype=np.float32 if s.boundary_dtype == "float32" else np.float16)
       s.output_into(r, memoryview(h))
+  x, pos, out = np.asarray(prompt, dtype=np.uint32), 0, []
+  while len(x) - pos > (piece or len(x)):  # all but the last piece
+    through(x[pos:pos + piece], pos, True)
+    pos += piece
+  x = x[pos:]
+  while len(out) < n:
+    r = through(x, pos, pos < len(prompt))
     if sampler is not None: out.append(sampler.sample(r, list(prompt) + out))  # greedy on the device
     else:
       lg = r.numpy()
@@ -123,14 +131,16 @@ def write_models(folder: pathlib.Path, models: dict[str, dict]) -> dict[str, pat
   return {name: write_tiny_gguf(folder / f"{name}.gguf", **kw) for name, kw in models.items()}
 
 
-def reference_runs(paths: dict[str, pathlib.Path], steps: Callable[[str], int]) -> dict[str, dict]:
-  """Per model: tinygrad's model, its tokens for PROMPT, and its logits for the prefill and the first steps(name) - 1
-  decode steps."""
+def reference_runs(paths: dict[str, pathlib.Path], steps: Callable[[str], int],
+                   prompt_of: Callable[[str], list[int]] = lambda name: PROMPT) -> dict[str, dict]:
+  """Per model: tinygrad's model, its prompt (PROMPT unless `prompt_of` says), its tokens, and its logits for the
+  prefill and the first steps(name) - 1 decode steps."""
   out = {}
   for name, path in paths.items():
     ref, _ = Transformer.from_gguf(path, max_context=CTX)
-    toks = reference_tokens(ref, PROMPT, NEW)
-    out[name] = {"ref": ref, "tokens": toks, "logits": reference_logits(ref, PROMPT + toks, len(PROMPT), steps(name))}
+    prompt = prompt_of(name)
+    toks = reference_tokens(ref, prompt, NEW)
+    out[name] = {"ref": ref, "prompt": prompt, "tokens": toks, "logits": reference_logits(ref, prompt + toks, len(prompt), steps(name))}
   return out
 
 
@@ -141,7 +151,7 @@ def tiny_paths(tmp_path_factory) -> dict[str, pathlib.Path]: return write_models
 @pytest.fixture(scope="module")
 def tiny_refs(tiny_paths) -> dict[str, dict]:
   # the prefill, and a T=1 decode step where it matters most
-  return reference_runs(tiny_paths, lambda name: 2 if name in ("llama_tied", "qwen3") else 1)
+  return reference_runs({name: tiny_paths[name] for name in SPLITS}, lambda name: 2 if name in ("llama_tied", "qwen3") else 1)
 
 
 @pytest.mark.parametrize("name,ranges", [(n, r) for n, rs in SPLITS.items() for r in rs],
@@ -157,6 +167,20 @@ def test_split_equals_reference(name, ranges, tiny_paths, tiny_refs):
   # the stages hold only their own tensors
   header = read_header(tiny_paths[name])
   for s in stages: assert s.resident_bytes == stage_weight_bytes(header, s.start, s.end)
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen3"])
+def test_where_the_prompt_is_cut_changes_no_bit(name, tiny_paths, tiny_refs):
+  """A stage sizes prefill chunks by load (1 to 32 tokens, `Stage.prefill_size`), so the prompt's cut must not matter:
+  pieces of 1, 5, 13 and 31 tokens, aligned to nothing, give the reference's tokens and logits bit for bit (every chunk
+  runs the same symbolic-T kernels; a row's reductions do not depend on the chunk's length)."""
+  want = tiny_refs[name]
+  stages = load_split(tiny_paths[name], SPLITS[name][-1])
+  for piece in (1, 5, 13, 31):
+    logits: list[np.ndarray] = []
+    assert chain(stages, PROMPT, len(want["logits"]), logits=logits, piece=piece) == want["tokens"][:len(want["logits"])]
+    for i, (a, b) in enumerate(zip(logits, want["logits"], strict=True)):
+      assert np.array_equal(bits(a), bits(b)), f"pieces of {piece}, step {i}: max |d| {np.abs(a - b).max()}"
 
 
 @pytest.mark.parametrize("name", list(TINY_MODELS))

@@ -1,8 +1,9 @@
 """SmolLM2-135M (the default model) cut into stages in one process: exactly tinygrad's own single-process tokens."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from test_model import chain, decode_rate, load_split, reference_tokens
+from test_model import bits, chain, decode_rate, load_split, reference_tokens
 from tinygrad.llm.model import Transformer
 
 from pyruntime.gguf import read_header
@@ -48,6 +49,10 @@ def test_smollm2_two_stages_equal_reference(smol_two, smol_ref):
     assert chain(smol_two, prompt, SMOL_NEW, times=times if i == len(SMOL_PROMPTS) - 1 else None) == want
   # decode speed of the warmed-up 2-stage chain (numpy round trip between the stages, argmax on the host)
   print(f"\nSmolLM2 2 stages {[(s.start, s.end) for s in smol_two]}: exact; decode {decode_rate(times):.2f} tok/s")
+  # the prompt cut as a stage cuts it beside decoding streams (pieces of any size): the same logits, bit for bit
+  whole, cut = [], []
+  assert chain(smol_two, SMOL_PROMPTS[0], 3, logits=whole) == chain(smol_two, SMOL_PROMPTS[0], 3, logits=cut, piece=7) == smol_ref[0][:3]
+  assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(whole, cut, strict=True))
 
 
 @pytest.mark.slow

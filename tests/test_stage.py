@@ -260,6 +260,8 @@ ROLE = '{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2}'
   (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "max_context": "big"}'], "InvalidCommand"),
   (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "boundary_dtype": ["f"]}'], "InvalidCommand"),
   (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "weights": "int4"}'], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "prefill_share": -0.5}'], "InvalidCommand"),
+  (['{"command": "ConfigureRole", "stage": 0, "start": 0, "end": 2, "prefill_share": "half"}'], "InvalidCommand"),
   (['{"command": "InitializeWorker", "cpus": "abc"}'], "InvalidCommand"),
   (['{"command": "InitializeWorker", "cpus": [99999]}'], "InvalidCommand"),
   (['{"command": "InitializeWorker", "device": 5}'], "InvalidCommand"),

@@ -1,0 +1,84 @@
+"""Stage.prefill_size: how a stage sizes a newcomer's prefill chunks beside decoding streams. The stage's own arithmetic
+over a named test double for its model (the policy needs only the model's chunk); that any size is exact is proven on
+real models in test_model.py, test_model_families.py and test_model_smollm2.py."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pyruntime.stage import PREFILL_SHARE, Stage, Stream
+
+
+class ChannelDouble:
+  """The stage's event channel, kept in a list."""
+  def __init__(self) -> None: self.events: list[tuple[str, dict]] = []
+  def emit(self, event: str, **fields) -> None: self.events.append((event, fields))
+
+
+def stage_with(decoding: int, chunk: int = 32) -> Stage:
+  """A stage with `decoding` streams past their prompts and one stream with a 500-token prompt still to prefill."""
+  stage = Stage(ChannelDouble())
+  stage.model = SimpleNamespace(chunk=chunk)  # a test double: the policy reads only the model's largest chunk
+  for i in range(decoding): stage.streams[i] = Stream(slot=i, prompt_tokens=4, position=5)
+  newcomer = Stream(slot=decoding, prompt_tokens=500, position=500)
+  newcomer.pending.append((0, np.zeros(500, np.uint32)))
+  stage.streams[99] = newcomer
+  return stage
+
+
+def test_alone_a_prompt_goes_in_whole_chunks():
+  stage = stage_with(decoding=0)
+  stage.step_s = 0.1
+  stage.note_prefill(32, 3.2)
+  assert stage.prefill_size() == 32
+
+
+def test_beside_decoding_streams_a_chunk_costs_about_one_step():
+  stage = stage_with(decoding=3)
+  stage.step_s = 0.12
+  stage.note_prefill(32, 32 * 0.02)  # the newcomer's first chunk ran before the others decoded
+  assert stage.prefill_size() == int(PREFILL_SHARE * 0.12 / 0.02)
+  stage.note_prefill(8, 0.24)  # a chunk that cost twice the step: the next is half as long
+  assert stage.prefill_size() == int(8 * PREFILL_SHARE * 0.12 / 0.24)
+  stage.note_prefill(3, 5.0)  # one token at least
+  assert stage.prefill_size() == 1
+
+
+def test_until_costs_are_known_one_token():
+  stage = stage_with(decoding=2)
+  assert stage.prefill_size() == 1
+  stage.step_s = 0.1
+  assert stage.prefill_size() == 1
+  stage.step_s = 0.0
+  stage.note_prefill(4, 0.1)
+  assert stage.prefill_size() == 1
+
+
+@pytest.mark.parametrize("seconds,want", [(1e-6, 32), (0.0, 32), (10.0, 1)])
+def test_between_one_token_and_the_models_chunk(seconds, want):
+  stage = stage_with(decoding=1)
+  stage.step_s = 0.1
+  stage.note_prefill(4, seconds)
+  assert stage.prefill_size() == want
+
+
+def test_recurrent_models_chunk_of_one_holds():
+  stage = stage_with(decoding=0, chunk=1)
+  assert stage.prefill_size() == 1
+
+
+@pytest.mark.parametrize("fixed_s,token_s,step_s", [(0.04, 0.07, 0.125), (0.001, 0.0005, 0.01), (0.09, 0.001, 0.1)])
+def test_sizes_settle_where_a_chunk_costs_about_one_step(fixed_s, token_s, step_s):
+  """A chunk of n tokens costing fixed + n * per-token (on a CPU mostly per token; on a GPU mostly fixed): from one
+  token the sizes settle on the largest chunk that costs no more than a step (or on 1 or 32), and stay there."""
+  stage = stage_with(decoding=4)
+  stage.step_s = step_s
+  sizes = []
+  for _ in range(16):
+    n = stage.prefill_size()
+    sizes.append(n)
+    stage.note_prefill(n, fixed_s + n * token_s)
+  best = max(1, min(32, int((PREFILL_SHARE * step_s - fixed_s) / token_s)))
+  assert sizes[0] == 1 and abs(sizes[-1] - best) <= 1 and len(set(sizes[-4:])) <= 2, sizes

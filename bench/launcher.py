@@ -5,8 +5,9 @@ host work (incremental decode, stop strings, the Delta) costs with warm caches a
     pyruntime bench launcher
 
 The launcher's driver thread reads each token record from the tail's ring, turns it into text and writes the next
-token to the head's ring (pyruntime/launcher.py, `_drive`); `Launcher.overhead` sums its thread CPU time from the
-moment a record is read to the moment its work is done. On a CPU host the driver sleeps between tokens while the
+token to the head's ring (pyruntime/launcher.py, `_drive`); `Launcher.driver_cpu_s()` is that thread's whole CPU time
+(reading, text, next tokens, and its health polls and wake-ups between tokens), and `Launcher.overhead` sums the wall
+time from the moment a record is read to the moment its work is done. On a CPU host the driver sleeps between tokens while the
 stages compute, so it wakes with its caches taken by them: the second half of this benchmark times the same work
 back to back and after a 10 ms sleep, which tells how much of the per-token figure is that.
 """
@@ -23,7 +24,7 @@ PROMPT = "Write one sentence about the sea."
 
 def run_streams(lm, concurrency: int, tokens: int) -> dict:
   """C streams at once, each `tokens` long; the driver's CPU and wall time per token, and the whole process's CPU."""
-  before, cpu0, t0 = dict(lm.overhead), time.process_time(), time.monotonic()
+  before, drv0, cpu0, t0 = dict(lm.overhead), lm.driver_cpu_s(), time.process_time(), time.monotonic()
 
   def one() -> None:
     for _ in lm.generate(PROMPT, max_tokens=tokens, ignore_eos=True): pass
@@ -32,7 +33,7 @@ def run_streams(lm, concurrency: int, tokens: int) -> dict:
   for t in threads: t.join()
   n = lm.overhead["tokens"] - before["tokens"]
   return {"concurrency": concurrency, "tokens": n, "tokens_per_s": round(n / (time.monotonic() - t0), 2),
-          "driver_cpu_us_per_token": round(1e6 * (lm.overhead["cpu_seconds"] - before["cpu_seconds"]) / n, 1),
+          "driver_cpu_us_per_token": round(1e6 * (lm.driver_cpu_s() - drv0) / n, 1),
           "driver_wall_us_per_token": round(1e6 * (lm.overhead["seconds"] - before["seconds"]) / n, 1),
           "process_cpu_us_per_token": round(1e6 * (time.process_time() - cpu0) / n, 1)}
 

@@ -45,10 +45,10 @@ def bench_pipeline(path: str, n_stages: int, prompt: str, n_tokens: int, max_con
     runs = []
     for _ in range(2):
       before = lm.stage_stats()
-      oh0 = dict(lm.overhead)
+      oh0 = dict(lm.overhead, cpu_seconds=lm.driver_cpu_s())
       done = next(ev for ev in lm.generate(prompt, raw=True, max_tokens=n_tokens, ignore_eos=True) if isinstance(ev, Done))
       after = lm.stage_stats()
-      runs.append((done, before, after, oh0, dict(lm.overhead)))
+      runs.append((done, before, after, oh0, dict(lm.overhead, cpu_seconds=lm.driver_cpu_s())))
     done, before, after, oh0, oh1 = runs[1]
     decoded = done.usage.completion_tokens - 1
     wall_per_token = 1.0 / done.timings.decode_tokens_per_s if done.timings.decode_tokens_per_s else float("nan")

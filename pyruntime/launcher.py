@@ -186,9 +186,9 @@ class StreamHandle:
     try: self.sink(ev)
     except Exception: pass  # noqa: BLE001 - a consumer's bug must not stop the driver
 
-  def push(self, token: int, end: bool) -> bool:
-    """One sampled token; True when the stream is finished (its Done went out)."""
-    self.t_last = time.monotonic()
+  def push(self, token: int, end: bool, now: float | None = None) -> bool:
+    """One sampled token (that arrived at `now`, monotonic); True when the stream is finished (its Done went out)."""
+    self.t_last = time.monotonic() if now is None else now
     if self.t_first is None: self.t_first = self.t_last
     if end: return self.finish("stop", None)
     self.out.append(token)
@@ -268,9 +268,9 @@ class Launcher:
     self._close_lock = threading.Lock()
     self._stats_lock = threading.Lock()   # one QueryStats round trip at a time (the server's /metrics, a benchmark)
     self._old_sigterm: Any = None
-    # launcher time per token, between a token's arrival and the next write: wall, and this thread's CPU
-    # (on a loaded machine the wall time includes being preempted by the stage we just woke)
-    self.overhead = {"tokens": 0, "seconds": 0.0, "cpu_seconds": 0.0}
+    # launcher time per token, between a token's arrival and the next write (on a loaded machine it includes being
+    # preempted by the stage we just woke); the driver thread's whole CPU is `driver_cpu_s()`
+    self.overhead = {"tokens": 0, "seconds": 0.0}
 
   # --- start -------------------------------------------------------------------------------------
   def __enter__(self) -> "Launcher":
@@ -348,6 +348,7 @@ class Launcher:
         h.send(Command.INSTALL_RING, arena=self.arena.name, ingress=h.index, egress=h.index + 1, ingress_boundary=upstream)
       for h in self.handles: self._expect(h, Event.RING_INSTALLED, 30)
       self.head, self.tail = self.arena.writer(0), self.arena.reader(len(self.split))
+      self.tail.set_wait(spin=0.0, poll=POLL_S)  # a token comes every step (ms at least): spinning for it only takes a core from the stages
       self.template = self.header.kv.get("tokenizer.chat_template") or ""
       self.recipe = recipe_digest(self.model_name, self.split, self.boundary_dtype, self.template)
       self.load_s = time.monotonic() - t0
@@ -507,7 +508,7 @@ class Launcher:
         except errors.RingTimeout:
           if (f := self._first_failure()) is not None: raise f from None
           continue
-        t_got, cpu_got = time.monotonic(), time.thread_time()
+        t_got = time.monotonic()
         sid, pos = split_object_id(rec.object_id)
         with self._lock:
           st = self._active.get(sid)
@@ -525,11 +526,10 @@ class Launcher:
               self._close_stream(st)
           else:
             self._count_step(rec.flags)
-            if st.state == "open": self._step(st, rec, pos)
+            if st.state == "open": self._step(st, rec, pos, t_got)
             if not rec.flags & FLAG_MORE: self._flush_next()
             self.overhead["tokens"] += 1
             self.overhead["seconds"] += time.monotonic() - t_got
-            self.overhead["cpu_seconds"] += time.thread_time() - cpu_got
         self.tail.release()
     except errors.PyruntimeError as e:
       if not self._closed:
@@ -539,7 +539,7 @@ class Launcher:
       if self._closed and not self._shut: pass  # a user's close() is under way: it fails the streams once the stages are gone
       else: self._fail_all(self._failure or errors.LauncherClosed("the launcher closed while the stream ran"))
 
-  def _step(self, st: StreamHandle, rec: Any, pos: int) -> None:
+  def _step(self, st: StreamHandle, rec: Any, pos: int, now: float) -> None:
     """A token (or logits) for a running stream: text out, and either the next token in or the stream's end."""
     if st.want_logits:
       values = rec.array("<f4").copy()
@@ -547,10 +547,10 @@ class Launcher:
       token = int(values.argmax())
       end = token in st.end_ids
     else:
-      token, end = int(rec.array("<u4")[0]), bool(rec.flags & FLAG_END)
+      token, end = int.from_bytes(rec.payload[:4], "little"), bool(rec.flags & FLAG_END)
     self.tokens_out += 1
-    self._token_times.append(time.monotonic())
-    if st.push(token, end): self._close_stream(st)  # finished: Done went out; free the slot
+    self._token_times.append(now)
+    if st.push(token, end, now): self._close_stream(st)  # finished: Done went out; free the slot
     else: self._next.append((st, object_id(st.id, len(st.ids) + len(st.out) - 1), token))
 
   def _flush_next(self) -> None:
@@ -570,6 +570,12 @@ class Launcher:
       streams = list(self._waiting) + list(self._active.values())
       self._waiting.clear(); self._active.clear()
     for st in streams: st.fail(e)
+
+  def driver_cpu_s(self) -> float:
+    """CPU seconds the driver thread has used (reading, text, next tokens, its polls): the launcher's own cost."""
+    if self._driver is None or self._driver.ident is None: return 0.0
+    try: return time.clock_gettime(time.pthread_getcpuclockid(self._driver.ident))
+    except (OSError, AttributeError): return float("nan")  # the thread has ended, or a platform without thread clocks
 
   def scheduler_stats(self) -> dict:
     """Streams running (in the pipeline) and waiting (for a slot); tokens out; the tail's steps (a group of records

@@ -627,6 +627,11 @@ class StageModel:
     if res is not None: return res
     return self._wrap(out, (self.vocab_size,) if self.is_tail else (1, T, self.dim))
 
+  def synchronize(self) -> None:
+    """Wait for this stage's queued kernels: a forward returns once its kernels are queued (tinygrad runs them on the
+    device's own queue), so whoever times a forward must wait for them."""
+    Device[self.device].synchronize()
+
   def _wrap(self, buf: Buffer, shape: tuple[int, ...]) -> Tensor:
     n = prod(shape)
     view = buf if buf.size == n else buf.view(n, buf.dtype, 0).ensure_allocated()

@@ -45,8 +45,10 @@ FLAG_MORE = 1 << 4
 
 PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: the most tokens one prefill chunk (record) carries
 # ConfigureRole's "prefill_share": beside decoding streams, a newcomer's prefill chunk is sized to cost about this share
-# of their decode step (0: whole chunks always, the fastest prefill and the longest stalls); see Stage.prefill_size
-PREFILL_SHARE = 1.0
+# of their decode step (0: whole chunks always, the most throughput and the longest stalls); see Stage.prefill_size.
+# 2.0 bounds a step that carries a chunk at about 3 decode steps, the inter-token target; bench/README.md
+# ("Long prompt with prefill chunks sized by load") has the trade measured at 0, 1 and 2.
+PREFILL_SHARE = 2.0
 MAX_PREFILL_SHARE = 16.0
 
 

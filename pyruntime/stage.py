@@ -455,6 +455,7 @@ class Stage:
     if n == len(x): st.pending.popleft()
     else: st.pending[0] = (pos + n, x[n:])
     out = self.model.forward(st.slot, x[:n], pos, prefill=True)
+    self.model.synchronize()  # its kernels are queued, not done: the chunk's cost sizes the next one
     t1 = time.monotonic()
     if not self.model.is_tail or pos + n == st.prompt_tokens: self.emit(sid, st, pos, n, out, 0)
     t2 = time.monotonic()
@@ -464,16 +465,19 @@ class Stage:
                       prefill_s=self.stats["prefill_s"] + t2 - t0)
 
   def prefill_size(self) -> int:
-    """Tokens of the next prefill chunk: the model's whole chunk when no stream decodes here; beside decoding streams,
-    as many as cost about `prefill_share` of their step (0: whole chunks), judged by the last chunk (one token until a step and a chunk
-    were timed). A chunk that came in under that grows by at least one token: a chunk's fixed cost (on a GPU, most of
-    it) makes a per-token figure from a small chunk too dear, and the sizes must still find the right one."""
+    """Tokens of the next prefill chunk: the model's whole chunk when no stream decodes here (or prefill_share is 0);
+    beside decoding streams, as many as cost about `prefill_share` of their step, judged by the last chunk (one token
+    until a step and a chunk were timed). A chunk that came in under that grows by at least one token: a chunk's fixed
+    cost (on a GPU, most of it) makes a per-token figure from a small chunk too dear, and the sizes must still find
+    the right one."""
     if not self.prefill_share or not self.decoding(): return self.model.chunk
     if not (self.step_s and self.last_prefill): return 1
     n, seconds = self.last_prefill
     target = self.prefill_share * self.step_s
     fit = int(n * target / seconds) if seconds > 0 else self.model.chunk
-    return max(1, min(self.model.chunk, max(n + 1, fit) if seconds < target else fit))
+    # growing: at least one token more, at most twice as many (one quick chunk, timed in a lull, must not bring a
+    # chunk that costs many steps); shrinking: to what fits at the last chunk's cost
+    return max(1, min(self.model.chunk, max(n + 1, min(fit, 2 * n)) if seconds < target else fit))
 
   def note_prefill(self, n: int, seconds: float) -> None: self.last_prefill = (n, seconds)
 

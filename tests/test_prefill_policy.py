@@ -56,11 +56,12 @@ def test_until_costs_are_known_one_token():
   assert stage.prefill_size() == 1
 
 
-@pytest.mark.parametrize("seconds,want", [(1e-6, 32), (0.0, 32), (10.0, 1)])
-def test_between_one_token_and_the_models_chunk(seconds, want):
+@pytest.mark.parametrize("last,seconds,want", [(4, 1e-6, 8), (4, 0.0, 8), (20, 1e-6, 32), (4, 10.0, 1)])
+def test_at_most_twice_the_last_between_one_and_the_models_chunk(last, seconds, want):
+  """A chunk timed in a lull does not bring one that costs many steps: growth is at most twofold per chunk."""
   stage = stage_with(decoding=1)
   stage.step_s = 0.1
-  stage.note_prefill(4, seconds)
+  stage.note_prefill(last, seconds)
   assert stage.prefill_size() == want
 
 

@@ -74,6 +74,17 @@ def test_streams_in_flight_equal_their_solo_runs(lm):
   assert max(s["max_batch"] for s in lm.stage_stats()) > 1  # they did share steps
 
 
+def test_driver_cpu_is_the_driver_threads_own(lm):
+  """Launcher.driver_cpu_s(): the driver thread's CPU clock, which grows while it reads tokens, and is not the process's
+  (this thread's busy loop does not move it)."""
+  before = lm.driver_cpu_s()
+  t = time.thread_time()
+  while time.thread_time() - t < 0.2: pass
+  idle = lm.driver_cpu_s() - before
+  generate(lm, 0, 4)
+  assert 0 <= idle < 0.1 and lm.driver_cpu_s() > before + idle
+
+
 def test_cancelled_stream_leaves_nothing_in_flight(lm):
   gen = lm.generate(PROMPTS[4], raw=True, max_tokens=100, ignore_eos=True)
   deltas = (ev for ev in gen if isinstance(ev, Delta))

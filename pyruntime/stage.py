@@ -451,7 +451,7 @@ class Stage:
   def prefill_chunk(self, sid: int, st: Stream) -> None:
     t0 = time.monotonic()
     pos, x = st.pending[0]
-    n = min(len(x), self.prefill_size())
+    n = min(len(x), self.prefill_size(st))
     if n == len(x): st.pending.popleft()
     else: st.pending[0] = (pos + n, x[n:])
     out = self.model.forward(st.slot, x[:n], pos, prefill=True)
@@ -464,13 +464,15 @@ class Stage:
                       compute_s=self.stats["compute_s"] + t1 - t0, emit_s=self.stats["emit_s"] + t2 - t1,
                       prefill_s=self.stats["prefill_s"] + t2 - t0)
 
-  def prefill_size(self) -> int:
-    """Tokens of the next prefill chunk: the model's whole chunk when no stream decodes here (or prefill_share is 0);
-    beside decoding streams, as many as cost about `prefill_share` of their step, judged by the last chunk (one token
-    until a step and a chunk were timed). A chunk that came in under that grows by at least one token: a chunk's fixed
-    cost (on a GPU, most of it) makes a per-token figure from a small chunk too dear, and the sizes must still find
-    the right one."""
-    if not self.prefill_share or not self.decoding(): return self.model.chunk
+  def prefill_size(self, st: Stream) -> int:
+    """Tokens of `st`'s next prefill chunk: the model's whole chunk when no stream decodes here, when prefill_share is
+    0, or when the whole prompt fits in one chunk (it delays the others by one step, once; cut small, it would wait
+    many steps for its first token, and short requests are most of a server's); for a longer prompt beside decoding
+    streams, as many tokens as cost about `prefill_share` of their step, judged by the last chunk (one token until a
+    step and a chunk were timed). A chunk that came in under that grows by at least one token: a chunk's fixed cost
+    (on a GPU, most of it) makes a per-token figure from a small chunk too dear, and the sizes must still find the
+    right one."""
+    if not self.prefill_share or (st.prompt_tokens or 0) <= self.model.chunk or not self.decoding(): return self.model.chunk
     if not (self.step_s and self.last_prefill): return 1
     n, seconds = self.last_prefill
     target = self.prefill_share * self.step_s

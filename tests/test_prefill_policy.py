@@ -17,14 +17,17 @@ class ChannelDouble:
   def emit(self, event: str, **fields) -> None: self.events.append((event, fields))
 
 
-def stage_with(decoding: int, chunk: int = 32) -> Stage:
-  """A stage with `decoding` streams past their prompts and one stream with a 500-token prompt still to prefill."""
+NEWCOMER = 99
+
+
+def stage_with(decoding: int, chunk: int = 32, prompt: int = 500) -> Stage:
+  """A stage with `decoding` streams past their prompts and one stream with a `prompt`-token prompt still to prefill."""
   stage = Stage(ChannelDouble())
   stage.model = SimpleNamespace(chunk=chunk)  # a test double: the policy reads only the model's largest chunk
   for i in range(decoding): stage.streams[i] = Stream(slot=i, prompt_tokens=4, position=5)
-  newcomer = Stream(slot=decoding, prompt_tokens=500, position=500)
-  newcomer.pending.append((0, np.zeros(500, np.uint32)))
-  stage.streams[99] = newcomer
+  newcomer = Stream(slot=decoding, prompt_tokens=prompt, position=prompt)
+  newcomer.pending.append((0, np.zeros(prompt, np.uint32)))
+  stage.streams[NEWCOMER] = newcomer
   return stage
 
 
@@ -32,28 +35,37 @@ def test_alone_a_prompt_goes_in_whole_chunks():
   stage = stage_with(decoding=0)
   stage.step_s = 0.1
   stage.note_prefill(32, 3.2)
-  assert stage.prefill_size() == 32
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == 32
 
 
 def test_beside_decoding_streams_a_chunk_costs_about_one_step():
   stage = stage_with(decoding=3)
   stage.step_s = 0.12
   stage.note_prefill(32, 32 * 0.02)  # the newcomer's first chunk ran before the others decoded
-  assert stage.prefill_size() == int(PREFILL_SHARE * 0.12 / 0.02)
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == int(PREFILL_SHARE * 0.12 / 0.02)
   stage.note_prefill(8, 0.24)  # a chunk that cost twice the step: the next is half as long
-  assert stage.prefill_size() == int(8 * PREFILL_SHARE * 0.12 / 0.24)
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == int(8 * PREFILL_SHARE * 0.12 / 0.24)
   stage.note_prefill(3, 5.0)  # one token at least
-  assert stage.prefill_size() == 1
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == 1
+
+
+@pytest.mark.parametrize("prompt,want", [(32, 32), (20, 32), (33, 12)])
+def test_a_prompt_of_one_chunk_goes_whole(prompt, want):
+  """A short prompt is one step's delay for the others, once; cut small it would wait many steps for its first token."""
+  stage = stage_with(decoding=3, prompt=prompt)
+  stage.step_s = 0.12
+  stage.note_prefill(32, 32 * 0.02)
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == want
 
 
 def test_until_costs_are_known_one_token():
   stage = stage_with(decoding=2)
-  assert stage.prefill_size() == 1
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == 1
   stage.step_s = 0.1
-  assert stage.prefill_size() == 1
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == 1
   stage.step_s = 0.0
   stage.note_prefill(4, 0.1)
-  assert stage.prefill_size() == 1
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == 1
 
 
 @pytest.mark.parametrize("last,seconds,want", [(4, 1e-6, 8), (4, 0.0, 8), (20, 1e-6, 32), (4, 10.0, 1)])
@@ -62,12 +74,12 @@ def test_at_most_twice_the_last_between_one_and_the_models_chunk(last, seconds, 
   stage = stage_with(decoding=1)
   stage.step_s = 0.1
   stage.note_prefill(last, seconds)
-  assert stage.prefill_size() == want
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == want
 
 
 def test_recurrent_models_chunk_of_one_holds():
   stage = stage_with(decoding=0, chunk=1)
-  assert stage.prefill_size() == 1
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == 1
 
 
 @pytest.mark.parametrize("fixed_s,token_s,step_s", [(0.04, 0.07, 0.125), (0.001, 0.0005, 0.01), (0.09, 0.001, 0.1)])
@@ -78,7 +90,7 @@ def test_sizes_settle_where_a_chunk_costs_about_one_step(fixed_s, token_s, step_
   stage.step_s = step_s
   sizes = []
   for _ in range(16):
-    n = stage.prefill_size()
+    n = stage.prefill_size(stage.streams[NEWCOMER])
     sizes.append(n)
     stage.note_prefill(n, fixed_s + n * token_s)
   best = max(1, min(32, int((PREFILL_SHARE * step_s - fixed_s) / token_s)))

@@ -3,6 +3,7 @@ a device buffer waits on the queue that thread serves (pyruntime/gc_policy.py: s
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import threading
 from pyruntime.gc_policy import collect_due
 
 COLLECTIONS_BY_THREAD = textwrap.dedent("""
-  import gc, sys, threading
+  import gc, json, sys, threading
   from tinygrad import Tensor
   if sys.argv[1] == "policy":
     from pyruntime.gc_policy import collect_due, collect_on_this_thread
@@ -24,7 +25,7 @@ COLLECTIONS_BY_THREAD = textwrap.dedent("""
   for i in range(20):
     (Tensor.rand(16, 16) @ Tensor.rand(16, 16)).realize().numpy()
     collect_due()
-  print(sorted(seen))
+  print(json.dumps(sorted(seen)))
 """)
 
 
@@ -32,7 +33,7 @@ def collections_by_thread(mode: str) -> list[str]:
   out = subprocess.run([sys.executable, "-c", COLLECTIONS_BY_THREAD, mode], capture_output=True, text=True, timeout=120,
                        env={"DEV": "CPU", **os.environ})
   assert out.returncode == 0, out.stderr
-  return eval(out.stdout.strip())
+  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_tinygrad_workers_collect_garbage_unless_the_policy_is_on():

@@ -37,7 +37,7 @@ from tinygrad.llm.model import FFNBlock, GatedDeltaNetBlock, MLATransformerBlock
 from tinygrad.nn.state import get_state_dict
 from tinygrad.uop.ops import Ops
 
-from pyruntime import errors
+from pyruntime import errors, kernel_opts
 from pyruntime.boundary import DTYPES, MLA_POS, ROUTER, StageBoundary
 from pyruntime.gguf import GGUFHeader, TensorInfo, read_header
 from pyruntime.plan import FFN_NORM_RENAMED, block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
@@ -45,6 +45,7 @@ from pyruntime.protocol import PREFILL_CHUNK, WEIGHT_MODES
 
 # PREFILL_CHUNK (32) is Transformer.generate's chunk_size; a chunk of any 1..32 tokens runs the same kernels, so where a
 # prompt is cut changes no bit (tests/test_model.py::test_where_the_prompt_is_cut_changes_no_bit)
+kernel_opts.install()  # before any kernel compiles: the prefill's kernels upcast and threaded (bits unchanged)
 BOUNDARY_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16}
 
 

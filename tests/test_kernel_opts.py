@@ -1,0 +1,95 @@
+"""The prefill's loop schedules (pyruntime/kernel_opts.py): they add upcasts and threads to the kernels of symbolic
+token count and change no bit of any result."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tinygrad import Device, Tensor, UOp, nn
+from tinygrad.codegen.opt import OptOps
+from tinygrad.codegen.opt.postrange import Scheduler
+from tinygrad.uop.ops import AxisType, Ops
+
+from pyruntime import kernel_opts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Runs in a fresh process, so that its kernels compile under the schedules PYRUNTIME_PREFILL_OPTS picks: a prompt as
+# one record and cut into pieces (prefill kernels), decode steps alone and batched; prints every logit's bits (hashed).
+RUN = r"""
+import hashlib, json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
+from tinygrad.codegen.opt import heuristic
+from pyruntime import kernel_opts
+from pyruntime.gguf import read_header
+from pyruntime.model import StageModel
+from pyruntime.plan import num_blocks
+out = {"installed": heuristic.hand_coded_optimizations is kernel_opts.prefill_optimizations}
+for name in sys.argv[3:]:
+  path = write_tiny_gguf(f"{sys.argv[2]}/{name}.gguf", **{**TINY_MODELS, **TINY_FAMILIES}[name])
+  m = StageModel.load(path, 0, num_blocks(read_header(path)), max_context=128, slots=3)
+  h = hashlib.sha256()
+  prompt = np.arange(5, 45, dtype=np.uint32)  # 40 tokens: a chunk of 32, then 8
+  for slot, cuts in enumerate([[0, 40], [0, 7, 19, 40]]):
+    for a, b in zip(cuts, cuts[1:]): lg = m.forward(slot, prompt[a:b], a, prefill=True).numpy()
+    h.update(lg.tobytes())
+    for pos in range(40, 44): h.update(m.forward(slot, np.array([int(lg.argmax()) % 97 + pos], np.uint32), pos, prefill=False).numpy().tobytes())
+  if m.batched:
+    m.forward(2, prompt[:11], 0, prefill=True)
+    h.update(m.forward_batch([0, 2], np.array([3, 4], np.uint32), [44, 11]).numpy().tobytes())
+  out[name] = h.hexdigest()
+print(json.dumps(out))
+"""
+
+
+def run(tmp_path, opts: str, names: list[str]) -> dict:
+  env = {**os.environ, "PYRUNTIME_PREFILL_OPTS": opts}
+  p = subprocess.run([sys.executable, "-c", RUN, HERE, str(tmp_path), *names], env=env, capture_output=True, text=True, timeout=400)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_schedules_change_no_bit(tmp_path):
+  """Each tiny model's prompt logits (whole and cut), decode and batched decode logits, with tinygrad's own schedules
+  and with ours, each in a process of its own: equal bit for bit. (The other families' kernels of symbolic token
+  count are compared with tinygrad's in one process by tests/test_model_families.py.)"""
+  names = ["llama_tied"]
+  stock, ours = run(tmp_path, "0", names), run(tmp_path, "1", names)
+  assert not stock.pop("installed") and ours.pop("installed")
+  assert ours == stock
+
+
+def kernels(t: Tensor) -> list[Scheduler]:
+  linear, _ = t.linear_with_vars()
+  asts = [u for u in linear.toposort() if u.op is Ops.SINK and u.arg is not None]
+  out = []
+  for ast in asts:
+    k = Scheduler(ast, Device["CPU"].renderer)
+    k.convert_loop_to_global()
+    out.append(k)
+  return out
+
+
+@pytest.mark.skipif(not Device.DEFAULT.startswith("CPU"), reason="the schedules are for CPU devices")
+def test_symbolic_token_kernel_gains_upcast_and_threads():
+  """A projection of a symbolic number of tokens: tinygrad's own opts come first and unchanged, ours add only an
+  upcast and a thread split of the constant output axis (never a reduce axis); one of fixed shape gets nothing more."""
+  lin = nn.Linear(64, 128, bias=False)
+  lin.weight = Tensor(np.ones((128, 64), np.float32)).realize()
+  x = Tensor(np.ones((1, 32, 64), np.float32)).realize()
+  (k,) = kernels(lin(x.shrink(((0, 1), (0, UOp.variable("toks", 1, 32).bind(5)), (0, 64)))).contiguous())
+  stock, ours = kernel_opts._stock(k.copy()), kernel_opts.prefill_optimizations(k.copy())
+  assert ours.applied_opts[:len(stock.applied_opts)] == stock.applied_opts
+  added = ours.applied_opts[len(stock.applied_opts):]
+  assert OptOps.UPCAST in [o.op for o in added]
+  if (Device["CPU"].renderer.global_max or [1])[0] > 1: assert OptOps.THREAD in [o.op for o in added]
+  assert {o.op for o in added} <= {OptOps.UPCAST, OptOps.THREAD}
+  assert all(k.axis_types[o.axis] is AxisType.LOOP for o in added)  # output axes of the kernel before them
+  (f,) = kernels(lin(x).contiguous())
+  assert kernel_opts.prefill_optimizations(f.copy()).applied_opts == kernel_opts._stock(f.copy()).applied_opts

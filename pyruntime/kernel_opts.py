@@ -11,18 +11,22 @@ fifteen decode steps: each output a chain of dependent adds, on one of the cores
 - splits the constant output axis over the CPU cores (THREAD), as tinygrad does for fixed shapes.
 None of these touches a reduce axis, and no kernel is fused or split differently (that is decided before opts): each
 output is the same sum of the same terms in the same order, so every value is bit for bit what tinygrad's own
-schedule computes. tests/test_kernel_opts.py checks that against a process without them. Kernels of fixed shape, and
-devices with local memory (GPUs, where the opts differ), are left as tinygrad schedules them.
+schedule computes. tests/test_kernel_opts.py checks that against a process without them. Kernels of fixed shape or of little work
+(MIN_WORK), and devices with local memory (GPUs, where the opts differ), are left as tinygrad schedules them.
 PYRUNTIME_PREFILL_OPTS=0 turns it off.
 """
 from __future__ import annotations
 
 from tinygrad.codegen.opt import KernelOptError, Opt, OptOps, heuristic
 from tinygrad.codegen.opt.postrange import Scheduler
-from tinygrad.helpers import getenv
+from tinygrad.helpers import getenv, prod
 from tinygrad.uop.ops import AxisType
 
 UPCAST = 8  # accumulators added per output: 8 measured best of 4 and 8 on SmolLM2 (24 with tinygrad's own 3)
+# a kernel doing less than this (multiply-adds at the largest token count and context) keeps tinygrad's schedule: its
+# threads would cost more than they save, and bigger kernels compile slower (SmolLM2's smallest, a key projection of
+# 32 tokens, does 3.5 M; a test model's whole block less than 1 M)
+MIN_WORK = 1 << 20
 _stock = heuristic.hand_coded_optimizations
 
 
@@ -33,8 +37,9 @@ def _loops(k: Scheduler, symbolic: bool) -> list[int]:
 def prefill_optimizations(k: Scheduler) -> Scheduler:
   """tinygrad's heuristic, then (for a kernel with a symbolic loop axis on a device without local memory) the loop
   upcast and threads it could not size. Only output axes change: sums keep their order."""
+  work = prod(s if isinstance(s, int) else int(s.vmax) for s in k.full_shape)  # at the variables' largest values
   k = _stock(k)
-  if k.ren.has_local or not _loops(k, True) or not (const := _loops(k, False)): return k
+  if k.ren.has_local or work < MIN_WORK or not _loops(k, True) or not (const := _loops(k, False)): return k
   if any(o.op in (OptOps.GROUP, OptOps.GROUPTOP, OptOps.TC) for o in k.applied_opts): return k
   for i in const[::-1]:
     if k.full_shape[i] % UPCAST == 0 and k.upcast_size() * UPCAST <= 128:

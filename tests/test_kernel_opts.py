@@ -27,6 +27,7 @@ sys.path.insert(0, sys.argv[1])
 from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
 from tinygrad.codegen.opt import heuristic
 from pyruntime import kernel_opts
+kernel_opts.MIN_WORK = 1  # the test model's kernels are small: schedule them all
 from pyruntime.gguf import read_header
 from pyruntime.model import StageModel
 from pyruntime.plan import num_blocks
@@ -77,9 +78,10 @@ def kernels(t: Tensor) -> list[Scheduler]:
 
 
 @pytest.mark.skipif(not Device.DEFAULT.startswith("CPU"), reason="the schedules are for CPU devices")
-def test_symbolic_token_kernel_gains_upcast_and_threads():
+def test_symbolic_token_kernel_gains_upcast_and_threads(monkeypatch):
   """A projection of a symbolic number of tokens: tinygrad's own opts come first and unchanged, ours add only an
   upcast and a thread split of the constant output axis (never a reduce axis); one of fixed shape gets nothing more."""
+  monkeypatch.setattr(kernel_opts, "MIN_WORK", 32 * 128 * 64)  # this kernel's work at 32 tokens
   lin = nn.Linear(64, 128, bias=False)
   lin.weight = Tensor(np.ones((128, 64), np.float32)).realize()
   x = Tensor(np.ones((1, 32, 64), np.float32)).realize()
@@ -93,3 +95,5 @@ def test_symbolic_token_kernel_gains_upcast_and_threads():
   assert all(k.axis_types[o.axis] is AxisType.LOOP for o in added)  # output axes of the kernel before them
   (f,) = kernels(lin(x).contiguous())
   assert kernel_opts.prefill_optimizations(f.copy()).applied_opts == kernel_opts._stock(f.copy()).applied_opts
+  monkeypatch.setattr(kernel_opts, "MIN_WORK", 32 * 128 * 64 + 1)  # less work than that: tinygrad's schedule
+  assert kernel_opts.prefill_optimizations(k.copy()).applied_opts == stock.applied_opts

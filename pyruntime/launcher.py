@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # the ring hands out arrays; the launcher itself needs no num
   from pyruntime.tokenizer import Tokenizer
 
 POLL_S = 0.05          # how often a waiting launcher looks at its stages' health
+DRIVER_WAKE_S = 0.5    # the driver's backstop: a token, a closed or dead tail ring and close() wake it at once
 STOP_GRACE_S = 5.0     # how long a stage gets to stop in order before it is killed
 RATE_WINDOW_S = 5.0    # tokens/s in scheduler_stats is measured over this window
 FAIL_GRACE_S = 0.5     # after a failure the survivors get SIGTERM and this long before SIGKILL
@@ -504,7 +505,9 @@ class Launcher:
   def _drive(self) -> None:
     try:
       while not self._closed:
-        try: rec = self.tail.read(timeout=POLL_S)
+        # Parked in C between tokens (the ring checks the tail stage's liveness every POLL_S without waking Python): a
+        # failure elsewhere reaches the tail ring as RingClosed/PeerDead, or is seen here at the latest DRIVER_WAKE_S on
+        try: rec = self.tail.read(timeout=DRIVER_WAKE_S)
         except errors.RingTimeout:
           if (f := self._first_failure()) is not None: raise f from None
           continue
@@ -589,12 +592,14 @@ class Launcher:
               "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0}
 
   def _write(self, oid: int, payload: Any, flags: int) -> None:
-    """Into the head ring, under self._lock. A failed stage raises here; the driver (which polls the stages' health)
+    """Into the head ring, under self._lock. A failed stage raises here; the driver (which learns of failures)
     ends every stream and the pipeline, so no thread but the driver ever closes the launcher."""
     while True:
       try: return self.head.write(oid, payload, flags, timeout=POLL_S)
       except errors.RingTimeout: pass
-      except (errors.PeerDead, errors.RingClosed) as e: raise self._first_failure() or errors.StageFailed(0, e.code) from None
+      except (errors.PeerDead, errors.RingClosed) as e:
+        if self._closed: raise errors.LauncherClosed("the launcher is closed") from None
+        raise self._first_failure() or errors.StageFailed(0, e.code) from None
       if (f := self._first_failure()) is not None: raise f
       if self._closed: raise errors.LauncherClosed("the launcher is closed")
 
@@ -606,12 +611,22 @@ class Launcher:
     after `grace_s` SIGKILL. After a failure the survivors get SIGTERM at once instead.
     """
     self._closed = True  # the driver stops reading; if it is closing the launcher itself (a failure), that finishes first
-    # it looks at _closed every POLL_S; the bound is for a driver stuck in a consumer's callback: closing goes on regardless
-    if self._driver is not None and self._driver is not threading.current_thread(): self._driver.join(STOP_GRACE_S)
+    if self._driver is not None and self._driver is not threading.current_thread():
+      self._wake_driver()
+      # the bound is for a driver stuck in a consumer's callback: closing goes on regardless
+      self._driver.join(STOP_GRACE_S)
     with self._close_lock:
       if self._shut: return
       self._shut = True
       self._shutdown(grace_s)
+
+  def _wake_driver(self) -> None:
+    """Close our side of the head ring: the stages drain and close theirs in turn, down to the tail ring, whose reader
+    (the driver, parked in C) then gets RingClosed at once instead of at its next DRIVER_WAKE_S."""
+    if self.head is None or not self._lock.acquire(timeout=STOP_GRACE_S): return  # _write gives the lock up on _closed
+    try: self.head.close()
+    except errors.PyruntimeError: pass
+    finally: self._lock.release()
 
   def _shutdown(self, grace_s: float) -> None:
     for side in (self.head, self.tail):

@@ -70,7 +70,8 @@ def stage_delta(lm: Any, before: list[dict] | None) -> list[dict] | None:
     steps = a["decode_steps"] - b["decode_steps"]
     out.append({"stage": a["stage"], "decode_steps": steps, "mean_rows": round((a["decode_rows"] - b["decode_rows"]) / max(1, steps), 2),
                 "prefill_chunks": a["prefill_chunks"] - b["prefill_chunks"],
-                "busy_s": round(a["compute_s"] + a["emit_s"] - b["compute_s"] - b["emit_s"], 2), "wait_s": round(a["wait_s"] - b["wait_s"], 2)})
+                "busy_s": round(a["compute_s"] + a["emit_s"] - b["compute_s"] - b["emit_s"], 2), "wait_s": round(a["wait_s"] - b["wait_s"], 2),
+                "gc_s": round(a["gc_s"] - b["gc_s"], 3), "gc_max_s": round(a["gc_max_s"], 3)})
   return out
 
 
@@ -163,7 +164,7 @@ def levels(url: str, lm: Any, a: argparse.Namespace, model: str) -> None:
     print(f"{r['concurrency']:>3} {r['tokens_per_s']:>8.2f} {r['vs_c1']:>6.2f} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
           f"{r['itl_p50_s']:>8.3f} {r['itl_p99_s']:>8.3f} {r['requests']:>4} {r['errors']:>4}  "
           + " | ".join(f"stage {x['stage']}: {x['decode_steps']} steps x {x['mean_rows']} rows, {x['prefill_chunks']} chunks, "
-                       f"busy {x['busy_s']} s, idle {x['wait_s']} s" for x in r["stages"] or []))
+                       f"busy {x['busy_s']} s, idle {x['wait_s']} s, gc {x['gc_s']} s" for x in r["stages"] or []))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,9 @@ def collect_on_this_thread() -> None:
 
 def collect_due() -> int:
   """Collect the oldest generation whose allocation count passed its threshold, as the automatic policy would;
-  a cheap check when none is due. Returns the objects collected."""
+  a cheap check when none is due. Returns the generation collected, -1 for none."""
   counts, thresholds = gc.get_count(), gc.get_threshold()
   due = [g for g in range(3) if counts[g] >= thresholds[g] > 0]
-  return gc.collect(due[-1]) if due else 0
+  if not due: return -1
+  gc.collect(due[-1])
+  return due[-1]

@@ -180,7 +180,8 @@ class Stage:
     self.prefill_share = PREFILL_SHARE
     self.profile_report: Callable[[], None] | None = None
     self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "decode_steps": 0,
-                  "decode_rows": 0, "max_batch": 0, "prefill_chunks": 0, "stream_errors": 0, "started": time.monotonic()}
+                  "decode_rows": 0, "max_batch": 0, "prefill_chunks": 0, "stream_errors": 0, "gc_collections": 0, "gc_s": 0.0, "gc_max_s": 0.0,
+                  "started": time.monotonic()}
     C = Command
     self.commands: dict[str, Callable[[dict], None]] = {
       C.INITIALIZE_WORKER: self.initialize, C.CONFIGURE_ROLE: self.configure, C.LOAD_WEIGHTS: self.load_weights,
@@ -608,12 +609,20 @@ class Stage:
     handler(cmd)
     return True
 
+  def collect(self) -> None:
+    """Between records: the only place this process collects garbage (pyruntime/gc_policy.py); its pauses counted,
+    since a step that waits on one delays every stream in it."""
+    t0 = time.monotonic()
+    if collect_due() < 0: return
+    dt, s = time.monotonic() - t0, self.stats
+    s.update(gc_collections=s["gc_collections"] + 1, gc_s=s["gc_s"] + dt, gc_max_s=max(s["gc_max_s"], dt))
+
   def serve(self, commands: queue.Queue) -> None:
     """Commands and records both run here, on the main thread: tinygrad's state (its kernel cache
     database among it) belongs to the thread that created it. Between records we look for commands.
     The queue holds command lines, an InvalidCommand (the reader could not read a line) or None (stdin closed)."""
     while True:
-      collect_due()  # between records: the only place this process collects garbage (pyruntime/gc_policy.py)
+      self.collect()
       try:
         if self.looping:
           try: item = commands.get_nowait()

@@ -349,7 +349,11 @@ class Launcher:
         h.send(Command.INSTALL_RING, arena=self.arena.name, ingress=h.index, egress=h.index + 1, ingress_boundary=upstream)
       for h in self.handles: self._expect(h, Event.RING_INSTALLED, 30)
       self.head, self.tail = self.arena.writer(0), self.arena.reader(len(self.split))
-      self.tail.set_wait(spin=0.0, poll=POLL_S)  # a token comes every step (ms at least): spinning for it only takes a core from the stages
+      # A token comes every step (ms at least): spinning for it only takes a core from the stages. Parked, each liveness
+      # check (kill + /proc read, on cold caches) cost ~100 us of the driver's CPU: every 50 ms that was half of its CPU
+      # per token. A stage that dies closes its rings or is seen by its neighbours, which close theirs, so the driver
+      # learns at once; this check (with _first_failure at DRIVER_WAKE_S) is only the backstop for a killed tail.
+      self.tail.set_wait(spin=0.0, poll=DRIVER_WAKE_S)
       self.template = self.header.kv.get("tokenizer.chat_template") or ""
       self.recipe = recipe_digest(self.model_name, self.split, self.boundary_dtype, self.template)
       self.load_s = time.monotonic() - t0
@@ -610,6 +614,9 @@ class Launcher:
     In order: close our ring sides (the stages drain and stop their loops), ShutdownWorker, and
     after `grace_s` SIGKILL. After a failure the survivors get SIGTERM at once instead.
     """
+    # closed by someone else (a server's supervisor, say) after a stage died, before the driver saw it: the streams
+    # still learn which stage failed, not just that the launcher closed
+    if self._failure is None and not self._closed: self._failure = self._first_failure()
     self._closed = True  # the driver stops reading; if it is closing the launcher itself (a failure), that finishes first
     if self._driver is not None and self._driver is not threading.current_thread():
       self._wake_driver()

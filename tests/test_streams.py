@@ -153,6 +153,25 @@ def test_stage_death_ends_every_stream_by_name(tiny):
   for pid in pids: assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+def test_closing_after_a_stage_died_names_that_stage(tiny):
+  """Someone else closes the launcher (a server's supervisor, say) right after a stage died, before the driver has
+  seen it: the running stream still ends with StageFailed naming that stage, not with LauncherClosed."""
+  lm = Launcher(tiny, split=SPLIT, max_context=128).start()
+  try:
+    events = lm.generate(PROMPTS[0], raw=True, max_tokens=1000, ignore_eos=True)
+    next(events)
+    victim = lm.handles[1].proc
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(10)
+    lm.close()
+    with pytest.raises(errors.StageFailed) as e:
+      for _ in events: pass
+    assert e.value.stage == 1 and "signal 9" in str(e.value)
+  finally:
+    lm.close()
+  assert not any(lm.alive())
+
+
 # --- the server over the real launcher ------------------------------------------------------------
 def sse_token_times(client, body: dict) -> tuple[int, list[float]]:
   times = []

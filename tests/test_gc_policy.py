@@ -50,5 +50,7 @@ def test_collect_due_collects_what_the_automatic_policy_would():
     c = Cycle(); c.me = c
   del c
   assert gc.get_count()[0] > gc.get_threshold()[0] and collect_due() >= 0 and gc.get_count()[0] < gc.get_threshold()[0]
+  for _ in range(2):  # that young collection may have made an older generation due (each older one at most once)
+    if collect_due() == -1: break
   assert collect_due() == -1  # nothing due: a cheap check
   assert threading.current_thread() is threading.main_thread()

@@ -72,15 +72,18 @@ def _fixed_schedule(k: Scheduler, stock: Scheduler) -> Scheduler:
   try:
     if (rows := next((i for i in _loops(t, False) if t.full_shape[i] <= ROW_UPCAST), None)) is not None:
       t.apply_opt(Opt(OptOps.UPCAST, rows, 0))
-    if (outs := _loops(t, False)) and t.full_shape[big := max(outs, key=lambda i: t.full_shape[i])] % OUT_UPCAST == 0:
-      t.apply_opt(Opt(OptOps.UPCAST, big, OUT_UPCAST))
+    _on_largest_output(t, OptOps.UPCAST, OUT_UPCAST)
     for o in stock.applied_opts:
       if o.op is OptOps.UNROLL: t.apply_opt(o)
-    threads = next((o.arg for o in stock.applied_opts if o.op is OptOps.THREAD), 1)
-    if threads > 1 and (outs := _loops(t, False)) and t.full_shape[big := max(outs, key=lambda i: t.full_shape[i])] % threads == 0:
-      t.apply_opt(Opt(OptOps.THREAD, big, threads))
+    if (threads := next((o.arg for o in stock.applied_opts if o.op is OptOps.THREAD), 1)) > 1: _on_largest_output(t, OptOps.THREAD, threads)
   except KernelOptError: return stock
   return t
+
+
+def _on_largest_output(k: Scheduler, op: OptOps, n: int) -> None:
+  """Apply `op` of `n` to the largest loop axis, when `n` divides it (looked up anew: earlier opts renumber the axes)."""
+  if (outs := _loops(k, False)) and k.full_shape[big := max(outs, key=lambda i: k.full_shape[i])] % n == 0:
+    k.apply_opt(Opt(op, big, n))
 
 
 def loop_optimizations(k: Scheduler) -> Scheduler:

@@ -24,7 +24,9 @@ echo); this process only orchestrates and waits.  Measured (see bench/README.md 
               The C loop (mo_bench_produce / mo_bench_consume, GIL released, no Python per record)
               runs per-record (1 record per publish and per release; its consumer touches one byte
               of each payload in place: that is also its "view"), batch (256) and copy-out (memcpy
-              of every payload into a scratch buffer).  The peers send bytes per message.
+              of every payload into a scratch buffer).  Its producer copies each payload from the
+              same buffers the Python producer sends, as Writer.write(bytes) does (--c-producer
+              fill: fills it in place, stores only).  The peers send bytes per message.
               Every run checks that nothing was lost: the consumer's count equals the producer's,
               and sampled records have the right object id and the crc32 of the payload sent.
   latency     one-way latency = ping-pong round trip / 2 over two rings (two channels of each peer),
@@ -143,6 +145,7 @@ def _handle(side, name: str):
 
 # --- running two processes -----------------------------------------------------------------------
 PIN: list[int] = []  # CPUs for the first and second process of a pair (main() fills it unless --no-pin)
+C_FILL: list[bool] = []  # [True] with --c-producer fill: the C loop's producer fills payloads in place instead of copying
 
 
 def _child(fn, barrier, tx, cpu) -> None:
@@ -252,22 +255,27 @@ def produce_py_batch(name, barrier, P: Payloads, dur: float) -> dict:
 
 
 def produce_c(name, barrier, P: Payloads, dur: float, batch: int) -> dict:
+  """The C loop's producer: P's payloads copied from their buffers, as Writer.write(bytes) does (or, with
+  --c-producer fill, each payload filled in place: stores only, no reads; the ceiling before 2026-12-02)."""
   with Arena.attach(name) as arena:
     w = arena.writer(0)
     p = _handle(w, "_p")
     done = ffi.new("uint64_t *")
+    keep = [] if C_FILL else [ffi.from_buffer(b) for b in P.bufs]
+    srcs = ffi.new("void *[]", keep) if keep else ffi.NULL
+    produce = lambda: lib.mo_bench_produce(p, done[0] + ch, P.size, batch, srcs, len(keep), P.shift, done)  # noqa: E731
     ch = chunk_records(P.size, 1 << 16)
     prefault(arena, 0)
     barrier.wait()
     t0 = mono()
     end = t0 + dur
     while True:
-      st = lib.mo_bench_produce(p, done[0] + ch, P.size, batch, done)
-      while st == lib.MO_INTERRUPTED: st = lib.mo_bench_produce(p, done[0] + ch, P.size, batch, done)
+      st = produce()
+      while st == lib.MO_INTERRUPTED: st = produce()
       if st: raise RuntimeError(f"mo_bench_produce: {ffi.string(lib.mo_status_name(st)).decode()}")
       if mono() >= end: break
     w.close()
-  return {"t0": t0, "count": int(done[0]), "sample_sum": None}
+  return {"t0": t0, "count": int(done[0]), "sample_sum": None if C_FILL else P.sample_sum(int(done[0]))}
 
 
 def send_for(send, P: Payloads, dur: float) -> tuple[float, int]:
@@ -518,7 +526,7 @@ def latency_peer(system: str, P: Payloads, dur: float, gap: float, min_n: int, m
 
 # --- throughput: consumers -------------------------------------------------------------------------
 def check_c_payload(i: int, object_id: int, payload) -> int:
-  """A sampled record of mo_bench_produce: object id i, every byte i & 0xff, the first 8 bytes i."""
+  """A sampled record of mo_bench_produce filling in place: object id i, every byte i & 0xff, the first 8 bytes i."""
   if object_id != i: raise AssertionError(f"record {i}: object id {object_id} (lost, duplicated or reordered)")
   p = memoryview(payload)
   if len(p) >= 8 and int.from_bytes(p[:8], "little") != i or len(p) > 8 and p[-1] != i & 0xFF:
@@ -531,7 +539,7 @@ def consume_py_record(name, barrier, P: Payloads, mode: str, c_producer: bool = 
     r = arena.reader(0)
     prefault(arena, 0)
     barrier.wait()
-    nxt, mask, check = r.next_record, P.mask, (check_c_payload if c_producer else P.check)
+    nxt, mask, check = r.next_record, P.mask, (check_c_payload if c_producer and C_FILL else P.check)
     i = s = acc = 0
     try:
       if mode == "per-record":
@@ -945,7 +953,8 @@ def print_report(rows: list[dict], cmd: str) -> None:
   p(f"# {cmd}")
   m = next((r for r in rows if r.get("kind") == "machine"), None)
   p(f"# {os.cpu_count()} CPUs; the two processes of each pair " + (f"pinned to CPUs {PIN[0]} and {PIN[1]}" if PIN else "not pinned")
-    + (f"; load average {m['loadavg_1min_before']} before, {m['loadavg_1min_after']} after; {m['seconds']} s" if m else ""))
+    + (f"; the C loop's producer: {m['c_producer']}; load average {m['loadavg_1min_before']} before, "
+       f"{m['loadavg_1min_after']} after; {m['seconds']} s" if m else ""))
   tp = [r for r in rows if r.get("kind") == "throughput"]
   cref = {(r["payload_bytes"], r["mode"]): r for r in tp if r["system"] == C_SYSTEM}
   if tp:
@@ -1029,18 +1038,22 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="shorter runs (about 30 s in all)")
   ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="payload sizes in bytes, comma-separated")
   ap.add_argument("--duration", type=float, default=None, help="seconds per throughput run (default 0.4, --quick 0.25)")
-  ap.add_argument("--rounds", type=int, default=None, help="throughput runs per row, interleaved; the best is reported (default 2, --quick 1)")
+  ap.add_argument("--rounds", type=int, default=None, help="throughput runs per row, interleaved; the best is reported (default 3, --quick 1)")
   ap.add_argument("--skip", default="", help="comma-separated parts to skip: throughput,latency,idle,overhead")
   ap.add_argument("--no-pin", action="store_true", help="let the scheduler place the two processes (default: one CPU each)")
+  ap.add_argument("--c-producer", choices=["copy", "fill"], default="copy",
+                  help="the C loop's producer copies each payload from its buffer, as Writer.write(bytes) does (default), "
+                       "or fills it in place (stores only: less work than any producer that sends data it holds)")
   ap.add_argument("--plot", metavar="FILE.png", help="also draw throughput against payload size (log-log) and latency percentiles")
   a = ap.parse_args(argv)
   cpus = sorted(os.sched_getaffinity(0))
   PIN[:] = cpus[:2] if len(cpus) >= 2 and not a.no_pin else []
+  C_FILL[:] = [True] if a.c_producer == "fill" else []
   sizes = [int(s) for s in a.sizes.split(",") if s]
   if any(s <= 0 or s % 8 for s in sizes): ap.error("sizes must be positive multiples of 8")
   skip = set(filter(None, a.skip.split(",")))
   dur = a.duration if a.duration is not None else (0.25 if a.quick else 0.4)
-  rounds = max(1, a.rounds if a.rounds is not None else (1 if a.quick else 2))
+  rounds = max(1, a.rounds if a.rounds is not None else (1 if a.quick else 3))
   lat_dur = 0.15 if a.quick else 0.4
   park_n = 60 if a.quick else 300
   idle_s = 1.5 if a.quick else 3.0
@@ -1080,7 +1093,8 @@ def main(argv=None) -> int:
     log(f"idle: {idle_s} s blocked on empty channels")
     rows += idle_cpu(idle_s)
   rows += targets(rows)
-  rows.append({"kind": "machine", "cpus": os.cpu_count(), "pinned_cpus": list(PIN) or None, "python": sys.version.split()[0],
+  rows.append({"kind": "machine", "cpus": os.cpu_count(), "pinned_cpus": list(PIN) or None, "c_producer": a.c_producer,
+               "python": sys.version.split()[0],
                "loadavg_1min_before": round(load0[0], 2), "loadavg_1min_after": round(os.getloadavg()[0], 2),
                "seconds": round(mono() - started, 1)})
   cmd = "python bench/ring.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -98,16 +98,22 @@ mo_status mo_record_check(const void *rec, uint64_t avail, uint64_t max_extent, 
 /* ------------------------------------------------------------------------------------------ */
 /* benchmark loops                                                                             */
 
-mo_status mo_bench_produce(mo_producer *p, uint64_t n, uint64_t size, uint32_t batch, uint64_t *done) {
+mo_status mo_bench_produce(mo_producer *p, uint64_t n, uint64_t size, uint32_t batch, const void *const *sources,
+                           uint32_t nsources, uint32_t shift, uint64_t *done) {
   if (batch == 0) batch = 1;
+  if (sources && (nsources == 0 || (nsources & (nsources - 1)) || shift > 63)) return MO_INVALID_ARGUMENT;
   uint64_t i = done ? *done : 0;
   mo_status st = MO_OK;
   for (; i < n; i++) {
     void *payload;
     st = mo_producer_reserve(p, size, -1, &payload);
     if (st != MO_OK) break; /* MO_INTERRUPTED included: the caller runs its signal handlers */
-    if (size) memset(payload, (int)(i & 0xff), size); /* write every byte, as a real producer would */
-    if (size >= 8) memcpy(payload, &i, 8);
+    if (sources) {
+      if (size) memcpy(payload, sources[(i >> shift) & (nsources - 1)], size);
+    } else {
+      if (size) memset(payload, (int)(i & 0xff), size);
+      if (size >= 8) memcpy(payload, &i, 8);
+    }
     int64_t seq = mo_producer_commit_deferred(p, i, 0);
     if (seq < 0) {
       st = (mo_status)-seq;

@@ -55,11 +55,15 @@ mo_status mo_record_check(const void *rec, uint64_t avail, uint64_t max_extent, 
                           uint64_t expected_sequence, mo_view *out);
 
 /* --- benchmark loops ---------------------------------------------------------------------- */
-/* Records *done..n-1 (start with *done = 0): every payload byte written (the record number
- * first, when size >= 8), object_id = the record number, batch records per publish, waiting
- * without limit.  Returns MO_OK, or the status that stopped it with *done updated; on
- * MO_INTERRUPTED run the signal handlers and call again. */
-mo_status mo_bench_produce(mo_producer *p, uint64_t n, uint64_t size, uint32_t batch, uint64_t *done);
+/* Records *done..n-1 (start with *done = 0), object_id = the record number, batch records per
+ * publish, waiting without limit.  The payload of record i is a copy of
+ * sources[(i >> shift) & (nsources - 1)] (size bytes each; nsources a power of two) -- the work of
+ * a producer that sends data it holds, as a binding's write(bytes) does; with sources NULL, every
+ * payload byte is set to i & 0xff and the first 8 to i (a fill in place: stores only, no reads).
+ * Returns MO_OK, or the status that stopped it with *done updated; on MO_INTERRUPTED run the
+ * signal handlers and call again. */
+mo_status mo_bench_produce(mo_producer *p, uint64_t n, uint64_t size, uint32_t batch, const void *const *sources,
+                           uint32_t nsources, uint32_t shift, uint64_t *done);
 /* Read records *done..n-1 in batches of up to batch (max 256) per read_many and per release;
  * copy each payload into copy_to (NULL: touch one byte in place); add payload bytes to *bytes.
  * MO_INVALID_STATE if object ids within a batch are not consecutive. */

@@ -522,13 +522,18 @@ class Writer:
     st = lib.mo_producer_publish_raw(self._p, buf, len(buf))
     if st: raise self._fail(st)
 
-  def bench_produce(self, n: int, size: int, batch: int = 1) -> None:
+  def bench_produce(self, n: int, size: int, batch: int = 1, sources: Sequence[bytes] | None = None, shift: int = 0) -> None:
     """C-only loop: n records of `size` bytes (object ids 0..n-1), `batch` per publish, the GIL
-    released throughout: the ceiling the Python API is measured against."""
+    released throughout: the ceiling the Python API is measured against. Record i's payload is a
+    copy of sources[(i >> shift) % len(sources)] (a power-of-two count of `size`-byte buffers), the
+    work `write(bytes)` does; without sources a fill in place (mo_ring_extra.h)."""
+    keep = [ffi.from_buffer(b) for b in sources or ()]
+    if any(len(b) < size for b in keep): raise _error(lib.MO_INVALID_ARGUMENT, f"every source must hold {size} bytes")
+    srcs = ffi.new("void *[]", keep) if keep else ffi.NULL
     done = ffi.new("uint64_t *")
-    st = lib.mo_bench_produce(self._p, n, size, batch, done)
+    st = lib.mo_bench_produce(self._p, n, size, batch, srcs, len(keep), shift, done)
     while st == _INTERRUPTED:  # signal handlers have run; go on
-      st = lib.mo_bench_produce(self._p, n, size, batch, done)
+      st = lib.mo_bench_produce(self._p, n, size, batch, srcs, len(keep), shift, done)
     if st: raise self._fail(st)
 
   # lifetime

@@ -879,3 +879,18 @@ def test_native_bench_loops(size, batch):
     t.join(60)
     assert got == [n * size]
     assert a.state(0)["tail_seq"] == n
+
+
+def test_native_bench_produce_copies_its_sources_in_turn():
+  """The C loop's copying producer sends what write(bytes) would: record i is a copy of
+  sources[(i >> shift) % len(sources)]; a count that is not a power of two is refused."""
+  srcs = [bytes([k]) * 24 + bytes(range(8)) for k in range(4)]
+  with make(RingSpec(1 << 16, 64)) as a:
+    w, r = a.writer(0), a.reader(0)
+    w.bench_produce(16, 32, 1, srcs, shift=1)
+    got = [(rec.object_id, bytes(rec.payload)) for rec in (r.read() for _ in range(16))]
+    assert got == [(i, srcs[(i >> 1) & 3]) for i in range(16)]
+    with pytest.raises(errors.RingError, match="InvalidArgument"):
+      w.bench_produce(20, 32, 1, srcs[:3])
+    with pytest.raises(errors.RingError, match="InvalidArgument"):
+      w.bench_produce(20, 64, 1, srcs)  # sources shorter than a payload

@@ -38,7 +38,7 @@
 
 /* What pyruntime/ring.py expects of this module (FAST_API there): bump on any change to the
  * methods or types it uses, so that a stale build is ignored rather than half-used. */
-#define FAST_API 2
+#define FAST_API 3
 
 #ifndef FAST_COPY_NOGIL /* -D for experiments */
 #define FAST_COPY_NOGIL 65536 /* payloads this large are copied with the GIL released */
@@ -81,6 +81,45 @@ static int arg_u32(PyObject *o, uint32_t *out) {
 static int nargs_ok(const char *name, Py_ssize_t n, Py_ssize_t want) {
   if (n == want) return 1;
   PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, n);
+  return 0;
+}
+
+/* A timeout argument as ring.py's _timeout_ns converts it: None -> -1 (no limit), seconds >= 0 ->
+ * nanoseconds (saturating at INT64_MAX; a positive timeout never rounds down to 0, "do not wait").
+ * -1 for anything else, with no error set: the Python fallback raises the API's own error. */
+static int timeout_ns_of(PyObject *o, int64_t *out) {
+  if (o == Py_None) {
+    *out = -1;
+    return 0;
+  }
+  double t = PyFloat_AsDouble(o);
+  if (t == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return -1;
+  }
+  if (!(t >= 0)) return -1; /* NaN too */
+  double ns = t * 1e9;
+  *out = ns >= 9223372036854775807.0 ? INT64_MAX : (int64_t)ns;
+  if (*out == 0 && t != 0) *out = 1;
+  return 0;
+}
+
+/* The optional arguments of an entry point, positional (after `skip` required ones) or by keyword:
+ * out[k] is the one named names[k], or NULL.  -1 for too many, unknown or repeated ones (the
+ * Python fallback raises TypeError for them). */
+static int opt_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t skip,
+                    const char *const *names, Py_ssize_t nnames, PyObject **out) {
+  for (Py_ssize_t k = 0; k < nnames; k++) out[k] = NULL;
+  if (nargs < skip || nargs - skip > nnames) return -1;
+  for (Py_ssize_t i = skip; i < nargs; i++) out[i - skip] = args[i];
+  Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t j = 0; j < nkw; j++) {
+    PyObject *name = PyTuple_GET_ITEM(kwnames, j);
+    Py_ssize_t k = 0;
+    while (k < nnames && PyUnicode_CompareWithASCIIString(name, names[k]) != 0) k++;
+    if (k == nnames || out[k]) return -1;
+    out[k] = args[nargs + j];
+  }
   return 0;
 }
 
@@ -279,22 +318,26 @@ static PyObject *Producer_bind(Producer *self, PyObject *const *args, Py_ssize_t
   Py_RETURN_NONE;
 }
 
-/* fast_write(object_id, payload, flags=0, timeout=None) -> sequence: Writer.write itself.
- * Two positional arguments (no flags, no time limit) are done here; a failed conversion or a
- * status other than MO_OK goes to write_slow(writer, -status or 0, *args, **kw), which raises
- * the named error or finishes the write (after MO_INTERRUPTED). */
+/* fast_write(object_id, payload, flags=0, timeout=None) -> sequence: Writer.write itself, done
+ * here; an argument C does not take (a failed conversion) or a status other than MO_OK goes to
+ * write_slow(writer, -status or 0, *args, **kw), which raises the named error or finishes the
+ * write (after MO_INTERRUPTED: the rest of the timeout, from the handle's deadline). */
 static PyObject *Producer_fast_write(Producer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-  if (MO_LIKELY(nargs == 2 && !kwnames)) {
-    uint64_t object_id;
-    payload_ref pr;
-    if (MO_LIKELY(arg_u64(args[0], &object_id) == 0 && payload_get(args[1], &pr) == 0)) {
-      int64_t r = producer_write(self->p, object_id, 0, pr.ptr, pr.len, -1);
-      payload_put(&pr);
-      if (MO_LIKELY(r >= 0)) return PyLong_FromLongLong(r);
-      return call_slow(self->write_slow, self->wr, (long)-r, args, (size_t)nargs, kwnames);
-    }
-    PyErr_Clear(); /* the Python side raises the API's own error for it */
+  static const char *const names[] = {"flags", "timeout"};
+  PyObject *opt[2];
+  uint64_t object_id;
+  uint32_t flags = 0;
+  int64_t timeout_ns = -1;
+  payload_ref pr;
+  if (MO_LIKELY(opt_args(args, nargs, kwnames, 2, names, 2, opt) == 0 && (!opt[0] || arg_u32(opt[0], &flags) == 0) &&
+                (!opt[1] || timeout_ns_of(opt[1], &timeout_ns) == 0) && arg_u64(args[0], &object_id) == 0 &&
+                payload_get(args[1], &pr) == 0)) {
+    int64_t r = producer_write(self->p, object_id, flags, pr.ptr, pr.len, timeout_ns);
+    payload_put(&pr);
+    if (MO_LIKELY(r >= 0)) return PyLong_FromLongLong(r);
+    return call_slow(self->write_slow, self->wr, (long)-r, args, (size_t)nargs, kwnames);
   }
+  PyErr_Clear(); /* the Python side raises the API's own error for it */
   return call_slow(self->write_slow, self->wr, 0, args, (size_t)nargs, kwnames);
 }
 
@@ -427,14 +470,19 @@ static PyObject *record_at(Consumer *self, uint32_t k) {
   return r;
 }
 
-/* fast_read(timeout=None) -> Record: Reader.read itself.  Without arguments, and while a view
- * slot is free, done here; else read_slow(reader, status or 0, *args, **kw). */
+static const char *const TIMEOUT_NAME[] = {"timeout"};
+
+/* fast_read(timeout=None) -> Record: Reader.read itself.  Done here while a view slot is free;
+ * else read_slow(reader, status or 0, *args, **kw). */
 static PyObject *Consumer_fast_read(Consumer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
   mo_consumer *c = self->c;
-  if (MO_LIKELY(nargs == 0 && !kwnames && c->slot < c->nviews && self->recs &&
+  PyObject *timeout;
+  int64_t timeout_ns = -1;
+  if (MO_LIKELY(opt_args(args, nargs, kwnames, 0, TIMEOUT_NAME, 1, &timeout) == 0 &&
+                (!timeout || timeout_ns_of(timeout, &timeout_ns) == 0) && c->slot < c->nviews && self->recs &&
                 (Py_ssize_t)c->slot < PyList_GET_SIZE(self->recs))) {
     uint32_t k = c->slot;
-    mo_status st = consumer_take(c, -1);
+    mo_status st = consumer_take(c, timeout_ns);
     if (MO_LIKELY(st == MO_OK)) {
       PyObject *r = record_at(self, k);
       if (r) return r;
@@ -446,9 +494,12 @@ static PyObject *Consumer_fast_read(Consumer *self, PyObject *const *args, Py_ss
 
 /* fast_next(timeout=None) -> Record: Reader.next_record itself (release, then read into slot 0). */
 static PyObject *Consumer_fast_next(Consumer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-  if (MO_LIKELY(nargs == 0 && !kwnames && self->recs && PyList_GET_SIZE(self->recs) > 0)) {
+  PyObject *timeout;
+  int64_t timeout_ns = -1;
+  if (MO_LIKELY(opt_args(args, nargs, kwnames, 0, TIMEOUT_NAME, 1, &timeout) == 0 &&
+                (!timeout || timeout_ns_of(timeout, &timeout_ns) == 0) && self->recs && PyList_GET_SIZE(self->recs) > 0)) {
     mo_consumer_release(self->c);
-    mo_status st = consumer_take(self->c, -1);
+    mo_status st = consumer_take(self->c, timeout_ns);
     if (MO_LIKELY(st == MO_OK)) {
       PyObject *r = record_at(self, 0);
       if (r) return r;

@@ -51,7 +51,7 @@ __all__ = ["Arena", "Writer", "Reader", "Record", "RecordBatch", "RingSpec", "cl
            "HEADER_LEN", "record_size", "encode_header"]
 
 
-_FAST_API = 2  # FAST_API in native/mo_fast.c
+_FAST_API = 3  # FAST_API in native/mo_fast.c
 
 
 def _load_fast():
@@ -563,8 +563,8 @@ class Writer:
 class _FastWriter(Writer):
   """Writer whose per-record calls go through pyruntime._ringfast: same handle, same behaviour,
   no cffi call per record (the GIL is released only to wait or to copy a large payload).
-  `write(object_id, payload)` is a C entry point (an instance slot); other arguments and every
-  status but MO_OK come back to _write_slow."""
+  `write(object_id, payload, flags=0, timeout=None)` is a C entry point (an instance slot); an
+  argument it does not take and every status but MO_OK come back to _write_slow."""
 
   __slots__ = ("_fw", "_fput", "write")
 
@@ -576,8 +576,8 @@ class _FastWriter(Writer):
     self.write = fw.fast_write
 
   def _write_slow(self, status: int, object_id: int, payload, flags: int = 0, timeout: float | None = None) -> int:
-    """Writer.write after the C entry point: status 0 = not tried (arguments the C side does not
-    take, or a conversion it refused: the error is raised here, as Writer.write raises it)."""
+    """Writer.write after the C entry point: status 0 = not tried (a conversion it refused: the
+    error is raised here, as Writer.write raises it)."""
     if status: return self._write_failed(status, object_id, payload, flags, timeout)
     try:
       if timeout is None and not flags:
@@ -936,9 +936,10 @@ class Reader:
 
 
 class _FastReader(Reader):
-  """Reader whose per-record calls go through pyruntime._ringfast: `read()` and `next_record()`
-  without arguments are C entry points (instance slots) that return a _FastRecord; anything else
-  (a timeout, a grown pool, a status that is not MO_OK) comes back to _read_slow/_next_slow."""
+  """Reader whose per-record calls go through pyruntime._ringfast: `read(timeout=None)` and
+  `next_record(timeout=None)` are C entry points (instance slots) that return a _FastRecord;
+  anything else (a bad timeout, a grown pool, a status that is not MO_OK) comes back to
+  _read_slow/_next_slow."""
 
   __slots__ = ("_fc", "_ftake", "read", "next_record")
 
@@ -964,7 +965,7 @@ class _FastReader(Reader):
     return _FastRecord(int(ffi.cast("uintptr_t", v)), v, self._data)
 
   def _read_slow(self, status: int, timeout: float | None = None) -> Record:
-    """Reader.read after the C entry point: status 0 = not tried (arguments, or no free slot)."""
+    """Reader.read after the C entry point: status 0 = not tried (a bad timeout, or no free slot)."""
     c = self._c
     if not status:
       t = -1 if timeout is None else _timeout_ns(timeout)
@@ -976,7 +977,7 @@ class _FastReader(Reader):
     return self._recs[c.slot - 1]
 
   def _next_slow(self, status: int, timeout: float | None = None) -> Record:
-    """Reader.next_record after the C entry point: status 0 = not tried (arguments)."""
+    """Reader.next_record after the C entry point: status 0 = not tried (a bad timeout)."""
     if not status: status = self._fc.take_next(-1 if timeout is None else _timeout_ns(timeout))
     while status == _INTERRUPTED:
       status = self._ftake(_remaining_ns(self._c, timeout))

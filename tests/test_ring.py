@@ -292,6 +292,48 @@ def test_writers_and_readers_die_with_their_last_reference(ring_binding):
 
 
 
+def test_flags_and_timeouts_stay_in_c_and_mean_what_they_mean_in_python(ring_binding, monkeypatch):
+  """write(id, payload, flags, timeout) and read/next_record(timeout) with every way of passing the options: the
+  fast binding does them in its C entry points (its Python fallbacks are never called for them), and the answers,
+  refusals included, are the Python API's: timeout 0 never waits, a positive one waits at most that long, None for
+  ever; a negative or NaN timeout is a ValueError and an unknown keyword a TypeError."""
+  from pyruntime import ring
+  if ring_binding == "fast":
+    def refuse(*a, **k): raise AssertionError("the Python fallback ran")
+    slow = [ring._FastWriter._write_slow, ring._FastReader._read_slow, ring._FastReader._next_slow]
+    for cls, name in ((ring._FastWriter, "_write_slow"), (ring._FastReader, "_read_slow"), (ring._FastReader, "_next_slow")):
+      monkeypatch.setattr(cls, name, refuse)
+  with make() as a:
+    w, r = a.writer(0), a.reader(0)
+    w.write(1, b"abcd", 2)
+    w.write(2, b"efgh", 3, 0.5)
+    w.write(3, b"ijkl", flags=4)
+    w.write(4, b"mnop", timeout=1e300)
+    w.write(5, b"qrst", 6, timeout=0)
+    got = [r.read(1.0), r.read(timeout=0), r.read(timeout=None)]
+    assert [(x.object_id, x.flags, bytes(x.payload)) for x in got] == [(1, 2, b"abcd"), (2, 3, b"efgh"), (3, 4, b"ijkl")]
+    r.release()
+    assert (r.next_record(0.25).object_id, r.next_record(timeout=0).flags) == (4, 6)
+  if ring_binding == "fast":
+    monkeypatch.setattr(ring._FastWriter, "_write_slow", slow[0])
+    monkeypatch.setattr(ring._FastReader, "_read_slow", slow[1])
+    monkeypatch.setattr(ring._FastReader, "_next_slow", slow[2])
+  with make() as a:
+    w, r = a.writer(0), a.reader(0)
+    for bad in (-1.0, float("nan")):
+      with pytest.raises(ValueError): r.read(bad)
+      with pytest.raises(ValueError): r.next_record(timeout=bad)
+      with pytest.raises(ValueError): w.write(1, b"abcd", 0, bad)
+    with pytest.raises(TypeError): r.read(deadline=1)
+    with pytest.raises(TypeError): w.write(1, b"abcd", 0, 1.0, 5)
+    with pytest.raises(errors.WouldBlock): r.read(0)
+    t0 = time.monotonic()
+    with pytest.raises(errors.RingTimeout): r.next_record(0.05)
+    assert 0.04 < time.monotonic() - t0 < 5
+    w.write(9, b"abcd", flags=1, timeout=0.0)
+    assert r.read(timeout=0.0).object_id == 9
+
+
 def test_a_fast_extension_of_another_api_version_is_ignored(monkeypatch):
   """A stale pyruntime._ringfast (older sources, or another checkout's build found on the path)
   is not half-used: ring.py falls back to cffi alone."""

@@ -440,8 +440,11 @@ class Stage:
                                        [pos for _, _, pos, _ in items])
       outs = self.model.rows(batch, [st.slot for _, st, _, _ in items])
       t1 = time.monotonic()
+      # the step's records become visible together (one publishing store, one wake-up of the reader): the next stage
+      # and the launcher take a MORE group as a whole anyway, and woke once per row when each was published alone
+      last = len(items) - 1
       for i, ((sid, st, pos, _), out) in enumerate(zip(items, outs, strict=True)):
-        self.emit(sid, st, pos, 1, out, FLAG_MORE if i < len(items) - 1 else 0)
+        self.emit(sid, st, pos, 1, out, FLAG_MORE if i < last else 0, publish=i == last)
       t2 = time.monotonic()
     n = len(items)
     self.step_s = 0.8 * self.step_s + 0.2 * (t2 - t0) if self.step_s else t2 - t0
@@ -484,17 +487,24 @@ class Stage:
 
   def note_prefill(self, n: int, seconds: float) -> None: self.last_prefill = (n, seconds)
 
-  def emit(self, sid: int, st: Stream, pos: int, n: int, out: Any, flags: int) -> None:
-    """Write one result: the residual of positions [pos, pos+n), or on the tail the token (or logits) after pos+n-1."""
+  def emit(self, sid: int, st: Stream, pos: int, n: int, out: Any, flags: int, publish: bool = True) -> None:
+    """Write one result: the residual of positions [pos, pos+n), or on the tail the token (or logits) after pos+n-1.
+    publish=False leaves it invisible until a later record is published (every write and publishing commit does)."""
     if not self.model.is_tail:
       span = self.writer.reserve(self.model.row_bytes * n)
       self.model.egress_into(out, span, pos)
-      return self.writer.commit(object_id(sid, pos), flags)
+      return self.writer.commit(object_id(sid, pos), flags, publish)
     oid = object_id(sid, pos + n - 1)
-    if st.logits: return self.writer.write(oid, out.numpy().astype("<f4", copy=False).reshape(-1), flags)
+    if st.logits: return self.put(oid, out.numpy().astype("<f4", copy=False).reshape(-1), flags, publish)
     token = st.sampler.sample(out, st.history)
     st.history.append(token)
-    self.writer.write(oid, token.to_bytes(4, "little"), flags | (FLAG_END if token in st.end_ids else 0))
+    self.put(oid, token.to_bytes(4, "little"), flags | (FLAG_END if token in st.end_ids else 0), publish)
+
+  def put(self, oid: int, payload: Any, flags: int, publish: bool) -> None:
+    if publish: return self.writer.write(oid, payload, flags)
+    mv = memoryview(payload).cast("B")
+    self.writer.reserve(len(mv))[:] = mv
+    self.writer.commit(oid, flags, publish=False)
 
   # --- step-by-step driving by an outside orchestrator -------------------------------------------
   def ring_readable(self, cmd: dict) -> None:

@@ -356,3 +356,30 @@ def test_bad_arguments_after_load_are_named(loaded, command, args, reason):
 def test_decode_tokens_passes_ids_to_the_tokenizer(loaded):
   loaded.send("DecodeTokens", token_ids=[1, 2, 3])
   assert isinstance(loaded.expect("TokensDecoded")["text"], str)
+
+
+def test_a_batched_steps_records_are_published_together(stage, tiny):
+  """The rows of one batched decode step reach the next ring as one MORE group that becomes visible at once (one
+  publishing store: its reader wakes once per step, not once per row)."""
+  from pyruntime.protocol import FLAG_MORE
+  arena, w, r, _ = wired(stage, tiny, 0, BLOCKS)
+  try:
+    for sid, slot in ((1, 0), (2, 1)):
+      open_stream(w, sid, slot)
+      w.write(object_id(sid, 0), np.array([1, 2, 3], dtype="<u4"))
+    firsts = {}
+    while len(firsts) < 2:  # the OPEN echoes, then each prompt's first token
+      rec = r.read(timeout=120)
+      if not rec.flags & FLAG_OPEN: firsts[rec.object_id >> 32] = int.from_bytes(rec.payload, "little")
+      r.release()
+    for rnd in range(3):
+      w.write(object_id(1, 3 + rnd), np.array([firsts[1]], dtype="<u4"), FLAG_MORE)
+      w.write(object_id(2, 3 + rnd), np.array([firsts[2]], dtype="<u4"))
+      first = r.read(timeout=120)
+      assert first.flags & FLAG_MORE, first.flags
+      second = r.read(timeout=0)  # published with the first: no wait, however long the second row took to sample
+      assert not second.flags & FLAG_MORE and {first.object_id >> 32, second.object_id >> 32} == {1, 2}
+      firsts = {rec.object_id >> 32: int.from_bytes(rec.payload, "little") for rec in (first, second)}
+      r.release()
+  finally:
+    arena.close()

@@ -671,6 +671,18 @@ static PyObject *Record_get_payload(Record *self, void *closure) {
   return PySequence_GetSlice(self->data, (Py_ssize_t)o, (Py_ssize_t)(o + e));
 }
 
+/* tobytes() -> bytes: a copy of the payload, through the buffer protocol above, without a
+ * Python frame or an intermediate memoryview (the per-record copy-out). */
+static PyObject *Record_tobytes(Record *self, PyObject *unused) {
+  (void)unused;
+  return PyBytes_FromObject((PyObject *)self);
+}
+
+static PyMethodDef Record_methods[] = {
+  {"tobytes", (PyCFunction)Record_tobytes, METH_NOARGS, "tobytes() -> bytes: a copy of the payload"},
+  {NULL, NULL, 0, NULL},
+};
+
 static PyGetSetDef Record_getset[] = {
   {"object_id", (getter)Record_get_object_id, NULL, "object id from the header", NULL},
   {"sequence", (getter)Record_get_sequence, NULL, "sequence number from the header", NULL},
@@ -692,6 +704,7 @@ static PyTypeObject RecordType = {
   .tp_init = (initproc)Record_init,
   .tp_dealloc = (destructor)Record_dealloc,
   .tp_getset = Record_getset,
+  .tp_methods = Record_methods,
   .tp_as_buffer = &Record_as_buffer,
 };
 

@@ -651,8 +651,8 @@ class Record(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC only so the fast bin
 if _fast is not None:
   class _FastRecord(_fast.Record):
     """Record whose fields and payload are read in C (native/mo_fast.c): the getters object_id,
-    sequence, flags, extent, position and payload come from the extension; the buffer protocol
-    of the object itself is the payload (read-only)."""
+    sequence, flags, extent, position and payload, and tobytes(), come from the extension; the
+    buffer protocol of the object itself is the payload (read-only)."""
 
     __slots__ = ()
 
@@ -660,9 +660,6 @@ if _fast is not None:
       """Zero-copy read-only numpy view of the payload."""
       a = np.frombuffer(self, dtype=dtype)
       return a if shape is None else a.reshape(shape)
-
-    def tobytes(self) -> bytes:
-      return bytes(self)
 
     def __repr__(self) -> str:
       return (f"Record(object_id={self.object_id}, sequence={self.sequence}, flags={self.flags:#x}, "

@@ -137,6 +137,7 @@ with Arena.create([RingSpec(1 << 12, 512, 1), RingSpec(1 << 12, 64, 8)], prefix=
   j = 0
   for rec in r:
     assert rec.object_id == j and rec.extent == j % 300 and bytes(rec.payload) == bytes([j & 0xff]) * (j % 300), j
+    assert rec.tobytes() == bytes([j & 0xff]) * (j % 300), j
     j += 1
   t.join()
   assert j == N

@@ -18,7 +18,7 @@ echo); this process only orchestrates and waits.  Measured (see bench/README.md 
                 batch       Writer.write_many(numpy rows) / Reader.read_many() + release()
                 copy-out    per-record, and the consumer copies each payload out: rec.tobytes()
                 copy-into   per-record, and the consumer copies each payload into one reused buffer
-                            (memoryview slice assignment: a memcpy, as the C loop's copy-out does)
+                            (rec.readinto(buf): a memcpy, as the C loop's copy-out does)
                 view        per-record, and the consumer reads the payload in place through
                             rec.payload (a memoryview into the ring): its first and last byte
               The C loop (mo_bench_produce / mo_bench_consume, GIL released, no Python per record)
@@ -554,10 +554,10 @@ def consume_py_record(name, barrier, P: Payloads, mode: str, c_producer: bool = 
           if not i & mask: s += check(i, rec.object_id, data)
           i += 1
       elif mode == "copy-into":
-        dst = memoryview(bytearray(P.size))
+        dst = bytearray(P.size)
         while True:
           rec = nxt()
-          dst[:] = rec.payload  # memcpy into one reused buffer, like the C loop's scratch
+          rec.readinto(dst)  # memcpy into one reused buffer, like the C loop's scratch
           if not i & mask: s += check(i, rec.object_id, dst)
           i += 1
       elif mode == "view":

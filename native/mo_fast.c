@@ -678,8 +678,41 @@ static PyObject *Record_tobytes(Record *self, PyObject *unused) {
   return PyBytes_FromObject((PyObject *)self);
 }
 
+/* readinto(buffer) -> bytes copied: the payload copied to the start of a writable buffer that holds
+ * it (Record.readinto; a copy-out that allocates nothing).  Large payloads are copied without the
+ * GIL, as Producer.write copies them in. */
+static PyObject *Record_readinto(Record *self, PyObject *buffer) {
+  Py_buffer src, dst;
+  if (PyObject_GetBuffer(buffer, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError, "readinto needs a writable C-contiguous buffer, not %.100s", Py_TYPE(buffer)->tp_name);
+    return NULL;
+  }
+  if (PyObject_GetBuffer((PyObject *)self, &src, PyBUF_SIMPLE) < 0) { /* the payload, checked as for any export */
+    PyBuffer_Release(&dst);
+    return NULL;
+  }
+  PyObject *r = NULL;
+  if (dst.len < src.len) {
+    PyErr_Format(PyExc_ValueError, "the buffer holds %zd bytes, the payload has %zd", dst.len, src.len);
+  } else {
+    if (src.len < FAST_COPY_NOGIL) {
+      memcpy(dst.buf, src.buf, (size_t)src.len);
+    } else {
+      Py_BEGIN_ALLOW_THREADS
+      memcpy(dst.buf, src.buf, (size_t)src.len);
+      Py_END_ALLOW_THREADS
+    }
+    r = PyLong_FromSsize_t(src.len);
+  }
+  PyBuffer_Release(&src);
+  PyBuffer_Release(&dst);
+  return r;
+}
+
 static PyMethodDef Record_methods[] = {
   {"tobytes", (PyCFunction)Record_tobytes, METH_NOARGS, "tobytes() -> bytes: a copy of the payload"},
+  {"readinto", (PyCFunction)Record_readinto, METH_O, "readinto(buffer) -> int: the payload copied into buffer"},
   {NULL, NULL, 0, NULL},
 };
 

@@ -612,7 +612,8 @@ class _FastWriter(Writer):
 # --- consumer ------------------------------------------------------------------------------------
 class Record(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC only so the fast binding's record type can register
   """One record, in place in the ring.  Valid until the Reader's next release(); the Reader reuses
-  Record objects after that, so copy what you keep (`bytes(rec.payload)`, `rec.array(...).copy()`).
+  Record objects after that, so copy what you keep (`rec.tobytes()`, `rec.readinto(buf)`,
+  `rec.array(...).copy()`).
 
   This class reads its fields through cffi; with pyruntime._ringfast the Reader hands out
   _FastRecord objects instead (same attributes, read in C; isinstance(rec, Record) holds)."""
@@ -641,7 +642,21 @@ class Record(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC only so the fast bin
     return a if shape is None else a.reshape(shape)
 
   def tobytes(self) -> bytes:
+    """A copy of the payload."""
     return bytes(self.payload)
+
+  def readinto(self, buffer) -> int:
+    """Copy the payload to the start of a writable buffer (bytearray, memoryview, numpy array) that
+    holds at least `extent` bytes, without allocating; returns the bytes copied."""
+    p = self.payload
+    try:
+      dst = memoryview(buffer).cast("B")
+    except TypeError as e:
+      raise ValueError(f"readinto needs a writable C-contiguous buffer, not {type(buffer).__name__}: {e}") from e
+    if dst.readonly: raise ValueError("readinto needs a writable buffer")
+    if len(dst) < len(p): raise ValueError(f"the buffer holds {len(dst)} bytes, the payload has {len(p)}")
+    dst[:len(p)] = p
+    return len(p)
 
   def __repr__(self) -> str:
     return (f"Record(object_id={self.object_id}, sequence={self.sequence}, flags={self.flags:#x}, "
@@ -651,7 +666,7 @@ class Record(metaclass=abc.ABCMeta):  # noqa: B024 - an ABC only so the fast bin
 if _fast is not None:
   class _FastRecord(_fast.Record):
     """Record whose fields and payload are read in C (native/mo_fast.c): the getters object_id,
-    sequence, flags, extent, position and payload, and tobytes(), come from the extension; the
+    sequence, flags, extent, position and payload, tobytes() and readinto(), come from the extension; the
     buffer protocol of the object itself is the payload (read-only)."""
 
     __slots__ = ()

@@ -138,6 +138,8 @@ with Arena.create([RingSpec(1 << 12, 512, 1), RingSpec(1 << 12, 64, 8)], prefix=
   for rec in r:
     assert rec.object_id == j and rec.extent == j % 300 and bytes(rec.payload) == bytes([j & 0xff]) * (j % 300), j
     assert rec.tobytes() == bytes([j & 0xff]) * (j % 300), j
+    dst = bytearray(300)
+    assert rec.readinto(dst) == j % 300 and dst[:j % 300] == rec.tobytes(), j
     j += 1
   t.join()
   assert j == N

@@ -247,6 +247,12 @@ def test_records_are_records_and_read_the_same_in_both_bindings(ring_binding):
         [(7, 0, 0, 8, 0), (8, 1, 5, 8, 48), (9, 2, 0, 8, 96)]
     assert [bytes(x.payload) for x in recs[:2]] == [b"abcdefgh", b"12345678"]
     assert recs[0].tobytes() == b"abcdefgh" and recs[2].array(np.float32).tolist() == [0.0, 1.0]
+    buf, arr = bytearray(b"-" * 10), np.zeros(3, dtype=np.float32)
+    assert (recs[0].readinto(buf), buf) == (8, bytearray(b"abcdefgh--"))
+    assert recs[2].readinto(arr) == 8 and arr.tolist() == [0.0, 1.0, 0.0]
+    for bad in (bytearray(7), b"x" * 16, np.zeros(8, np.uint8)[::2], "text"):  # short, read-only, strided, no buffer
+      with pytest.raises(ValueError):
+        recs[0].readinto(bad)
     assert repr(recs[1]) == "Record(object_id=8, sequence=1, flags=0x5, extent=8)"
     view = recs[0].payload
     assert view.readonly and view.format == "B" and view.obj is not None

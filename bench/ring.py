@@ -263,8 +263,8 @@ def produce_c(name, barrier, P: Payloads, dur: float, batch: int) -> dict:
     done = ffi.new("uint64_t *")
     keep = [] if C_FILL else [ffi.from_buffer(b) for b in P.bufs]
     srcs = ffi.new("void *[]", keep) if keep else ffi.NULL
-    produce = lambda: lib.mo_bench_produce(p, done[0] + ch, P.size, batch, srcs, len(keep), P.shift, done)  # noqa: E731
     ch = chunk_records(P.size, 1 << 16)
+    produce = lambda: lib.mo_bench_produce(p, done[0] + ch, P.size, batch, srcs, len(keep), P.shift, done)  # noqa: E731
     prefault(arena, 0)
     barrier.wait()
     t0 = mono()

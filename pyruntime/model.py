@@ -20,7 +20,6 @@ inputs, swapped in on each call, so a new stream costs no new capture.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import pathlib
 import threading
@@ -41,7 +40,8 @@ from pyruntime import errors, kernel_opts
 from pyruntime.boundary import DTYPES, MLA_POS, ROUTER, StageBoundary
 from pyruntime.gguf import GGUFHeader, TensorInfo, read_header
 from pyruntime.plan import FFN_NORM_RENAMED, block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
-from pyruntime.protocol import PREFILL_CHUNK, WEIGHT_MODES
+from pyruntime.protocol import DECODE_MODES, PREFILL_CHUNK, WEIGHT_MODES
+from pyruntime.rows import MAX_ROWS, RowPath, _host_mv
 
 # PREFILL_CHUNK (32) is Transformer.generate's chunk_size; a chunk of any 1..32 tokens runs the same kernels, so where a
 # prompt is cut changes no bit (tests/test_model.py::test_where_the_prompt_is_cut_changes_no_bit)
@@ -112,15 +112,6 @@ def resolve_device(device: str | None) -> str:
   return Device.canonicalize(device)
 
 
-def _host_mv(arr: np.ndarray) -> memoryview:
-  """A byte memoryview of a C-contiguous array for Buffer.copyin, without copying it: tinygrad's host copies take
-  the source's address through ctypes, which refuses read-only memory (a ring payload, an mmap of the file), so a
-  read-only array is viewed through a ctypes array at its address (the copy only reads it)."""
-  if not arr.flags.c_contiguous: arr = np.ascontiguousarray(arr)
-  if arr.flags.writeable or arr.nbytes == 0: return memoryview(arr).cast("B")
-  return memoryview((ctypes.c_char * arr.nbytes).from_address(arr.ctypes.data)).cast("B")
-
-
 def _copy_rows(dst: Tensor, src: Buffer, s: int, nt: int) -> None:
   """Rows [0, nt) of a (1, *, w) JIT output buffer into rows [s, s+nt) of dst, device to device."""
   w, dt = dst.shape[-1], dst.dtype
@@ -128,7 +119,6 @@ def _copy_rows(dst: Tensor, src: Buffer, s: int, nt: int) -> None:
 
 
 _TRACE_REUSE = bool(getenv("PYRUNTIME_TRACE_REUSE", 1))
-PRECOMPILE = bool(getenv("PYRUNTIME_PRECOMPILE", 0))
 
 
 def _buffers(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.BUFFER]
@@ -155,15 +145,16 @@ class StageModel:
 
   @classmethod
   def load(cls, path: str | os.PathLike, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
-           slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None) -> StageModel:
+           slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None, decode: str = "batched") -> StageModel:
     path = pathlib.Path(path)
     if not path.is_file(): raise errors.GgufLocalPathMissing(f"no GGUF file at {path}")
     try: header = read_header(path)
     except (OSError, ValueError, KeyError, UnicodeDecodeError) as e: raise errors.ModelLoadFailed(f"{path}: {e}") from e
-    return cls(header, start, end, device=device, max_context=max_context, slots=slots, boundary_dtype=boundary_dtype, weights=weights)
+    return cls(header, start, end, device=device, max_context=max_context, slots=slots, boundary_dtype=boundary_dtype, weights=weights,
+               decode=decode)
 
   def __init__(self, header: GGUFHeader, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
-               slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None):
+               slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None, decode: str = "batched"):
     check_architecture(header)
     L = num_blocks(header)
     if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool) or isinstance(end, bool) \
@@ -174,6 +165,7 @@ class StageModel:
     if not isinstance(slots, int) or slots < 1: raise errors.SlotInvalid(f"a stage needs at least one KV slot, got {slots!r}")
     if max_context is not None and (not isinstance(max_context, int) or max_context < 2):
       raise errors.InvalidOption("max_context", f"must be an integer >= 2, got {max_context!r}")
+    if decode not in DECODE_MODES: raise errors.InvalidOption("decode", f"must be one of {DECODE_MODES}, not {decode!r}")
 
     self.header, self.path, self.kv, self.arch = header, header.path, header.kv, header.arch
     self.config = cfg = model_config(header, max_context)
@@ -188,8 +180,10 @@ class StageModel:
     # tinygrad's generate prefills one token at a time when any block of the model is recurrent: every stage must cut the
     # prompt where the reference does, attention-only stages too
     self.recurrent = cfg.ssm is not None
-    self.chunk = 1 if self.recurrent else PREFILL_CHUNK
-    self.batched = self.family == "dense"  # the batched decode is written for dense blocks; the others decode per stream
+    self.chunk = 1 if self.recurrent else PREFILL_CHUNK  # tinygrad's prefill chunk (the rows path takes up to MAX_ROWS)
+    # the rows path (pyruntime/rows.py: prompt and decode rows through the same kernels, many streams per step) is
+    # written for dense blocks; the others, and decode="reference", run tinygrad's own prefill and T=1 decode per stream
+    self.batched = self.family == "dense" and decode == "batched"
     self.half = bool(getenv("HALF", 1))  # the reference casts every weight to float16 unless HALF=0
 
     self.weights = weights or ("float16" if getenv("REALIZE", 0) else getenv("PYRUNTIME_WEIGHTS", "quantized"))
@@ -211,7 +205,8 @@ class StageModel:
       self._stage_in = self._empty((PREFILL_CHUNK, self._embd_row_bytes), dtypes.uint8)
     else:
       self._stage_in = self._empty((1, PREFILL_CHUNK, cfg.dim), self._bdtype)
-    if self.batched: self._init_batched_decode()
+    self.rows = RowPath(self) if self.batched else None
+    self.shape_ms: dict[int, float] = {}  # measured step time of each decode window (warm_up)
     # MoE boundaries carry the router logits of the last MoE block before the cut: that block's function returns them too.
     # The tail has no such boundary, but its last MoE block returns them as well, for the expert load below.
     moe = [b for b in self.blk if b.config.num_experts]
@@ -272,7 +267,11 @@ class StageModel:
       if self.is_tail: params += [self.output_norm.weight, self.output.weight]
       # float32 holds the float16 values exactly (every product is the same); clang's x86 code for float16 loads
       # is many times slower than for float32 ones, so on a CPU the wider copy is the fast one
-      for p in params: p.replace((p.float() if self.weights == "float32" else p).contiguous())
+      # the rows path stores each projection's matrix transposed (inputs, outputs): its kernels load VEC consecutive
+      # outputs of one input as one vector (kernel_opts.rows_schedule); the tensor the block sees is the same matrix
+      for p in params:
+        w = p.float() if self.weights == "float32" else p
+        p.replace(w.T.contiguous().T if self.batched and len(p.shape) == 2 else w.contiguous())
       Tensor.realize(*params)
       self.resident_bytes = sum(p.nbytes() for p in params)
 
@@ -366,126 +365,50 @@ class StageModel:
       x = out
     return x
 
-  # --- batched decode: one token for each of several streams, each at its own position -------------
-  def _init_batched_decode(self) -> None:
-    """Decode rows of many streams in one forward. Row r is KV slot r; every row has its own position (a tensor input,
-    not a shape), and the row count and the attended length are symbolic, so one captured JIT serves every mix of
-    streams and positions with the same kernels. Rows never mix in any kernel (norms, projections and attention
-    reduce within a row), so a stream's numbers are the same whichever other rows run beside it: batch invariance by
-    construction, which the tests check bit for bit."""
-    cfg, S = self.config, self.slots
-    self._v_kv_len = UOp.variable("kv_len", 1, cfg.max_context)
-    self._v_lo = UOp.variable("first_slot", 0, S - 1)
-    self._batch_jits: dict[int, TinyJit] = {}
-    self._shape_for: dict[int, int] = {}   # rows -> batch shape, chosen by measured step time (warm_up)
-    self.shape_ms: dict[int, float] = {}   # measured step time of each batch shape
-    self._batch_pos = self._empty((S,), dtypes.int32)
-    self._batch_rope = self._empty((S, cfg.rope_dim), dtypes.float32)
-    self._arange = Tensor.arange(cfg.max_context, dtype=dtypes.int32, device=self.device).contiguous().realize()
-    self._rope_host = self.blk[0].freqs_cis.numpy()  # the reference's table: each row's cos|sin, gathered on the host
-    if self.is_head: self._batch_in = self._empty((S, self._embd_row_bytes), dtypes.uint8)
-    else: self._batch_in = self._empty((S, 1, cfg.dim), self._bdtype)
-
-  def batch_window(self, slots: list[int]) -> tuple[int, int]:
-    """(first slot, rows) of the batch that holds `slots`: from the lowest one, in the shape batch_rows picks, moved
-    down where it would run past the last slot."""
-    rows = self.batch_rows(max(slots) - min(slots) + 1)
-    return min(min(slots), self.slots - rows), rows
-
-  def batch_rows(self, n: int) -> int:
-    """The batch shape n rows run in: the cheapest measured shape that holds them (see warm_up), else the smallest
-    power of two (at most the slot count). Any shape >= n gives every row the same numbers (batch invariance)."""
-    if (shape := self._shape_for.get(n)) is not None: return shape
-    return min(self.slots, 1 << (n - 1).bit_length())
-
-  def _run_batch(self, inp: Tensor, positions: Tensor, rope: Tensor, rows: int, lo: UOp, kv_len: UOp, kvs: list[Tensor]) -> Tensor:
-    cfg = self.config
-    if self.is_head:
-      n = self.slots * self.dim
-      w = ggml_data_to_tensor(inp.flatten(), n, self._embd_info.ggml_type).reshape(self.slots, self.dim)
-      if self.half: w = w.cast("float16")
-      x = w[:rows].reshape(rows, 1, self.dim).float()
-    else:
-      x = inp[:rows]
-      if self._bdtype != dtypes.float32: x = x.float()
-    pos = positions[:rows].reshape(rows, 1, 1, 1)
-    cos, sin = rope[:rows].reshape(rows, 1, 1, cfg.rope_dim).chunk(2, dim=-1)
-    # row r may see keys 0..pos[r]; a row with pos -1 (a filler for an idle slot) writes nothing and sees nothing
-    seen = self._arange[:kv_len].reshape(1, 1, 1, kv_len)
-    mask = (seen > pos).where(float("-inf"), 0.0).cast(x.dtype)
-    here = (seen == pos).reshape(rows, 1, 1, kv_len, 1)
-    for b, kv in zip(self.blk, kvs, strict=True): b.batch_kv = kv[lo:lo + rows]  # the window's slots; lo is symbolic
-
-    def call(b: TransformerBlock, x: Tensor) -> Tensor:
-      @function(precompile=PRECOMPILE, allow_implicit=True)
-      def _run(x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, here: Tensor, kv_len: UOp) -> Tensor:
-        h = x + self._batch_attention(b, b.attn_norm(x), cos, sin, mask, here, b.batch_kv, kv_len)
-        return (h + b._feed_forward(b.ffn_norm(h))).contiguous()
-      return _run(x, cos, sin, mask, here, kv_len)
-    x = self._blocks(x, call)
-    if self.is_tail: return self.output(self.output_norm(x))[:, -1, :].contiguous()
-    return (x.cast(self._bdtype) if self._bdtype != dtypes.float32 else x).contiguous()
-
-  def _batch_attention(self, b: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, here: Tensor, kv: Tensor,
-                       kv_len: UOp) -> Tensor:
-    """TransformerBlock._attention for T=1 rows at per-row positions: same projections, norms, rope formula and
-    scaled_dot_product_attention; the new key and value are written into each row's slot at its own position."""
-    cfg = b.config
-    B = x.shape[0]
-    q, k, v = b.attn_q(x), b.attn_k(x), b.attn_v(x)
-    if cfg.qk_norm and cfg.qk_norm != cfg.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
-    q = q.reshape(B, 1, cfg.n_heads, cfg.head_dim).transpose(1, 2)     # (B,H,1,Hd)
-    k = k.reshape(B, 1, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B,KvH,1,Hd)
-    v = v.reshape(B, 1, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-    if cfg.qk_norm == cfg.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
-    def rope(t: Tensor) -> Tensor:
-      t1, t2 = t[..., :cfg.rope_dim].chunk(2, dim=-1)
-      return (t1 * cos - t2 * sin).cat(t2 * cos + t1 * sin, dim=-1).cat(t[..., cfg.rope_dim:], dim=-1)
-    q, k = rope(q), rope(k)
-    old = kv[:, :, :, :kv_len, :]
-    new = here.where(Tensor.stack(k, v, dim=1).cast(kv.dtype), old)  # (B,2,KvH,L,Hd): the new column at pos, the rest as it was
-    kv_all = Tensor(kv.uop.after(old.uop.store(new.uop)))
-    keys, values = kv_all[:, 0, :, :kv_len, :], kv_all[:, 1, :, :kv_len, :]
-    attn = q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)  # (B,H,1,Hd)
-    return b.attn_output(attn.transpose(1, 2).reshape(B, 1, -1))
-
+  # --- the rows path (pyruntime/rows.py) ---------------------------------------------------------------
   def forward_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> Tensor:
     """One decode step for several streams at once: row i of `inp` (a token id on the head, else a (dim,) hidden state)
     is the next token of the stream in KV slot `slots[i]`, at position `positions[i]`. Returns, realized, the residual
     (rows, 1, dim) or on the tail the logits (rows, vocab) float32, where row r belongs to slot lo + r: the batch is a
     window of consecutive slots from the lowest named one (`rows` picks each slot's row; the window's other rows are
-    fillers). Its offset is symbolic, so a window anywhere runs the same kernels. Like forward, the result may alias
-    an internal buffer."""
-    if not self.batched:
+    fillers). May alias an internal buffer."""
+    if self.rows is None:
       raise errors.InvalidOption("decode", f"the batched decode serves dense models; {self.arch} ({self.family}) decodes per stream")
     if not slots: raise errors.ActivationExtentInvalid("a batch needs at least one row")
     if len(set(slots)) != len(slots): raise errors.SlotInvalid(f"a batch names a KV slot twice: {slots}")
-    n = len(slots)
     for i, (slot, p) in enumerate(zip(slots, positions, strict=True)):
       self._validate(slot, inp[i:i + 1] if self.is_head else inp[i:i + 1].reshape(1, -1), p)
       if p == 0: raise errors.StreamPositionInvalid(f"slot {slot}: position 0 is a prefill, not a decode step")
-    lo, rows = self.batch_window(slots)
-    at = [slot - lo for slot in slots]
-    pos = np.full(self.slots, -1, dtype=np.int32)
-    pos[at] = positions
-    rope = np.zeros((self.slots, self.config.rope_dim), dtype=np.float32)
-    rope[at] = self._rope_host[list(positions)]
-    self._batch_pos.uop.buffer.copyin(_host_mv(pos))
-    self._batch_rope.uop.buffer.copyin(_host_mv(rope))
-    if self.is_head:
-      staged = np.zeros((self.slots, self._embd_row_bytes), dtype=np.uint8)
-      staged[at] = self._embd_rows[np.asarray(inp, dtype=np.uint32).reshape(n)]
-    else:
-      staged = np.zeros((self.slots, 1, self.dim), dtype=DTYPES[self.boundary_dtype])
-      staged[at, 0] = np.asarray(inp).reshape(n, self.dim)
-    self._batch_in.uop.buffer.copyin(_host_mv(staged))
-    if (jit := self._batch_jits.get(rows)) is None:
-      jit = self._batch_jits[rows] = TinyJit(self._run_batch)
-      jit.cnt = 1
-    ret = jit(self._batch_in, self._batch_pos, self._batch_rope, rows, self._v_lo.bind(lo), self._v_kv_len.bind(int(max(positions)) + 1),
-              self._kv_caches())
+    out = self.rows.decode(slots, inp, positions)
     for slot, p in zip(slots, positions, strict=True): self._pos[slot] = int(p) + 1
-    return self._wrap(ret.uop.buf_uop.buffer, (rows, self.vocab_size) if self.is_tail else (rows, 1, self.dim))
+    return out
+
+  def prefill_rows(self, slot: int, inp: np.ndarray, start_pos: int) -> Tensor:
+    """Prompt rows of the stream in `slot` at positions start_pos... through the rows path, in calls of at most
+    rows.MAX_ROWS (where a prompt is cut changes no bit). Returns what `forward` returns: the residual (1, T, dim), or
+    on the tail the last row's logits (vocab,); it may alias an internal buffer."""
+    if self.rows is None: return self._reference_forward(slot, inp, start_pos, True)
+    inp = self._validate(slot, inp, start_pos)
+    T = len(inp)
+    if T <= MAX_ROWS:
+      out = self.rows.prefill(slot, inp, start_pos)
+      self._pos[slot] = start_pos + T
+      return out
+    res = None if self.is_tail else self._empty((1, T, self.dim), self._bdtype)
+    for s in range(0, T, MAX_ROWS):
+      out = self.rows.prefill(slot, inp[s:s + MAX_ROWS], start_pos + s)
+      self._pos[slot] = start_pos + min(T, s + MAX_ROWS)
+      if res is not None: _copy_rows(res, out.uop.buffer, s, min(MAX_ROWS, T - s))
+    return out if res is None else res
+
+  @property
+  def max_chunk(self) -> int:
+    """The most prompt rows one forward computes at once: the rows path's MAX_ROWS, else tinygrad's chunk."""
+    return MAX_ROWS if self.rows is not None else self.chunk
+
+  def batch_window(self, slots: list[int]) -> tuple[int, int]:
+    """(first slot, rows) of the decode window that holds `slots`."""
+    return self.rows.window(slots)
 
   def _embed(self, raw: Tensor, toks: int | UOp) -> Tensor:
     """Rows of the token embedding from their raw GGML bytes, with the reference's arithmetic: dequantise, cast to float16,
@@ -537,7 +460,7 @@ class StageModel:
   @property
   def kv_bytes(self) -> int:
     """Device bytes of the KV caches (every slot's, allocated together on first use)."""
-    return sum(t.nbytes() for t in self._kv or [])
+    return sum(t.nbytes() for t in self._kv or []) + (self.rows.cache_bytes if self.rows is not None else 0)
 
   def reset_slot(self, slot: int) -> None:
     """Forget a stream: the slot's next record must start at position 0 (its cache is overwritten, never read stale)."""
@@ -596,8 +519,13 @@ class StageModel:
     dtype, or on the tail the last position's logits (vocab,) float32. The returned tensor may alias this stage's
     output buffer: consume it (output_into / sample) before the next forward call.
 
-    `prefill` picks the reference's path: the chunked prefill JIT (symbolic T, a causal mask) or the T=1 decode JIT.
-    By default a record of more than one token, or one at position 0, is a prefill, as in `Transformer.generate`."""
+    On the rows path every record is prompt rows (a decode token computes the same bits as a prompt row: rows.py).
+    Otherwise `prefill` picks tinygrad's path: the chunked prefill JIT (symbolic T, a causal mask) or the T=1 decode
+    JIT; by default a record of more than one token, or one at position 0, is a prefill, as in `Transformer.generate`."""
+    if self.rows is not None: return self.prefill_rows(slot, inp, start_pos)
+    return self._reference_forward(slot, inp, start_pos, prefill)
+
+  def _reference_forward(self, slot: int, inp: np.ndarray, start_pos: int, prefill: bool | None) -> Tensor:
     inp = self._validate(slot, inp, start_pos)
     T, caches = inp.shape[0], self._slot_caches(slot)
     if prefill is None: prefill = T > 1 or start_pos == 0
@@ -633,41 +561,44 @@ class StageModel:
     device's own queue), so whoever times a forward must wait for them."""
     Device[self.device].synchronize()
 
-  def _wrap(self, buf: Buffer, shape: tuple[int, ...]) -> Tensor:
+  def _wrap(self, buf: Buffer, shape: tuple[int, ...]) -> Tensor: return self._view(buf, shape)
+
+  @staticmethod
+  def _view(buf: Buffer, shape: tuple[int, ...], offset: int = 0) -> Tensor:
+    """A realized tensor over `shape` elements of `buf` from element `offset` on (no copy)."""
     n = prod(shape)
-    view = buf if buf.size == n else buf.view(n, buf.dtype, 0).ensure_allocated()
+    view = buf if buf.size == n and not offset else buf.view(n, buf.dtype, offset * buf.dtype.itemsize).ensure_allocated()
     return Tensor(UOp.from_buffer(view)).reshape(shape)
 
-  def warm_up(self, batched: bool = True) -> list[int]:
-    """Capture the JITs of every batch shape now (a prefill chunk, and a decode step of 1, 2, 4, ... rows; or with
-    batched=False the reference's T=1 decode), so no stream ever waits for a kernel compilation mid-flight; then time
-    each shape and let n rows run in the cheapest shape that holds them (a larger shape can be cheaper: kernel
-    heuristics differ by shape). Leaves every slot empty. Returns the shapes."""
-    batched = batched and self.batched
-    shapes = sorted({min(self.slots, 1 << k) for k in range(self.slots.bit_length() + 1)}) if batched else []
+  def warm_up(self) -> list[int]:
+    """Capture every graph a stream can need now, so none waits for a compilation mid-flight: on the rows path the
+    prefill and each decode window (WINDOW, 2 WINDOW, ... slots), else tinygrad's prefill chunk and T=1 decode. Times each
+    decode window (shape_ms). Leaves every slot empty. Returns the decode windows' row counts."""
     zeros = np.zeros(1, np.uint32) if self.is_head else np.zeros((1, self.dim), DTYPES[self.boundary_dtype])
-    for slot in range(self.slots):
-      self.reset_slot(slot)
-      self.forward(slot, zeros, 0, prefill=True)
-    if not batched: self.forward(0, zeros, 1, prefill=False)
+    self.reset_slot(0)
+    if self.rows is None:
+      self.forward(0, zeros, 0, prefill=True)
+      self.forward(0, zeros, 1, prefill=False)
+      shapes: list[int] = []
+    else:
+      self.prefill_rows(0, zeros, 0)
+      shapes = sorted({self.rows.window(list(range(n)))[1] for n in range(1, self.slots + 1)})
+      for slot in range(self.slots): self._pos[slot] = 1
 
-    def step(rows: int) -> float:
-      t0 = time.perf_counter()
-      self.forward_batch(list(range(rows)), np.repeat(zeros, rows, axis=0), [1] * rows).numpy()
-      for slot in range(rows): self._pos[slot] = 1
-      return time.perf_counter() - t0
-    for rows in shapes: step(rows)  # capture
-    self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
-    if shapes: self._shape_for = {n: min((r for r in shapes if r >= n), key=lambda r: (self.shape_ms[r], r)) for n in range(1, self.slots + 1)}
+      def step(rows: int) -> float:
+        t0 = time.perf_counter()
+        self.forward_batch(list(range(rows)), np.repeat(zeros, rows, axis=0), [1] * rows).numpy()
+        for slot in range(rows): self._pos[slot] = 1
+        return time.perf_counter() - t0
+      for rows in shapes: step(rows)  # capture
+      self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
     for slot in range(self.slots): self.reset_slot(slot)
     if self.expert_load is not None: self.expert_load[:] = 0  # the warm-up's zeros were routed too: count only streams
     return shapes
 
-  def rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
+  def batch_rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
     """The rows of a forward_batch(slots) result, in the order of `slots`, each a realized view of its own (no copy)."""
-    buf, row, lo = batch.uop.buffer, prod(batch.shape[1:]), self.batch_window(slots)[0]
-    return [Tensor(UOp.from_buffer(buf.view(row, buf.dtype, (s - lo) * row * buf.dtype.itemsize).ensure_allocated()))
-            .reshape(batch.shape[1:]) for s in slots]
+    return self.rows.rows_of(batch, slots)
 
   @property
   def row_bytes(self) -> int:

@@ -15,7 +15,7 @@ A stream's life on the rings, launcher → head → … → tail → launcher:
            slot and forwards the record at once; the tail's copy back to the launcher is the ack.
     DATA   head ingress: u32 token ids. Position 0 carries the whole prompt, each later record one token
            at position prompt_tokens + n - 1. Between stages: the residual (tokens x dim, boundary dtype)
-           of one prefill chunk (at most PREFILL_CHUNK tokens, at the chunk's first position) or of one
+           of one prefill chunk (at most MAX_CHUNK tokens, at the chunk's first position) or of one
            decode token. Tail egress: one u32 token id per step, END when it is an end token (or float32
            logits when the stream asked for them), at the position of the input token it came from.
     CLOSE  flags=CLOSE, empty payload: every stage drops what it still holds of the stream, frees the slot
@@ -43,7 +43,8 @@ FLAG_CLOSE = 1 << 2
 FLAG_ERROR = 1 << 3
 FLAG_MORE = 1 << 4
 
-PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: the most tokens one prefill chunk (record) carries
+PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: the largest chunk of its prefill (--decode reference)
+MAX_CHUNK = 256       # the most prompt rows one record between stages carries (the rows path's largest chunk)
 # ConfigureRole's "prefill_share": beside decoding streams, a newcomer's prefill chunk is sized to cost about this share
 # of their decode step (0: whole chunks always, the most throughput and the longest stalls); see Stage.prefill_size.
 # 2.0 bounds a step that carries a chunk at about 3 decode steps, the issue's inter-token target; bench/README.md
@@ -63,6 +64,10 @@ def prefill_share_problem(v: object) -> str | None:
 # at load (tinygrad's REALIZE=1); "float32": those float16 values held as float32 (the same products; on x86 CPUs the
 # fastest, as clang's code for float16 loads is several times slower than for float32 ones)
 WEIGHT_MODES = ("quantized", "float16", "float32")
+# ConfigureRole's "decode": "batched" runs a dense stage's rows path (many streams per step, prompt and decode rows with
+# the same bits, pyruntime/rows.py); "reference" runs tinygrad's own prefill and T=1 decode kernels, one stream at a time
+# (tinygrad's exact tokens). Other families always run the latter.
+DECODE_MODES = ("batched", "reference")
 
 POSITION_BITS = 32
 POSITION_MASK = (1 << POSITION_BITS) - 1
@@ -114,7 +119,7 @@ def ring_bytes(context_length: int, dim: int, itemsize: int, vocab_size: int, ma
   tail egress: one token (or the logits), an OPEN echo, or an ERROR."""
   open_max = 1024 + 11 * context_length
   head = max(4 * context_length, open_max)
-  mid = max(PREFILL_CHUNK * dim * itemsize, open_max)
+  mid = max(MAX_CHUNK * dim * itemsize, open_max)
   tail = max(4 * vocab_size, open_max)
   # + one record more: a record never splits across the ring's end, so the wrap-around can waste up to one record
   return {"head": head, "mid": mid, "tail": tail,

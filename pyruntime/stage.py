@@ -28,6 +28,7 @@ from pyruntime.boundary import MLA_POS
 from pyruntime.gc_policy import collect_due, collect_on_this_thread
 from pyruntime.protocol import (
   ABI_VERSION,
+  DECODE_MODES,
   FLAG_CLOSE,
   FLAG_END,
   FLAG_ERROR,
@@ -53,7 +54,6 @@ if TYPE_CHECKING:  # what the stage holds, imported when it gets it (the control
 
 COMMAND_POLL_S = 0.05  # while records flow, how often the data loop looks for a control command
 GROUP_WAIT_S = 5.0     # how long to wait for the rest of a step's group (MORE): the upstream writes a group in one go
-DECODE_MODES = ("batched", "reference")  # reference: tinygrad's own T=1 decode kernels, one stream at a time (its exact tokens)
 GATHER_STEPS, GATHER_MIN_S, GATHER_MAX_S = 3.0, 0.005, 1.0  # how long a stage waits for decode rows still on their way
 # Where a prompt is cut never changes a number: every prefill chunk of 1..model.chunk tokens runs the same kernels
 # (symbolic T), each row reduced in the same order (tests/test_model.py proves it bit for bit), so chunks sized by load
@@ -246,7 +246,7 @@ class Stage:
     r = self.role
     try:
       self.model = StageModel.load(path, r["start"], r["end"], device=self.device, max_context=r["max_context"],
-                                   slots=r["slots"], boundary_dtype=r["boundary_dtype"], weights=r["weights"])
+                                   slots=r["slots"], boundary_dtype=r["boundary_dtype"], weights=r["weights"], decode=r["decode"])
     except errors.PyruntimeError: raise
     except Exception as e: raise Fatal("ModelLoadFailed", f"{type(e).__name__}: {e}", traceback=traceback.format_exc()) from e
     m = self.model
@@ -259,7 +259,7 @@ class Stage:
                  boundary=m.boundary.to_dict())
     if r["warmup"]:  # every batch shape's kernels now, not when a stream first needs them
       t0 = time.monotonic()
-      shapes = m.warm_up(batched=self.decode_mode == "batched")
+      shapes = m.warm_up()
       self.ch.emit(Event.WARMED_UP, stage=self.index, batch_shapes=shapes, shape_ms={str(k): round(v, 2) for k, v in m.shape_ms.items()},
                    elapsed_s=round(time.monotonic() - t0, 3))
 
@@ -438,7 +438,7 @@ class Stage:
     else:
       batch = self.model.forward_batch([st.slot for _, st, _, _ in items], np.concatenate([x for *_, x in items]),
                                        [pos for _, _, pos, _ in items])
-      outs = self.model.rows(batch, [st.slot for _, st, _, _ in items])
+      outs = self.model.batch_rows(batch, [st.slot for _, st, _, _ in items])
       t1 = time.monotonic()
       # the step's records become visible together (one publishing store, one wake-up of the reader): the next stage
       # and the launcher take a MORE group as a whole anyway, and woke once per row when each was published alone
@@ -476,14 +476,15 @@ class Stage:
     step and a chunk were timed). A chunk that came in under that grows by at least one token: a chunk's fixed cost
     (on a GPU, most of it) makes a per-token figure from a small chunk too dear, and the sizes must still find the
     right one."""
-    if not self.prefill_share or (st.prompt_tokens or 0) <= self.model.chunk or not self.decoding(): return self.model.chunk
+    chunk = self.model.max_chunk
+    if not self.prefill_share or (st.prompt_tokens or 0) <= chunk or not self.decoding(): return chunk
     if not (self.step_s and self.last_prefill): return 1
     n, seconds = self.last_prefill
     target = self.prefill_share * self.step_s
-    fit = int(n * target / seconds) if seconds > 0 else self.model.chunk
+    fit = int(n * target / seconds) if seconds > 0 else chunk
     # growing: at least one token more, at most twice as many (one quick chunk, timed in a lull, must not bring a
     # chunk that costs many steps); shrinking: to what fits at the last chunk's cost
-    return max(1, min(self.model.chunk, max(n + 1, min(fit, 2 * n)) if seconds < target else fit))
+    return max(1, min(chunk, max(n + 1, min(fit, 2 * n)) if seconds < target else fit))
 
   def note_prefill(self, n: int, seconds: float) -> None: self.last_prefill = (n, seconds)
 

@@ -112,7 +112,9 @@ def chain(stages: list[StageModel], prompt: list[int], n: int, slot: int = 0, lo
 
 
 def load_split(path, ranges, **kw) -> list[StageModel]:
-  return [StageModel.load(path, a, b, max_context=kw.pop("max_context", CTX), **kw) for a, b in ranges]
+  """The stages of a split; tinygrad's own kernels (decode="reference") unless `decode` says otherwise."""
+  ctx, kw = kw.pop("max_context", CTX), {"decode": "reference", **kw}
+  return [StageModel.load(path, a, b, max_context=ctx, **kw) for a, b in ranges]
 
 
 def bits(a: np.ndarray) -> np.ndarray: return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
@@ -229,17 +231,20 @@ def test_fp16_boundary_reported(tiny_paths, tiny_refs):
         f"{next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)}")
 
 
-def test_prompt_longer_than_a_chunk_returns_every_position(tiny_paths):
-  """A non-tail stage returns the residual for all T positions of a long prompt (it chunks internally)."""
-  path = tiny_paths["llama_untied"]
-  whole = StageModel.load(path, 0, 2, max_context=CTX)
-  r = whole.forward(0, np.asarray(PROMPT[:36], dtype=np.uint32), 0)
-  assert r.shape == (1, 36, whole.dim)
-  full = np.empty((36, whole.dim), np.float32)
+@pytest.mark.parametrize("decode,n", [("reference", 36), ("batched", 300)])
+def test_prompt_longer_than_a_chunk_returns_every_position(tmp_path, decode, n):
+  """A non-tail stage returns the residual for all T positions of a prompt longer than its largest chunk (tinygrad's
+  32, the rows path's MAX_ROWS): it chunks internally, and the same positions fed in two records give the same bytes."""
+  path = write_tiny_gguf(tmp_path / "long.gguf", **TINY_MODELS["llama_untied"], context=1024)
+  prompt = np.asarray((PROMPT * 8)[:n], dtype=np.uint32)
+  whole = StageModel.load(path, 0, 2, max_context=512, decode=decode)
+  r = whole.forward(0, prompt, 0)
+  assert r.shape == (1, n, whole.dim)
+  full = np.empty((n, whole.dim), np.float32)
   assert whole.output_into(r, memoryview(full)) == full.nbytes
-  # the same positions fed one chunk at a time (prefill 32, then 4) give the same bytes
-  part = StageModel.load(path, 0, 2, max_context=CTX)
-  a, b = part.forward(0, np.asarray(PROMPT[:32], np.uint32), 0).numpy(), part.forward(0, np.asarray(PROMPT[32:36], np.uint32), 32).numpy()
+  part = StageModel.load(path, 0, 2, max_context=512, decode=decode)
+  cut = whole.max_chunk
+  a, b = part.forward(0, prompt[:cut], 0).numpy(), part.forward(0, prompt[cut:], cut).numpy()
   assert np.array_equal(bits(np.concatenate([a[0], b[0]])), bits(full))
 
 
@@ -347,7 +352,7 @@ def test_batched_decode_is_batch_invariant(name, weights, tiny_paths):
   """Streams of different prompt lengths decoding together, joining at different steps (so the batch shape changes
   from 1 to 2 to 4 rows and back), give every stream the same logits bit for bit as decoding it alone."""
   path = tiny_paths[name]
-  stages = load_split(path, [(0, 2), (2, tiny_refs_blocks(path))], slots=4, weights=weights)
+  stages = load_split(path, [(0, 2), (2, tiny_refs_blocks(path))], slots=4, weights=weights, decode="batched")
   prompts = [PROMPT[:n] for n in (1, 5, 9)] + [(PROMPT * 6)[:40]]  # 40: a prefill of two chunks
   steps = 6
 
@@ -365,8 +370,8 @@ def test_batched_decode_is_batch_invariant(name, weights, tiny_paths):
     h = np.asarray([rows[s][0] for s in slots], dtype=np.uint32)
     for st in stages:
       r = st.forward_batch(slots, h, [rows[s][1] for s in slots])
-      if st.is_tail: return {s: x.numpy().copy() for s, x in zip(slots, st.rows(r, slots), strict=True)}
-      h = np.concatenate([x.numpy().reshape(1, -1) for x in st.rows(r, slots)])
+      if st.is_tail: return {s: x.numpy().copy() for s, x in zip(slots, st.batch_rows(r, slots), strict=True)}
+      h = np.concatenate([x.numpy().reshape(1, -1) for x in st.batch_rows(r, slots)])
 
   def run(joins: dict[int, int], prompt_of: dict[int, int] | None = None) -> dict[int, list[np.ndarray]]:
     """Slot i starts prompt prompt_of[i] (default i) at step joins[i]; returns each slot's logits: prefill, then `steps`

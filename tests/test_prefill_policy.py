@@ -23,7 +23,7 @@ NEWCOMER = 99
 def stage_with(decoding: int, chunk: int = 32, prompt: int = 500) -> Stage:
   """A stage with `decoding` streams past their prompts and one stream with a `prompt`-token prompt still to prefill."""
   stage = Stage(ChannelDouble())
-  stage.model = SimpleNamespace(chunk=chunk)  # a test double: the policy reads only the model's largest chunk
+  stage.model = SimpleNamespace(max_chunk=chunk)  # a test double: the policy reads only the model's largest chunk
   for i in range(decoding): stage.streams[i] = Stream(slot=i, prompt_tokens=4, position=5)
   newcomer = Stream(slot=decoding, prompt_tokens=prompt, position=prompt)
   newcomer.pending.append((0, np.zeros(prompt, np.uint32)))

@@ -1,0 +1,301 @@
+"""The batched path of a dense stage: prompt rows and decode rows through the same kernels, with the same bits.
+
+Every position a stream computes (a prompt token, a decode token, later a drafted token under verification) is a
+row, and a row's numbers depend on nothing but its stream: its input, its position and the keys and values its
+stream holds before it. That is the exactness contract (docs/stage-ownership.md, "Exactness"). It holds because:
+
+- one piece of code computes a row in both graphs: `prefill` (rows of one stream at consecutive positions, any count
+  up to MAX_ROWS, symbolic) and `decode` (one row for each stream in a window of KV slots, in one of a few fixed
+  shapes). Both call `_layer`, which differs between them only in how the new keys and values are written;
+- no kernel ever mixes rows: projections, norms and the attention of row r read only row r (and its stream's cache);
+- every sum is sequential over its reduce axis (kernel_opts.rows_schedule applies no reduce-axis opt), so a row's
+  value does not depend on how many rows run beside it or where a prompt was cut;
+- keys past a row's position are masked to exact zeros (`where`, not an addition, so stale cache bytes never reach
+  a sum), and masked terms add exact zeros: the attended length changes no bit.
+
+Rows are padded to ROW_UNIT (the padding rows compute at later positions of the same stream and are overwritten
+before anything reads them) and the attended length to KV_UNIT, so that the schedule can split rows and keys over
+the CPU's threads and vector lanes. The caches are laid out for this path: keys transposed, (slot, kv head, head
+dim, position), so a row's scores for VEC consecutive positions come from one vector load; values (slot, kv head,
+position, head dim). They hold float32 whatever the weights (tinygrad's default float), zeroed at allocation.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+from tinygrad import Tensor, TinyJit, UOp, dtypes, function
+from tinygrad.helpers import prod
+from tinygrad.llm.gguf import ggml_data_to_tensor
+from tinygrad.llm.model import TransformerBlock
+from tinygrad.uop.ops import KernelInfo
+
+from pyruntime import errors, kernel_opts
+from pyruntime.boundary import DTYPES
+from pyruntime.protocol import MAX_CHUNK
+
+MAX_ROWS = MAX_CHUNK  # the most rows one prefill call takes: a stage's largest prompt chunk
+ROW_UNIT = 16    # prompt rows are padded to a multiple of this (kernel_opts.ROWS x two threads)
+KV_UNIT = 32     # attended lengths are padded to a multiple of this (kernel_opts.VEC x two threads)
+
+
+def _round(n: int, unit: int) -> int: return -(-n // unit) * unit
+
+
+def _host_mv(arr: np.ndarray) -> memoryview:
+  """A byte memoryview of a C-contiguous array for Buffer.copyin, without copying it: tinygrad's host copies take
+  the source's address through ctypes, which refuses read-only memory (a ring payload, an mmap of the file), so a
+  read-only array is viewed through a ctypes array at its address (the copy only reads it)."""
+  if not arr.flags.c_contiguous: arr = np.ascontiguousarray(arr)
+  if arr.flags.writeable or arr.nbytes == 0: return memoryview(arr).cast("B")
+  return memoryview((ctypes.c_char * arr.nbytes).from_address(arr.ctypes.data)).cast("B")
+
+
+def _scatter(flat: Tensor, rows: Tensor, at: Tensor, stride_a: int, stride_b: int) -> Tensor:
+  """`flat` after element (i, a, b) of rows (n, A, B) is written at at[i] + a * stride_a + b * stride_b: one small kernel
+  (tinygrad has no indexed store but a custom kernel's). Returns `flat` ordered after the writes."""
+  n, A, B = rows.shape
+
+  def kernel(dst: UOp, src: UOp, where: UOp) -> UOp:
+    i, a, b = UOp.range(n, 0), UOp.range(A, 1), UOp.range(B, 2)
+    return dst[where[i].cast(dtypes.weakint) + a * stride_a + b * stride_b].store(src[i, a, b]).end(i, a, b).sink(
+      arg=KernelInfo(name="kv_scatter", opts_to_apply=()))
+  return flat.custom_kernel(rows, at, fxn=kernel)[0]
+
+
+class RowPath:
+  """The prefill and decode graphs of one StageModel (dense blocks), and the caches they share."""
+
+  def __init__(self, m: Any):  # the StageModel that owns this path (model.py imports this module, not the reverse)
+    self.m, cfg = m, m.config
+    self.slots = m.slots
+    self.length = _round(cfg.max_context + MAX_ROWS, KV_UNIT)  # a chunk's padding rows may run past the context
+    self.v_rows = UOp.variable("rows16", 1, MAX_ROWS // ROW_UNIT)
+    self.v_kv = UOp.variable("kv32", 1, self.length // KV_UNIT)
+    self.v_slot = UOp.variable("slot", 0, self.slots - 1)
+    self.v_start = UOp.variable("start", 0, cfg.max_context - 1)
+    self.v_lo = UOp.variable("window", 0, max(self.slots - 1, 1))
+    self.prefill_jit = TinyJit(self._prefill_graph)
+    self.decode_jits: dict[int, TinyJit] = {}
+    for j in (self.prefill_jit,): j.cnt = 1  # capture on the first call (every lazy weight is realized already)
+    self.rope_host = m.blk[0].freqs_cis.numpy()  # the reference's table: a row's cos|sin, gathered on the host
+    width = m._embd_row_bytes if m.is_head else cfg.dim
+    dt = dtypes.uint8 if m.is_head else m._bdtype
+    self.prefill_in, self.prefill_pos = m._empty((MAX_ROWS, width), dt), m._empty((MAX_ROWS,), dtypes.int32)
+    self.prefill_rope = m._empty((MAX_ROWS, cfg.rope_dim), dtypes.float32)
+    self.decode_in, self.decode_pos = m._empty((self.slots, width), dt), m._empty((self.slots,), dtypes.int32)
+    self.decode_rope = m._empty((self.slots, cfg.rope_dim), dtypes.float32)
+    self.decode_at_k, self.decode_at_v = m._empty((self.slots,), dtypes.int32), m._empty((self.slots,), dtypes.int32)
+    for t in (self.prefill_in, self.decode_in): t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))  # padding rows read zeros
+    self.arange = Tensor.arange(self.length, dtype=dtypes.int32, device=m.device).contiguous().realize()
+    self._caches: list[tuple[Tensor, Tensor]] | None = None
+
+  # --- caches ------------------------------------------------------------------------------------
+  @property
+  def caches(self) -> list[tuple[Tensor, Tensor]]:
+    """Per block, flat: keys (slots + 1, kv heads, head dim, positions) and values (slots + 1, kv heads, positions, head
+    dim). The last slot takes a decode window's filler rows' writes (never read)."""
+    if self._caches is None:
+      self._caches = []
+      for _ in self.m.blk:
+        k, v = self.m._empty((self.cache_elems,), dtypes.float32), self.m._empty((self.cache_elems,), dtypes.float32)
+        for t in (k, v): t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))  # never NaN bytes under a mask
+        self._caches.append((k, v))
+    return self._caches
+
+  @property
+  def cache_elems(self) -> int:
+    c = self.m.config
+    return (self.slots + 1) * c.n_kv_heads * c.head_dim * self.length
+
+  def key_view(self, k: Tensor) -> Tensor:
+    c = self.m.config
+    return k.reshape(self.slots + 1, c.n_kv_heads, c.head_dim, self.length)
+
+  def value_view(self, v: Tensor) -> Tensor:
+    c = self.m.config
+    return v.reshape(self.slots + 1, c.n_kv_heads, self.length, c.head_dim)
+
+  @property
+  def cache_bytes(self) -> int: return sum(k.nbytes() + v.nbytes() for k, v in self._caches or [])
+
+  # --- one layer, shared by both graphs ---------------------------------------------------------------
+  def _qkv(self, b: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """TransformerBlock._attention's projections, norms and rotary embedding for x (B, T, dim), each row at its own
+    position (cos, sin: (B, 1, T, rope_dim / 2)). Returns q (B, H, T, Hd), k and v (B, KvH, T, Hd)."""
+    c = b.config
+    B, T, _ = x.shape
+    x = x.contiguous()  # normed: see _blocks
+    q, k, v = b.attn_q(x), b.attn_k(x), b.attn_v(x)
+    if c.qk_norm and c.qk_norm != c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
+    q = q.reshape(B, T, c.n_heads, c.head_dim).transpose(1, 2)
+    k = k.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+    v = v.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+    if c.qk_norm == c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
+    def rope(t: Tensor) -> Tensor:
+      t1, t2 = t[..., :c.rope_dim].chunk(2, dim=-1)
+      return (t1 * cos - t2 * sin).cat(t2 * cos + t1 * sin, dim=-1).cat(t[..., c.rope_dim:], dim=-1)
+    return rope(q).contiguous(), rope(k), v
+
+  def _attend(self, b: TransformerBlock, q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, kv: UOp | int) -> Tensor:
+    """Scaled dot-product attention of q (B, H, T, Hd) over keys (B, KvH, Hd, kv) and values (B, KvH, kv, Hd), row
+    (b, t) seeing positions 0..pos[b, t] (pos: (B, 1, T, 1)); as tinygrad's (GQA by kv head groups, the scale a
+    division, softmax), with masked scores replaced rather than added to. Returns (B, T, H * Hd)."""
+    c = b.config
+    B, _, T, Hd = q.shape
+    G = c.n_heads // c.n_kv_heads
+    qg = q.reshape(B, c.n_kv_heads, G * T, Hd)  # head h uses kv head h // G, as repeat_interleave has it
+    scores = qg.matmul(keys, dtype=dtypes.float32) / float(np.sqrt(Hd))   # (B, KvH, G*T, kv)
+    seen = self.arange[:kv].reshape(1, 1, 1, kv)
+    hidden = (seen > pos.reshape(B, 1, 1, T, 1).expand(B, 1, G, T, 1).reshape(B, 1, G * T, 1))
+    w = hidden.where(float("-inf"), scores).softmax(-1).contiguous()
+    out = w @ values                                                       # (B, KvH, G*T, Hd)
+    return out.reshape(B, c.n_kv_heads, G, T, Hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.n_heads * Hd)
+
+  def _blocks(self, x: Tensor, attention) -> Tensor:
+    """x through the stage's blocks; `attention(block, normed x)` is the graph's attention (write, then attend).
+
+    Every input of a sum that carries a factor of its row (a norm's scale, softmax's 1 / sum) is made a buffer of its
+    own (`contiguous`): fused into the sum, tinygrad takes such a factor out of it (sum(x * r * w) -> r * sum(x * w)),
+    which rounds differently, and whether it fuses depends on the graph's shapes. As buffers, both graphs sum the
+    same stored values."""
+    def call(b: TransformerBlock, x: Tensor) -> Tensor:
+      @function(allow_implicit=True)
+      def _run(x: Tensor) -> Tensor:
+        h = x + b.attn_output(attention(b, b.attn_norm(x)))
+        return (h + b._feed_forward(b.ffn_norm(h).contiguous())).contiguous()
+      return _run(x)
+    return self.m._blocks(x, call)
+
+  def _ingress(self, inp: Tensor, rows: int | UOp, B: int, T: int | UOp) -> Tensor:
+    """The graph's input rows as float (B, T, dim): on the head, the token embedding from raw GGML rows (the
+    reference's arithmetic: dequantise, cast to float16, then float); elsewhere the residual in the boundary dtype."""
+    m = self.m
+    if m.is_head:
+      n = inp.shape[0] * m.dim
+      w = ggml_data_to_tensor(inp.flatten(), n, m._embd_info.ggml_type).reshape(inp.shape[0], m.dim)
+      if m.half: w = w.cast("float16")
+      return w[:rows].reshape(B, T, m.dim).float()
+    x = inp[:rows].reshape(B, T, m.dim)
+    return x.float() if m._bdtype != dtypes.float32 else x
+
+  def _egress(self, x: Tensor) -> Tensor:
+    """Rows (n, 1, dim) or (1, n, dim) out: the tail's logits (n, vocab), else the residual in the boundary dtype."""
+    m = self.m
+    if m.is_tail: return m.output(m.output_norm(x).contiguous()).reshape(-1, m.vocab_size).contiguous()
+    return (x.cast(m._bdtype) if m._bdtype != dtypes.float32 else x).contiguous()
+
+  # --- prefill: rows of one stream ------------------------------------------------------------------
+  def _prefill_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, rows16: UOp, slot: UOp, start: UOp, kv32: UOp) -> Tensor:
+    R, kv = rows16 * ROW_UNIT, kv32 * KV_UNIT
+    cd = self.m.config.rope_dim
+    cos, sin = rope[:R].reshape(1, 1, R, cd).chunk(2, dim=-1)
+    p = pos[:R].reshape(1, 1, R, 1)
+    for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True):
+      b.rows_k, b.rows_v = self.key_view(kc)[slot:slot + 1], self.value_view(vc)[slot:slot + 1]
+
+    def attention(b: TransformerBlock, x: Tensor) -> Tensor:
+      q, k, v = self._qkv(b, x, cos, sin)
+      # the rows' keys and values into their consecutive positions; the padding rows' too (read by no row before a
+      # later one overwrites them)
+      kd, vd = b.rows_k[:, :, :, start:start + R], b.rows_v[:, :, start:start + R, :]
+      keys = Tensor(b.rows_k.uop.after(kd.uop.store(k.transpose(2, 3).uop)))[:, :, :, :kv]
+      values = Tensor(b.rows_v.uop.after(vd.uop.store(v.uop)))[:, :, :kv, :]
+      return self._attend(b, q, keys, values, p, kv)
+    x = self._blocks(self._ingress(inp, R, 1, R), attention)
+    if self.m.is_tail: x = x[:, R - ROW_UNIT:R]  # the last real row is among the last ROW_UNIT (ROWS rows would do too)
+    return self._egress(x)
+
+  def prefill(self, slot: int, inp: np.ndarray, start: int) -> Tensor:
+    """Rows inp (T tokens or (T, dim)) of the stream in `slot` at positions start..start+T-1, T <= MAX_ROWS. Returns,
+    realized: the residual (1, T, dim), or on the tail the logits (vocab,) of the last row. May alias an internal buffer."""
+    m = self.m
+    T = len(inp)
+    if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
+    R = _round(T, ROW_UNIT)
+    pos = np.arange(start, start + R, dtype=np.int32)
+    self.prefill_pos.uop.buffer.view(R, dtypes.int32, 0).ensure_allocated().copyin(memoryview(pos))
+    rope = np.ascontiguousarray(self.rope_host[np.minimum(pos, len(self.rope_host) - 1)])  # padding rows: any finite row
+    self.prefill_rope.uop.buffer.view(rope.size, dtypes.float32, 0).ensure_allocated().copyin(memoryview(rope).cast("B"))
+    self._stage(inp)
+    with kernel_opts.rows_schedules():
+      ret = self.prefill_jit(self.prefill_in, self.prefill_pos, self.prefill_rope, self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot),
+                             self.v_start.bind(start), self.v_kv.bind(_round(start + R, KV_UNIT) // KV_UNIT))
+    buf = ret.uop.buf_uop.buffer
+    if m.is_tail:
+      return m._view(buf, (m.vocab_size,), (T - 1 - (R - ROW_UNIT)) * m.vocab_size)
+    return m._view(buf, (1, T, m.dim))
+
+  def _stage(self, inp: np.ndarray) -> None:
+    """A prompt's rows into the first rows of the staging buffer, one host copy (on the head: the raw embedding rows,
+    gathered from the file's mmap). The rows past them keep what they held: finite values, as padding."""
+    m = self.m
+    rows = m._embd_rows[np.asarray(inp, dtype=np.uint32)] if m.is_head else np.ascontiguousarray(inp)
+    self.prefill_in.uop.buffer.view(rows.nbytes, dtypes.uint8, 0).ensure_allocated().copyin(_host_mv(rows))
+
+  # --- decode: one row for each stream of a window of slots -------------------------------------------
+  def _decode_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, at_k: Tensor, at_v: Tensor, W: int, lo: UOp, kv32: UOp) -> Tensor:
+    c, kv = self.m.config, kv32 * KV_UNIT
+    cos, sin = rope[:W].reshape(W, 1, 1, c.rope_dim).chunk(2, dim=-1)
+    p = pos[:W].reshape(W, 1, 1, 1)
+    ak, av = at_k[:W], at_v[:W]
+    for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True): b.rows_k, b.rows_v = kc, vc
+
+    def attention(b: TransformerBlock, x: Tensor) -> Tensor:
+      q, k, v = self._qkv(b, x, cos, sin)
+      # each row's key and value into its own slot at its own position (a filler's into the spare slot)
+      kc = _scatter(b.rows_k, k.reshape(W, c.n_kv_heads, c.head_dim), ak, c.head_dim * self.length, self.length)
+      vc = _scatter(b.rows_v, v.reshape(W, c.n_kv_heads, c.head_dim), av, self.length * c.head_dim, 1)
+      keys, values = self.key_view(kc)[lo:lo + W, :, :, :kv], self.value_view(vc)[lo:lo + W, :, :kv, :]
+      return self._attend(b, q, keys, values, p, kv)
+    return self._egress(self._blocks(self._ingress(inp, W, W, 1), attention))
+
+  def window(self, slots: list[int]) -> tuple[int, int]:
+    """(first slot, rows) of the decode window holding `slots`: the smallest power of two of consecutive slots from the
+    lowest one (at most every slot), moved down where it would run past the last slot."""
+    rows = min(self.slots, 1 << (max(slots) - min(slots)).bit_length())
+    return min(min(slots), self.slots - rows), rows
+
+  def decode(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> Tensor:
+    """One decode row for each of `slots` (row i of inp at positions[i]). Returns, realized, (W, 1, dim) or on the tail
+    (W, vocab): row r belongs to slot lo + r (`window`), the others are fillers. May alias an internal buffer."""
+    m, c = self.m, self.m.config
+    lo, W = self.window(slots)
+    at = np.asarray(slots) - lo
+    pos = np.full(W, -1, dtype=np.int32)
+    pos[at] = positions
+    where = np.full(W, self.slots, dtype=np.int64)  # fillers write into the spare slot, at position 0
+    where[at] = slots
+    ak = (where * c.n_kv_heads * c.head_dim * self.length + np.maximum(pos, 0)).astype(np.int32)
+    av = (where * c.n_kv_heads * self.length * c.head_dim + np.maximum(pos, 0) * c.head_dim).astype(np.int32)
+    rope = np.zeros((W, c.rope_dim), np.float32)
+    rope[at] = self.rope_host[list(positions)]
+    for dst, arr in ((self.decode_pos, pos), (self.decode_at_k, ak), (self.decode_at_v, av), (self.decode_rope, rope)):
+      dst.uop.buffer.view(arr.size, dst.dtype, 0).ensure_allocated().copyin(memoryview(np.ascontiguousarray(arr)).cast("B"))
+    self._stage_window(inp, at, W)
+    if (jit := self.decode_jits.get(W)) is None:
+      jit = self.decode_jits[W] = TinyJit(self._decode_graph)
+      jit.cnt = 1
+    with kernel_opts.rows_schedules():
+      ret = jit(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),
+                self.v_kv.bind(_round(max(positions) + 1, KV_UNIT) // KV_UNIT))
+    return m._view(ret.uop.buf_uop.buffer, (W, m.vocab_size) if m.is_tail else (W, 1, m.dim))
+
+  def _stage_window(self, inp: np.ndarray, at: np.ndarray, W: int) -> None:
+    """Rows of a window with fillers: the real rows at their places, zeros elsewhere (a filler sees no key, computes
+    NaN in its own row only, and writes into the spare slot)."""
+    m = self.m
+    if m.is_head:
+      staged = np.zeros((W, m._embd_row_bytes), np.uint8)
+      staged[at] = m._embd_rows[np.asarray(inp, dtype=np.uint32).reshape(-1)]
+    else:
+      staged = np.zeros((W, m.dim), DTYPES[m.boundary_dtype])
+      staged[at] = np.asarray(inp).reshape(len(at), m.dim)
+    self.decode_in.uop.buffer.view(staged.nbytes, dtypes.uint8, 0).ensure_allocated().copyin(_host_mv(staged))
+
+  def rows_of(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
+    """The rows of a decode result, in the order of `slots`, each a realized view (no copy)."""
+    buf, row, lo = batch.uop.buffer, prod(batch.shape[1:]), self.window(slots)[0]
+    return [Tensor(UOp.from_buffer(buf.view(row, buf.dtype, (s - lo) * row * buf.dtype.itemsize).ensure_allocated()))
+            .reshape(batch.shape[1:]) for s in slots]

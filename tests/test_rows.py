@@ -1,0 +1,127 @@
+"""The rows path's exactness contract (pyruntime/rows.py): every path that computes a position gives the same bits.
+
+A decode row and a prompt row at the same position of the same stream write the same keys and values and give the same
+logits; a prompt cut anywhere (pieces of 1 to 256 rows, aligned to nothing) gives the same bits as in one piece; a
+stream's rows do not depend on the streams beside it; and a split gives the unsplit model's bits. Greedy tokens equal
+tinygrad's own model on the test prompts (its T=1 decode kernels sum in another order, so logits differ by ~1e-6)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_model import CTX, PROMPT, PROMPT2, SPLITS, bits, chain, load_split, reference_tokens, tiny_refs_blocks
+from tinygrad.llm.model import Transformer
+from tinymodels import TINY_MODELS, write_tiny_gguf
+
+from pyruntime import errors
+from pyruntime.model import StageModel
+from pyruntime.rows import MAX_ROWS
+
+DENSE = ["llama_tied", "llama_untied", "llama_gqa", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict:
+  folder = tmp_path_factory.mktemp("rows")
+  return {name: write_tiny_gguf(folder / f"{name}.gguf", **TINY_MODELS[name], context=1024) for name in DENSE}
+
+
+def whole(path, **kw) -> StageModel:
+  return StageModel.load(path, 0, tiny_refs_blocks(path), max_context=kw.pop("max_context", CTX), decode="batched", **kw)
+
+
+def position_kv(m: StageModel, slot: int, pos: int) -> list[np.ndarray]:
+  """Every block's key and value of `slot` at `pos`, as stored in the rows path's caches."""
+  out = []
+  for k, v in m.rows.caches:
+    out.append(m.rows.key_view(k).numpy()[slot, :, :, pos].copy())
+    out.append(m.rows.value_view(v).numpy()[slot, :, pos, :].copy())
+  return out
+
+
+@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("weights", ["float32", "quantized"])
+def test_decode_row_equals_prompt_row(paths, name, weights):
+  """Positions 40..43 computed as decode rows (batched steps) and as prompt rows (prefill records): the same keys and
+  values in every block and the same logits, bit for bit."""
+  if weights == "quantized" and name not in ("llama_tied", "qwen3"): pytest.skip("two models cover dequantising kernels")
+  m = whole(paths[name], slots=2, weights=weights)
+  prompt = np.asarray(PROMPT, np.uint32)
+  m.reset_slot(0)
+  lg = m.prefill_rows(0, prompt, 0).numpy().copy()
+  seq, decoded = list(PROMPT), [lg]
+  for _ in range(4):
+    seq.append(int(lg.argmax()))
+    lg = m.batch_rows(m.forward_batch([0], np.asarray(seq[-1:], np.uint32), [len(seq) - 1]), [0])[0].numpy().copy()
+    decoded.append(lg)
+  decode_kv = [position_kv(m, 0, p) for p in range(40, 44)]
+  m.reset_slot(1)
+  prompted = [m.prefill_rows(1, np.asarray(seq[:n], np.uint32), 0).numpy().copy() for n in range(40, 45)]
+  for i, (a, b) in enumerate(zip(decoded, prompted, strict=True)):
+    assert np.array_equal(bits(a), bits(b)), f"{name}: logits after position {39 + i}: max |d| {np.abs(a - b).max()}"
+  for p, kv in zip(range(40, 44), decode_kv, strict=True):
+    for a, b in zip(kv, position_kv(m, 1, p), strict=True):
+      assert np.array_equal(bits(a), bits(b)), f"{name}: keys/values at position {p} differ"
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen3"])
+def test_where_the_prompt_is_cut_changes_no_bit(paths, name):
+  """Pieces of 1, 5, 13, 31 and 100 rows, aligned to nothing, and one piece longer than MAX_ROWS: the same logits."""
+  m = whole(paths[name], max_context=512)
+  prompt = np.asarray((PROMPT * 10)[:300], np.uint32)
+  m.reset_slot(0)
+  want = m.prefill_rows(0, prompt, 0).numpy().copy()
+  assert len(prompt) > MAX_ROWS
+  for piece in (1, 5, 13, 31, 100):
+    m.reset_slot(1)
+    for s in range(0, len(prompt), piece): got = m.prefill_rows(1, prompt[s:s + piece], s)
+    assert np.array_equal(bits(got.numpy()), bits(want)), f"pieces of {piece}"
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen3", "qwen2"])
+def test_splits_equal_the_unsplit_rows_and_tinygrads_tokens(paths, name):
+  """Every split of the rows path gives the unsplit run's logits bit for bit (the residual crossing each cut as float32),
+  and its greedy tokens are tinygrad's own on both test prompts."""
+  path = paths[name]
+  ref, _ = Transformer.from_gguf(path, max_context=CTX)
+  for prompt in (PROMPT, PROMPT2):
+    want, unsplit = reference_tokens(ref, prompt, 12), []
+    assert chain(load_split(path, [(0, tiny_refs_blocks(path))], decode="batched"), prompt, 12, logits=unsplit) == want
+    for ranges in SPLITS[name]:
+      logits: list[np.ndarray] = []
+      assert chain(load_split(path, ranges, decode="batched"), prompt, 12, logits=logits) == want
+      assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(logits, unsplit, strict=True)), ranges
+
+
+def test_decode_windows_and_streams_beside_change_no_bit(paths):
+  """One stream decoding alone (windows of 1 row) and beside streams in other slots (windows of 2, 4 and 8 rows, the
+  stream at different rows of them): the same logits."""
+  m = whole(paths["llama_gqa"], slots=8)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, 250, n).astype(np.uint32) for n in (40, 3, 17, 60, 9, 25, 33, 12)]
+
+  def run(slots: list[int], me: int) -> list[np.ndarray]:
+    for s in slots: m.reset_slot(s); m.prefill_rows(s, prompts[s], 0)
+    toks, out = {s: 7 if s == me else 7 + s for s in slots}, []
+    for step in range(3):
+      r = m.forward_batch(slots, np.asarray([toks[s] for s in slots], np.uint32), [len(prompts[s]) + step for s in slots])
+      rows = m.batch_rows(r, slots)
+      out.append(rows[slots.index(me)].numpy().copy())
+    return out
+  alone = run([0], 0)
+  for slots in ([0, 1], [0, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]):
+    assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(run(slots, 0), alone, strict=True)), slots
+  # the same prompt in slot 5, with slots 2..7 beside it: the same numbers again
+  prompts[5] = prompts[0]
+  assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(run([2, 3, 4, 5, 6, 7], 5), alone, strict=True))
+
+
+def test_bad_rows_are_refused_by_name(paths):
+  m = whole(paths["llama_tied"], slots=2)
+  with pytest.raises(errors.StreamPositionInvalid): m.prefill_rows(0, np.asarray([1, 2], np.uint32), 3)
+  with pytest.raises(errors.ContextLengthExceeded): m.prefill_rows(0, np.ones(CTX + 1, np.uint32), 0)
+  with pytest.raises(errors.TokenIdInvalid): m.prefill_rows(0, np.asarray([m.vocab_size], np.uint32), 0)
+  with pytest.raises(errors.SlotInvalid): m.forward_batch([0, 0], np.asarray([1, 2], np.uint32), [1, 1])
+  ref = StageModel.load(paths["llama_tied"], 0, 5, max_context=CTX, decode="reference")
+  assert ref.rows is None
+  with pytest.raises(errors.InvalidOption): ref.forward_batch([0], np.asarray([1], np.uint32), [1])
+  with pytest.raises(errors.InvalidOption): StageModel.load(paths["llama_tied"], 0, 5, decode="fast")

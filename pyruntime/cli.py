@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from pyruntime import errors
+from pyruntime.prefix_cache import PREFIX_CACHE_TOKENS
 from pyruntime.protocol import PREFILL_SHARE
 
 
@@ -29,6 +30,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                  "once at load; auto: float32 on a CPU when the model fits twice over in free memory (several times faster "
                  "there), quantized on GPUs and with --decode reference")
   p.add_argument("--max-context", type=int, default=None, help="cap on the context in tokens (default: the model's own)")
+  p.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_TOKENS, metavar="TOKENS",
+                 help="tokens of prompts and replies whose keys and values the stages keep for later requests that begin with "
+                 "them (chat turns, shared system prompts), in host memory (`inspect` shows bytes per token); 0: off")
   p.add_argument("--prefill-share", type=float, default=PREFILL_SHARE,
                  help="beside decoding streams, a new prompt's prefill chunks cost about this share of their step "
                  "(0: whole 32-token chunks, the fastest first token and the longest stalls for the others)")
@@ -197,7 +201,8 @@ def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) 
   from pyruntime.plan import parse_split
   return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
                   boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, weights=a.weights,
-                  max_context=a.max_context, prefill_share=a.prefill_share, warmup=warmup, on_event=LoadProgress(quiet))
+                  max_context=a.max_context, prefill_share=a.prefill_share, warmup=warmup, on_event=LoadProgress(quiet),
+                  prefix_cache=a.prefix_cache)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -68,6 +68,8 @@ class StreamNotOpen(StreamError):
   """A data record names a stream that no OPEN record announced."""
 class StreamPositionInvalid(StreamError):
   """A data record's position is not where the stream's KV cache stands."""
+class PrefixBlocksInvalid(StreamError):
+  """A record names prefix-cache blocks the stage cannot copy (an id outside its blocks, a position out of order)."""
 class SlotInvalid(StreamError):
   """An OPEN record names a KV slot outside the stage's slots or one already in use."""
 

@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pyruntime import errors
 from pyruntime.devices import available_memory
+from pyruntime.prefix_cache import BLOCK, PREFIX_CACHE_TOKENS, PrefixIndex
 from pyruntime.protocol import (
   ABI_VERSION,
+  FLAG_CACHE,
   FLAG_CLOSE,
   FLAG_END,
   FLAG_ERROR,
@@ -42,6 +44,7 @@ from pyruntime.protocol import (
   Event,
   OpenInfo,
   decode_json,
+  encode_json,
   object_id,
   prefill_share_problem,
   ring_bytes,
@@ -166,10 +169,13 @@ class StreamHandle:
   under the launcher's lock, on the driver thread."""
 
   def __init__(self, launcher: Launcher, sid: int, ids: list[int], n_max: int, params: Any, stopper: Any, want_logits: bool,
-               end_ids: frozenset[int], sink: Callable[[Any], None]):
+               end_ids: frozenset[int], sink: Callable[[Any], None], cache_salt: str | None = None, prefix_cache: bool = True):
     from pyruntime.tokenizer import IncrementalDecoder
     self.launcher, self.id, self.ids, self.n_max, self.params = launcher, sid, ids, n_max, params
     self.stopper, self.want_logits, self.end_ids, self.sink = stopper, want_logits, end_ids, sink
+    self.cache_salt, self.prefix_cache = cache_salt, prefix_cache
+    self.cached = 0     # prompt positions copied in from the prefix cache
+    self.computed = 0   # positions every stage has computed: the tail answered them
     self.decoder = IncrementalDecoder(launcher.tokenizer)
     self.slot, self.state, self.ended = -1, "waiting", False   # state: waiting -> open -> closing -> done
     self.out: list[int] = []
@@ -217,7 +223,7 @@ class StreamHandle:
     timings = Timings(round(self.launcher.load_s, 4), round(t_first - t0, 4), round(decode, 3), round(now - t0, 4),
                       round((self.t_admitted or t0) - t0, 4))
     self.ended = True
-    self.emit(Done(reason, Usage(len(self.ids), len(out)), timings, self.ids, out, "".join(self.text), stop_hit))
+    self.emit(Done(reason, Usage(len(self.ids), len(out), self.cached), timings, self.ids, out, "".join(self.text), stop_hit))
     return True
 
   def fail(self, e: BaseException) -> None:
@@ -239,7 +245,8 @@ class Launcher:
                devices: str | Sequence[str] | None = None, boundary_dtype: str = "float32", max_streams: int = 8,
                decode: str = "batched", weights: str = "auto", warmup: bool = False, max_context: int | None = None,
                prefill_share: float = PREFILL_SHARE, on_event: Callable[[dict], None] | None = None,
-               cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0):
+               cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0,
+               prefix_cache: int = PREFIX_CACHE_TOKENS):
     if boundary_dtype not in ("float32", "float16"): raise errors.InvalidOption("boundary_dtype", "float32 or float16")
     if not isinstance(max_streams, int) or isinstance(max_streams, bool) or not 1 <= max_streams <= 256:
       raise errors.InvalidOption("max_streams", f"must be an integer in [1, 256], got {max_streams!r}")
@@ -247,6 +254,12 @@ class Launcher:
     if weights != "auto" and weights not in WEIGHT_MODES:
       raise errors.InvalidOption("weights", f"'auto' or one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
     if (problem := prefill_share_problem(prefill_share)) is not None: raise errors.InvalidOption("prefill_share", problem)
+    if not isinstance(prefix_cache, int) or isinstance(prefix_cache, bool) or not 0 <= prefix_cache <= 1 << 28:
+      raise errors.InvalidOption("prefix_cache", f"must be a number of tokens in [0, {1 << 28}] (0: off), got {prefix_cache!r}")
+    self.prefix_cache_tokens = prefix_cache
+    self.prefix: PrefixIndex | None = None  # the prefix cache's index, once every stage said it keeps blocks (start)
+    self.prefix_off = "not started"         # why there is none
+    self.cache_decoded = False              # decoded positions may be cached too (every stage on the rows path)
     self.weights_wanted, self.prefill_share = weights, prefill_share
     self.model_source, self.stages_wanted, self.split_wanted = model, stages, split
     self.devices_wanted, self.boundary_dtype, self.max_streams, self.decode = devices, boundary_dtype, max_streams, decode
@@ -349,11 +362,13 @@ class Launcher:
         h.send(Command.INITIALIZE_WORKER, device=dev, abi_version=ABI_VERSION)
         h.send(Command.CONFIGURE_ROLE, stage=h.index, start=start, end=end, slots=self.max_streams, boundary_dtype=self.boundary_dtype,
                max_context=self.context_length, decode=self.decode, warmup=self.warmup, weights=w,
-               micro_batches=self.micro_batches, prefill_share=self.prefill_share)
+               micro_batches=self.micro_batches, prefill_share=self.prefill_share, prefix_blocks=self.prefix_cache_tokens // BLOCK,
+               block_size=BLOCK)
         h.send(Command.LOAD_WEIGHTS, model=str(self.path))
       for h in self.handles:  # the stages load in parallel; we just collect
         h.info = self._expect(h, Event.WEIGHTS_LOADED, self.load_timeout_s)
         if self.warmup: h.info["warm_up"] = self._expect(h, Event.WARMED_UP, self.load_timeout_s)
+      self._plan_prefix_cache()
       for h in self.handles:
         upstream = self.handles[h.index - 1].info["boundary"] if h.index > 0 else None
         h.send(Command.INSTALL_RING, arena=self.arena.name, ingress=h.index, egress=h.index + 1, ingress_boundary=upstream)
@@ -375,6 +390,29 @@ class Launcher:
       self.close()
       raise
     return self
+
+  def _plan_prefix_cache(self) -> None:
+    """The prefix cache is on when it was asked for and every stage keeps blocks (a model with recurrent blocks has
+    none: its state is not a function of positions alone)."""
+    caches = [h.info.get("prefix_cache") for h in self.handles]
+    if not self.prefix_cache_tokens // BLOCK: self.prefix_off = "off (prefix_cache=0)"
+    elif not all(caches): self.prefix_off = f"off: {self.header.arch} has recurrent blocks, whose state cannot be cut at a position"
+    else:
+      self.prefix, self.prefix_off = PrefixIndex(self.prefix_cache_tokens // BLOCK, BLOCK), ""
+      # a decoded position is cached only if a decode row computes a prompt row's bits: every stage on the rows path
+      self.cache_decoded = all(c["decoded_positions"] for c in caches)
+      self.prefix_bytes_per_token = sum(c["bytes_per_token"] for c in caches)
+
+  def prefix_cache_stats(self) -> dict:
+    """The prefix cache's counters (PrefixIndex.snapshot) and its host memory in all stages; {"enabled": False, "why": ...}
+    when it is off."""
+    with self._lock: return self._prefix_stats()
+
+  def _prefix_stats(self) -> dict:
+    if self.prefix is None: return {"enabled": False, "why": self.prefix_off}
+    snap = self.prefix.snapshot()
+    return {"enabled": True, **snap, "bytes_held": snap["held_blocks"] * BLOCK * self.prefix_bytes_per_token,
+            "bytes_budget": snap["blocks"] * BLOCK * self.prefix_bytes_per_token, "caches_decoded_positions": self.cache_decoded}
 
   def _spawn(self, index: int) -> StageHandle:
     h = spawn_stage(index, dict(os.environ, PYTHONUNBUFFERED="1", **self.stage_env), self._event)
@@ -455,7 +493,8 @@ class Launcher:
 
   def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, raw: bool = False,
              max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,
-             ignore_eos: bool = False, on_event: Callable[[Any], None], **sampling: Any) -> StreamHandle:
+             ignore_eos: bool = False, cache_salt: str | None = None, prefix_cache: bool = True,
+             on_event: Callable[[Any], None], **sampling: Any) -> StreamHandle:
     """Start one stream without a thread of its own: `on_event` is called from the launcher's driver thread with each
     `Delta` / `Logits`, then exactly one final `Done` or exception instance (a `PyruntimeError`). It must not block
     (an asyncio caller hands events over with `loop.call_soon_threadsafe`). Validation and tokenisation run here, in
@@ -463,13 +502,16 @@ class Launcher:
     from pyruntime.params import check_request
     from pyruntime.textstream import StopStream, budget
     params = check_request(max_tokens, sampling, stop)
+    if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 1024):
+      raise errors.InvalidOption("cache_salt", f"must be a string of at most 1024 characters, got {cache_salt!r:.80}")
+    if not isinstance(prefix_cache, bool): raise errors.InvalidOption("prefix_cache", f"must be true or false, got {prefix_cache!r:.80}")
     if self._closed or self.head is None: raise errors.LauncherClosed("the launcher is not running")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     stopper = StopStream(stops)
     ids = self.prompt_ids(prompt, messages, raw)
     n_max = budget(max_tokens if max_tokens is not None else self.context_length, self.context_length, len(ids))
     st = StreamHandle(self, next(self._stream_ids), ids, n_max, params, stopper, logits, frozenset() if ignore_eos else self.tokenizer.end_ids,
-                      on_event)
+                      on_event, cache_salt, prefix_cache)
     with self._lock:
       if self._closed: raise errors.LauncherClosed("the launcher is not running")
       self._waiting.append(st)
@@ -497,11 +539,14 @@ class Launcher:
       st.slot = self._free_slots.pop(0)  # the lowest free slot: a batch spans rows 0..highest slot in use
       st.state = "open"
       self._active[st.id] = st
+      blocks = self.prefix.match(st.ids, st.cache_salt) if self.prefix is not None and st.prefix_cache else []
+      st.cached = st.computed = len(blocks) * BLOCK
       info = OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
-                      sorted(st.end_ids), st.want_logits)
+                      sorted(st.end_ids), st.want_logits, st.cached, [[b, i * BLOCK] for i, b in enumerate(blocks)])
       st.t_admitted = time.monotonic()
       self._write(object_id(st.id, 0), info.encode(4), FLAG_OPEN)
-      self._write(object_id(st.id, 0), struct.pack(f"<{len(st.ids)}I", *st.ids), 0)
+      rest = st.ids[st.cached:]
+      self._write(object_id(st.id, st.cached), struct.pack(f"<{len(rest)}I", *rest), 0)
 
   def _cancel(self, st: StreamHandle) -> None:
     with self._lock:
@@ -511,10 +556,20 @@ class Launcher:
       elif st.state == "open" and not self._closed:
         self._close_stream(st)
 
-  def _close_stream(self, st: StreamHandle) -> None:
-    """Under self._lock: the CLOSE goes out; the slot is free when its echo comes back (nothing of it is in flight then)."""
+  def _close_stream(self, st: StreamHandle, save: bool = True) -> None:
+    """Under self._lock: what the stream computed goes to the prefix cache, then the CLOSE goes out; the slot is free
+    when its echo comes back (nothing of it is in flight then)."""
     st.state = "closing"
+    if save: self._save_prefix(st, st.computed if self.cache_decoded else min(st.computed, len(st.ids)))
     self._write(object_id(st.id, 0), b"", FLAG_CLOSE)
+
+  def _save_prefix(self, st: StreamHandle, n: int) -> None:
+    """Under self._lock: index the stream's first n positions (computed in every stage) and tell the stages which blocks
+    to fill with them, in ring order (pyruntime/prefix_cache.py)."""
+    if self.prefix is None or not st.prefix_cache or n < BLOCK: return
+    tokens = (st.ids + st.out)[:n]  # the token at position len(ids) + k is out[k], which was fed back
+    if pairs := self.prefix.insert(tokens, st.cache_salt):
+      self._write(object_id(st.id, 0), encode_json({"save": [list(p) for p in pairs]}, 4), FLAG_CACHE)
 
   def _drive(self) -> None:
     read, release = self.tail.read, self.tail.release
@@ -563,12 +618,12 @@ class Launcher:
       self._free_slots.append(st.slot); self._free_slots.sort()
       self._admit()
       st.closed()
-    elif flags & FLAG_OPEN: pass  # the tail bound the stream: nothing to do, its token follows
+    elif flags & (FLAG_OPEN | FLAG_CACHE): pass  # echoes: the tail bound the stream, or filled its blocks
     elif flags & FLAG_ERROR:
       info = decode_json(rec.payload)
       if st.state == "open":
         st.fail(errors.StreamFailed(info.get("stage"), str(info.get("reason")), str(info.get("message"))))
-        self._close_stream(st)
+        self._close_stream(st, save=False)
     else:
       self._count_step(flags)
       if st.state == "open": self._step(st, rec, pos, now)
@@ -587,6 +642,9 @@ class Launcher:
       token, end = int.from_bytes(rec.payload[:4], "little"), bool(rec.flags & FLAG_END)
     self.tokens_out += 1
     self._token_times.append(now)
+    first = st.computed < len(st.ids)
+    st.computed = pos + 1
+    if first: self._save_prefix(st, len(st.ids))  # the prompt is in every stage: streams arriving meanwhile can share it
     if st.push(token, end, now): self._close_stream(st)  # finished: Done went out; free the slot
     else: self._next.append((st, object_id(st.id, len(st.ids) + len(st.out) - 1), token))
 
@@ -623,7 +681,7 @@ class Launcher:
       span = now - recent[0] if len(recent) > 1 else 0.0
       return {"running": len(self._active), "waiting": len(self._waiting), "max_streams": self.max_streams, "tokens": self.tokens_out,
               "steps": self.steps, "last_batch": self.last_batch, "mean_batch": self.step_rows / self.steps if self.steps else 0.0,
-              "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0}
+              "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0, "prefix_cache": self._prefix_stats()}
 
   def _write(self, oid: int, payload: Any, flags: int) -> None:
     """Into the head ring, under self._lock. A failed stage raises here; the driver (which learns of failures)

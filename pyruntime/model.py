@@ -452,6 +452,27 @@ class StageModel:
       out.append(Tensor(UOp.from_buffer(kv.uop.buffer.view(n, kv.dtype, slot * n * kv.dtype.itemsize).ensure_allocated())).reshape(shape))
     return out
 
+  def position_states(self) -> list[tuple[Tensor, int, tuple[int, ...], int]] | None:
+    """Every state tensor a stream's positions live in, for the prefix cache (pyruntime/kv_blocks.py): (the tensor, its
+    slots, one slot's shape, the position axis in it). None for a model with recurrent blocks: their state is not a
+    function of positions alone, so no prefix of it can be taken or given."""
+    if self.recurrent: return None
+    if self.rows is not None:
+      c, r = self.config, self.rows
+      return [st for k, v in r.caches for st in ((k, r.slots + 1, (c.n_kv_heads, c.head_dim, r.length), 2),
+                                                  (v, r.slots + 1, (c.n_kv_heads, r.length, c.head_dim), 1))]
+    out = []
+    for t, (_, shape, _) in zip(self._kv_caches(), self._specs(), strict=True):
+      one = list(shape)
+      one.remove(1)  # the batch axis, as _kv_caches drops it
+      out.append((t, self.slots, tuple(one), one.index(self.config.max_context)))
+    return out
+
+  def set_position(self, slot: int, n: int) -> None:
+    """The slot holds n positions now (its first n were copied in from the prefix cache)."""
+    self._check_slot(slot)
+    self._pos[slot] = n
+
   def _zero_state(self, slot: int) -> None:
     """A new stream on a recurrent stage starts from zero state (the reference's _state_reset_ops)."""
     for t, (_, _, zero) in zip(self._slot_caches(slot), self._specs(), strict=True):

@@ -26,7 +26,9 @@ CHAT, COMPLETION = "chat", "completion"
 # The launcher's sampling options (pyruntime/params.py, docs/serving.md#sampling); the names are the request field names.
 SAMPLING_FIELDS = tuple(SAMPLING)
 # ignore_eos: vLLM's extension (generate through end tokens), which serving benchmarks use for fixed-length outputs
-_COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "ignore_eos", *SAMPLING_FIELDS}
+# cache_salt: vLLM's (requests with different salts share no cached prefix); prefix_cache: false keeps a request out of it
+_COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "ignore_eos", "cache_salt", "prefix_cache",
+           *SAMPLING_FIELDS}
 SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens"}, COMPLETION: _COMMON | {"prompt"}}
 
 # OpenAI features we refuse by name. A value that asks for nothing (the field's neutral value) is
@@ -207,6 +209,10 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     gen["prompt"], gen["raw"] = _prompt(body.get("prompt")), True
 
   if _bool(body, "ignore_eos"): gen["ignore_eos"] = True
+  if (salt := body.get("cache_salt")) is not None:
+    if not isinstance(salt, str) or not salt: raise errors.InvalidOption("cache_salt", f"must be a non-empty string, got {_show(salt)}")
+    gen["cache_salt"] = salt
+  if _bool(body, "prefix_cache") is False: gen["prefix_cache"] = False
   from pyruntime.textstream import validate_stop
   stop = validate_stop(body.get("stop"))
   if stop: gen["stop"] = stop

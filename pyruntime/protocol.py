@@ -26,6 +26,10 @@ A stream's life on the rings, launcher → head → … → tail → launcher:
            that stream alone with the named error. The stream still needs its CLOSE.
     MORE   set on every record of a step's group but the last: the stage below keeps reading until the
            group is complete, so the rows one step produced are computed together in the next stage too.
+    CACHE  flags=CACHE, payload = JSON {"save": [[block, position], ...]}: every stage copies those positions of the
+           stream's KV slot (all computed: the launcher has their answers) into its prefix-cache blocks and forwards
+           the record. An OPEN's `load` names blocks to copy into the new stream's slot before its first record, which
+           then starts at position `cached` (pyruntime/prefix_cache.py).
 
 Order: on every ring a stream's records keep the order OPEN, DATA..., CLOSE. Records of different
 streams interleave freely.
@@ -35,13 +39,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-ABI_VERSION = 2  # 2: chunked prefill between stages, ERROR and MORE records, OpenInfo.prompt_tokens
+ABI_VERSION = 3  # 2: chunked prefill between stages, ERROR and MORE records, OpenInfo.prompt_tokens; 3: the prefix cache
 
 FLAG_END = 1 << 0     # the tail sampled an end-of-sequence token
 FLAG_OPEN = 1 << 1
 FLAG_CLOSE = 1 << 2
 FLAG_ERROR = 1 << 3
 FLAG_MORE = 1 << 4
+FLAG_CACHE = 1 << 5   # fill prefix-cache blocks from the stream's KV slot (payload: CacheInfo)
 
 PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: the largest chunk of its prefill (--decode reference)
 MAX_CHUNK = 256       # the most prompt rows one record between stages carries (the rows path's largest chunk)
@@ -93,7 +98,8 @@ def decode_json(payload) -> dict:
 
 @dataclass
 class OpenInfo:
-  """The OPEN record's payload. `history` (the prompt ids) is for the tail's penalties."""
+  """The OPEN record's payload. `history` (the prompt ids) is for the tail's penalties. `load` names the prefix-cache
+  blocks holding the prompt's first `cached` positions ([block, position] pairs, positions 0, BLOCK, ...)."""
   slot: int
   prompt_tokens: int
   identity: dict = field(default_factory=dict)      # {"request": stream id, "recipe": digest of model, split, dtype, template}
@@ -101,6 +107,8 @@ class OpenInfo:
   history: list[int] = field(default_factory=list)
   end_ids: list[int] = field(default_factory=list)
   logits: bool = False
+  cached: int = 0
+  load: list[list[int]] = field(default_factory=list)
 
   def encode(self, alignment: int) -> bytes: return encode_json(asdict(self), alignment)
 
@@ -111,20 +119,22 @@ def error_payload(stage: int | None, reason: str, message: str, alignment: int) 
 
 def ring_bytes(context_length: int, dim: int, itemsize: int, vocab_size: int, max_streams: int) -> dict[str, int]:
   """The largest record of each ring, and how many bytes each ring must hold so no writer waits on a reader that
-  waits on it. In flight at once per stream: its OPEN, one data record (a prompt, a chunk or a token) and its CLOSE;
-  the launcher never sends a stream's next token before the tail answered the last one.
+  waits on it. In flight at once per stream: its OPEN, one data record (a prompt, a chunk or a token), two CACHE
+  records (after the prompt, at the end) and its CLOSE; the launcher never sends a stream's next token before the tail
+  answered the last one.
 
-  head ingress: a whole prompt as u32 ids, or an OPEN (whose history repeats the prompt as JSON, at most 11 bytes an id)
-  between stages: one prefill chunk of residual rows, or an OPEN
-  tail egress: one token (or the logits), an OPEN echo, or an ERROR."""
-  open_max = 1024 + 11 * context_length
+  head ingress: a whole prompt as u32 ids, or an OPEN (whose history repeats the prompt as JSON, at most 11 bytes an id,
+  and whose prefix-cache blocks take at most 2 bytes a position: a [block, position] pair per 16), or a CACHE record
+  between stages: one prefill chunk of residual rows, or an OPEN or CACHE record
+  tail egress: one token (or the logits), an OPEN or CACHE echo, or an ERROR."""
+  open_max = 1024 + 13 * context_length
   head = max(4 * context_length, open_max)
   mid = max(MAX_CHUNK * dim * itemsize, open_max)
   tail = max(4 * vocab_size, open_max)
   # + one record more: a record never splits across the ring's end, so the wrap-around can waste up to one record
   return {"head": head, "mid": mid, "tail": tail,
-          "head_capacity": (2 * max_streams + 1) * (head + 64), "mid_capacity": (3 * max_streams + 1) * (mid + 64),
-          "tail_capacity": (3 * max_streams + 1) * (tail + 64)}
+          "head_capacity": (4 * max_streams + 1) * (head + 64), "mid_capacity": (5 * max_streams + 1) * (mid + 64),
+          "tail_capacity": (5 * max_streams + 1) * (tail + 64)}
 
 
 class Command:

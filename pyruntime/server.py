@@ -149,6 +149,10 @@ class Metrics:
       out.append(f"pyruntime_output_tokens_per_second {_fmt(stats.get('tokens_per_s', 0.0))}")
       head("pyruntime_ring_occupancy_ratio", "gauge", "Fill fraction of each ring (ring i feeds stage i; the last one carries tokens back).")
       for i, v in enumerate(occupancy): out.append(f'pyruntime_ring_occupancy_ratio{{ring="{i}"}} {_fmt(v)}')
+      if (pc := stats.get("prefix_cache") or {}).get("enabled"):
+        for name, key, kind, text in PREFIX_METRICS:
+          head(name, kind, text)
+          out.append(f"{name} {pc.get(key, 0)}")
       head("pyruntime_stage_up", "gauge", "1 while the stage process is alive.")
       for i, a in enumerate(alive): out.append(f'pyruntime_stage_up{{stage="{i}"}} {int(a)}')
       if any(expert_load):
@@ -159,6 +163,17 @@ class Metrics:
       return "\n".join(out) + "\n"
 
 
+PREFIX_METRICS = (  # (metric, key of Launcher.prefix_cache_stats, type, help)
+  ("pyruntime_prefix_cache_queries_total", "queries", "counter", "Prompts looked up in the prefix cache."),
+  ("pyruntime_prefix_cache_hits_total", "hits", "counter", "Prompts that found at least one cached block."),
+  ("pyruntime_prefix_cache_hit_tokens_total", "hit_tokens", "counter", "Prompt tokens served from the prefix cache (not computed)."),
+  ("pyruntime_prefix_cache_query_tokens_total", "prompt_tokens", "counter", "Prompt tokens of the prompts looked up."),
+  ("pyruntime_prefix_cache_saved_blocks_total", "saved_blocks", "counter", "Blocks the stages filled from running streams."),
+  ("pyruntime_prefix_cache_evictions_total", "evictions", "counter", "Blocks given up for newer ones (least recently used first)."),
+  ("pyruntime_prefix_cache_blocks", "held_blocks", "gauge", "Blocks holding a cached prefix now."),
+  ("pyruntime_prefix_cache_bytes", "bytes_held", "gauge", "Host memory those blocks hold, all stages together."),
+  ("pyruntime_prefix_cache_budget_bytes", "bytes_budget", "gauge", "Host memory the prefix cache may hold, all stages together."),
+)
 EXPERT_METRIC = "pyruntime_expert_routed_tokens_total"
 _EXPERT_LINE = re.compile(EXPERT_METRIC + r'\{stage="(\d+)",expert="(\d+)"\} (\d+)$')
 

@@ -29,6 +29,7 @@ from pyruntime.gc_policy import collect_due, collect_on_this_thread
 from pyruntime.protocol import (
   ABI_VERSION,
   DECODE_MODES,
+  FLAG_CACHE,
   FLAG_CLOSE,
   FLAG_END,
   FLAG_ERROR,
@@ -47,6 +48,7 @@ from pyruntime.protocol import (
 
 if TYPE_CHECKING:  # what the stage holds, imported when it gets it (the control channel answers before tinygrad loads)
   from pyruntime.gguf import GGUFHeader
+  from pyruntime.kv_blocks import KVBlocks
   from pyruntime.model import StageModel
   from pyruntime.ring import Arena, Reader, Record, Writer
   from pyruntime.sampling import Sampler
@@ -164,6 +166,7 @@ class Stage:
     self.device: str | None = None
     self.role: dict | None = None
     self.model: StageModel | None = None
+    self.blocks: KVBlocks | None = None  # the prefix cache's blocks (ConfigureRole prefix_blocks; none with recurrent blocks)
     self.header: GGUFHeader | None = None
     self.tokenizer: Tokenizer | None = None
     self.arena: Arena | None = None
@@ -214,7 +217,8 @@ class Stage:
             "slots": arg_int(cmd, "slots", 4, lo=1, hi=1024), "boundary_dtype": arg(cmd, "boundary_dtype", str, "float32"),
             "max_context": arg_int(cmd, "max_context", None, lo=1, hi=1 << 24), "decode": arg(cmd, "decode", str, "batched"),
             "warmup": arg(cmd, "warmup", bool, False), "micro_batches": arg_int(cmd, "micro_batches", 1, lo=1, hi=1024),
-            "weights": arg(cmd, "weights", str, "quantized"), "prefill_share": arg(cmd, "prefill_share", (int, float), PREFILL_SHARE)}
+            "weights": arg(cmd, "weights", str, "quantized"), "prefill_share": arg(cmd, "prefill_share", (int, float), PREFILL_SHARE),
+            "prefix_blocks": arg_int(cmd, "prefix_blocks", 0, hi=1 << 24), "block_size": arg_int(cmd, "block_size", 16, lo=1, hi=1 << 12)}
     if role["boundary_dtype"] not in ("float32", "float16"):
       raise errors.InvalidCommand(f"boundary_dtype must be float32 or float16, not {show(role['boundary_dtype'])}")
     if role["decode"] not in DECODE_MODES: raise errors.InvalidCommand(f"decode must be one of {DECODE_MODES}, not {role['decode']!r}")
@@ -253,10 +257,16 @@ class Stage:
     # the batched decode serves dense blocks; the other families run tinygrad's own decode, one stream at a time (which
     # keeps streams in flight exact trivially)
     if not m.batched: self.decode_mode = "reference"
+    if r["prefix_blocks"] and (states := m.position_states()) is not None:
+      from pyruntime.kv_blocks import KVBlocks
+      self.blocks = KVBlocks(states, r["prefix_blocks"], r["block_size"])
+    # the prefix cache may keep a decoded position only where a decode row has a prompt row's bits (the rows path)
+    cache = {"blocks": self.blocks.blocks, "block_size": self.blocks.block_size, "bytes_per_token": self.blocks.bytes_per_token,
+             "decoded_positions": m.batched} if self.blocks is not None else None
     self.ch.emit(Event.WEIGHTS_LOADED, stage=self.index, elapsed_s=round(time.monotonic() - t0, 4), path=str(path), arch=m.arch,
                  num_blocks=m.num_blocks, start=m.start, end=m.end, is_head=m.is_head, is_tail=m.is_tail, dim=m.dim,
                  vocab_size=m.vocab_size, context_length=m.context_length, resident_bytes=m.resident_bytes,
-                 boundary=m.boundary.to_dict())
+                 boundary=m.boundary.to_dict(), family=m.family, batched=m.batched, prefix_cache=cache)
     if r["warmup"]:  # every batch shape's kernels now, not when a stream first needs them
       t0 = time.monotonic()
       shapes = m.warm_up()
@@ -353,9 +363,10 @@ class Stage:
   def take(self, rec: Any) -> None:
     """One ingress record: OPEN, CLOSE and ERROR are acted on and forwarded at once; data waits for the next step."""
     stream_id, pos = split_object_id(rec.object_id)
-    if rec.flags & (FLAG_OPEN | FLAG_CLOSE | FLAG_ERROR):
+    if rec.flags & (FLAG_OPEN | FLAG_CLOSE | FLAG_ERROR | FLAG_CACHE):
       if rec.flags & FLAG_OPEN: self.open_stream(stream_id, decode_json(rec.payload))
       elif rec.flags & FLAG_CLOSE: self.close_stream(stream_id)
+      elif rec.flags & FLAG_CACHE: self.save_blocks(stream_id, decode_json(rec.payload))
       elif (st := self.streams.get(stream_id)) is not None: st.failed = True; st.pending.clear()
       return self.writer.write(rec.object_id, rec.payload, rec.flags & ~FLAG_MORE)
     if (st := self.streams.get(stream_id)) is None:
@@ -402,6 +413,12 @@ class Stage:
       raise errors.ActivationExtentInvalid(f"stream {stream_id} opened with prompt_tokens={prompt_tokens!r}")
     self.model.reset_slot(slot)
     st = Stream(slot, prompt_tokens)
+    if (cached := info.get("cached", 0)) or info.get("load"):
+      if self.blocks is None: raise errors.PrefixBlocksInvalid(f"stream {stream_id} asks for cached blocks; this stage keeps none")
+      st.position = self.blocks.load(slot, info.get("load"))
+      if st.position != cached or (prompt_tokens is not None and cached >= prompt_tokens):
+        raise errors.PrefixBlocksInvalid(f"stream {stream_id}: {cached!r} cached positions, its blocks hold {st.position}")
+      self.model.set_position(slot, cached)
     if self.model.is_tail:
       from pyruntime.params import SamplingParams
       from pyruntime.sampling import Sampler
@@ -409,6 +426,13 @@ class Stage:
       st.sampler = Sampler(SamplingParams.from_dict(info.get("sampling", {})), self.model.vocab_size, self.model.device)
       st.history, st.end_ids, st.logits = list(info.get("history", [])), frozenset(info.get("end_ids", [])), bool(info.get("logits"))
     self.streams[stream_id] = st
+
+  def save_blocks(self, stream_id: int, info: dict) -> None:
+    """A CACHE record: fill the named blocks from the stream's slot. Positions the launcher has answers for are computed
+    here, even if the stream failed since (its slot is kept until the CLOSE)."""
+    if self.blocks is None: raise errors.PrefixBlocksInvalid(f"stream {stream_id}: a CACHE record, but this stage keeps no blocks")
+    if (st := self.streams.get(stream_id)) is None: raise errors.StreamNotOpen(f"a CACHE record names stream {stream_id}, which is not open")
+    self.blocks.save(st.slot, info.get("save"), self.model.position(st.slot))
 
   def close_stream(self, stream_id: int) -> None:
     if (st := self.streams.pop(stream_id, None)) is not None: self.model.reset_slot(st.slot)
@@ -595,6 +619,7 @@ class Stage:
     s.pop("started")
     if self.writer is not None: s["egress_occupancy"] = self.writer.occupancy()
     if self.model is not None and self.model.expert_load is not None: s["expert_load"] = self.model.expert_load.tolist()
+    if self.blocks is not None: s.update(self.blocks.stats, prefix_cache_bytes=self.blocks.nbytes if self.blocks.pools is not None else 0)
     self.ch.emit(Event.STAGE_STATS, stage=self.index, **s)
 
   # --- lifecycle ----------------------------------------------------------------------------------

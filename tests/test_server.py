@@ -177,3 +177,25 @@ def test_load_three_clients_four_requests_each(live):
   assert len(results) == 12
   for k, i, text in results: assert text == refs[i], (k, i, text, refs[i])
   assert metric(srv, "pyruntime_queue_depth") == 0
+
+
+def test_a_repeated_prompt_reports_cached_tokens_and_metrics_count_them(live):
+  """The same long prompt twice: the second answer is the first's, `usage.prompt_tokens_details.cached_tokens` says how
+  much of its prompt came from the prefix cache, and /metrics counts the hit; `prefix_cache: false` opts out."""
+  lm, srv = live
+  c = client_for(srv)
+  messages = [{"role": "system", "content": "You answer questions about European capitals in one short sentence. " * 4},
+              {"role": "user", "content": "What is the capital of Italy?"}]
+  first = c.chat.completions.create(model=lm.model_name, messages=messages, max_tokens=6, extra_body={"cache_salt": "metrics-test"})
+  second = c.chat.completions.create(model=lm.model_name, messages=messages, max_tokens=6, extra_body={"cache_salt": "metrics-test"})
+  assert second.choices[0].message.content == first.choices[0].message.content
+  assert first.usage.prompt_tokens_details.cached_tokens == 0
+  assert 0 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+  off = c.chat.completions.create(model=lm.model_name, messages=messages, max_tokens=6,
+                                  extra_body={"cache_salt": "metrics-test", "prefix_cache": False})
+  assert off.usage.prompt_tokens_details.cached_tokens == 0 and off.choices[0].message.content == first.choices[0].message.content
+  metrics = httpx.get(f"{srv.url}/metrics").text
+  hits = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("pyruntime_prefix_cache_hits_total "))
+  assert hits >= 1 and "pyruntime_prefix_cache_bytes " in metrics
+  with pytest.raises(openai.BadRequestError):
+    c.chat.completions.create(model=lm.model_name, messages=messages, max_tokens=1, extra_body={"cache_salt": 7})

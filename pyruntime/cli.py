@@ -1,4 +1,4 @@
-"""The `pyruntime` command: generate, chat, inspect, serve, bench, shm."""
+"""The `pyruntime` command: generate, chat, inspect, serve, warmup, bench, shm."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_TOKENS, metavar="TOKENS",
                  help="tokens of prompts and replies whose keys and values the stages keep for later requests that begin with "
                  "them (chat turns, shared system prompts), in host memory (`inspect` shows bytes per token); 0: off")
+  p.add_argument("--no-graph-cache", dest="graph_cache", action="store_false",
+                 help="capture every graph anew instead of loading the ones kept in $PYRUNTIME_CACHE/graphs (see `pyruntime warmup`)")
   p.add_argument("--prefill-share", type=float, default=PREFILL_SHARE,
                  help="beside decoding streams, a new prompt's prefill chunks cost about this share of their step "
                  "(0: whole 32-token chunks, the fastest first token and the longest stalls for the others)")
@@ -78,6 +80,12 @@ class Term:
 def _elapsed(t0: float) -> str: return f"{time.monotonic() - t0:.1f} s"
 
 
+def _graph_name(kind: str) -> str:
+  """A stage's graph for people: "prefill", "decode", or a decode window "decode-W" as "decode (W rows)"."""
+  name, _, rows = kind.partition("-")
+  return f"{name} ({rows} row{'s' * (rows != '1')})" if rows else name
+
+
 class LoadProgress:
   """Progress while the stages load, on stderr. On a terminal, one line redrawn in place (also between events, so the
   clock runs); otherwise one plain line per step: the start, each stage loaded, every HEARTBEAT_S while waiting, the end.
@@ -90,14 +98,18 @@ class LoadProgress:
     self.quiet, self.tty = quiet, bool(getattr(self.stream, "isatty", lambda: False)())
     self.loaded, self.total, self.t0 = 0, 0, time.monotonic()
     self.downloading: str | None = None
+    self.preparing: dict[int, str] = {}  # stage -> the graph it is preparing now
     self.lock = threading.Lock()
     self.drawn = False           # a bar is on the terminal's current line
     self.done = threading.Event()
     self.ticker: threading.Thread | None = None
 
   def __call__(self, ev: dict) -> None:
-    if self.quiet: return
     kind = ev.get("event")
+    if kind == "StageWarning":  # always said, even when quiet: something runs degraded
+      with self.lock: Term.message(f"pyruntime: stage {ev.get('stage', '?')}: warning: {ev.get('message', '')}")
+      return
+    if self.quiet: return
     with self.lock:
       if kind == "ArenaCreated":
         self.total = int(ev.get("stages", int(ev.get("rings", 1)) - 1))
@@ -109,6 +121,14 @@ class LoadProgress:
         if not self.tty:
           where = f" (blocks {ev['start']}:{ev['end']})" if "start" in ev and "end" in ev else ""
           self.line(f"stage {ev.get('stage', '?')}{where} loaded [{self.loaded}/{self.total}] {_elapsed(self.t0)}")
+      elif kind == "GraphPreparing":
+        self.preparing[ev.get("stage", -1)] = _graph_name(str(ev.get("graph", "")))
+        if not self.tty: self.line(f"stage {ev.get('stage', '?')}: preparing the {self.preparing[ev.get('stage', -1)]} graph")
+      elif kind == "GraphReady":
+        what = self.preparing.pop(ev.get("stage", -1), str(ev.get("graph")))
+        if not self.tty:
+          how = "from the graph cache" if ev.get("cached") else "captured, kept in the graph cache for next time"
+          self.line(f"stage {ev.get('stage', '?')}: {what} graph ready in {ev.get('seconds', 0):.1f} s ({how})")
       elif kind == "DownloadProgress" and ev.get("total"):
         pct = ev["bytes"] / ev["total"]
         if self.tty: self.downloading = f"downloading {pct:6.1%}"
@@ -126,7 +146,8 @@ class LoadProgress:
   def text(self) -> str:
     if self.downloading and self.downloading != "-" and not self.total: return f"{self.downloading}  {_elapsed(self.t0)}"
     bar = "#" * self.loaded + "." * max(0, self.total - self.loaded)
-    return f"loading stages [{bar}] {self.loaded}/{self.total}  {_elapsed(self.t0)}"
+    doing = "; ".join(f"stage {s}: {g} graph" for s, g in sorted(self.preparing.items()))
+    return f"loading stages [{bar}] {self.loaded}/{self.total}{'  preparing ' + doing if doing else ''}  {_elapsed(self.t0)}"
 
   def line(self, text: str) -> None:
     self.stream.write(f"pyruntime: {text}\n"); self.stream.flush()
@@ -202,13 +223,13 @@ def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) 
   return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
                   boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, weights=a.weights,
                   max_context=a.max_context, prefill_share=a.prefill_share, warmup=warmup, on_event=LoadProgress(quiet),
-                  prefix_cache=a.prefix_cache)
+                  prefix_cache=a.prefix_cache, graph_cache=a.graph_cache)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
   from pyruntime.launcher import Delta, Done
   options = _sampling(a)
-  with _launcher(a, quiet=a.json) as lm:
+  with _launcher(a) as lm:  # progress on stderr also with --json (stdout carries only the JSON)
     done = None
     for ev in lm.generate(a.prompt, raw=a.raw, **options):
       if isinstance(ev, Delta) and not a.json: Term.out(ev.text)
@@ -321,6 +342,22 @@ def cmd_serve(a: argparse.Namespace) -> int:
   return serve(a, lambda: _launcher(a, warmup=True))  # a server captures every batch shape's kernels before it takes requests
 
 
+def cmd_warmup(a: argparse.Namespace) -> int:
+  """Prepare every graph `serve` (or with --max-streams 1, `generate`) needs, into the graph cache, and stop."""
+  from pyruntime.graph_cache import clear, graph_dir
+  if a.clear:
+    n, size = clear()
+    print(f"removed {n} cached graph file{'s' * (n != 1)} ({size / 1e6:.1f} MB) from {graph_dir()}")
+    return 0
+  t0 = time.monotonic()
+  with _launcher(a, warmup=True) as lm:
+    stats = [h.info.get("warm_up", {}).get("graph_cache") or {} for h in lm.handles]
+  loaded, saved = sum(s.get("loaded", 0) for s in stats), sum(s.get("saved", 0) for s in stats)
+  print(f"{loaded + saved} graphs ready for {lm.model_name} in {_elapsed(t0)}: {saved} captured and kept, {loaded} already in "
+        f"{graph_dir()}")
+  return 0
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
   # The benchmarks live in the source tree's bench/ (an editable install, or a checkout).
   import pathlib
@@ -389,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--restart-attempts", type=int, default=server.RESTART_ATTEMPTS,
                  help="when a stage dies, restart the pipeline, giving up after this many failed attempts in a row; 0: never restart")
   p.set_defaults(fn=cmd_serve)
+  p = command("warmup", "prepare the stages' graphs ahead of time, into the graph cache (what serve, generate and chat use)")
+  _add_model_args(p)
+  p.add_argument("--clear", action="store_true", help="remove every cached graph instead")
+  p.set_defaults(fn=cmd_warmup)
   p = command("bench", "benchmarks: ring | pipeline | serve")
   p.add_argument("what", choices=["ring", "pipeline", "serve", "launcher"], help="which benchmark")
   p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")

@@ -246,7 +246,7 @@ class Launcher:
                decode: str = "batched", weights: str = "auto", warmup: bool = False, max_context: int | None = None,
                prefill_share: float = PREFILL_SHARE, on_event: Callable[[dict], None] | None = None,
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0,
-               prefix_cache: int = PREFIX_CACHE_TOKENS):
+               prefix_cache: int = PREFIX_CACHE_TOKENS, graph_cache: bool = True):
     if boundary_dtype not in ("float32", "float16"): raise errors.InvalidOption("boundary_dtype", "float32 or float16")
     if not isinstance(max_streams, int) or isinstance(max_streams, bool) or not 1 <= max_streams <= 256:
       raise errors.InvalidOption("max_streams", f"must be an integer in [1, 256], got {max_streams!r}")
@@ -257,6 +257,8 @@ class Launcher:
     if not isinstance(prefix_cache, int) or isinstance(prefix_cache, bool) or not 0 <= prefix_cache <= 1 << 28:
       raise errors.InvalidOption("prefix_cache", f"must be a number of tokens in [0, {1 << 28}] (0: off), got {prefix_cache!r}")
     self.prefix_cache_tokens = prefix_cache
+    if not isinstance(graph_cache, bool): raise errors.InvalidOption("graph_cache", f"must be true or false, got {graph_cache!r}")
+    self.graph_cache = graph_cache  # stages load their captured graphs from disk, and keep new ones (pyruntime/graph_cache.py)
     self.prefix: PrefixIndex | None = None  # the prefix cache's index, once every stage said it keeps blocks (start)
     self.prefix_off = "not started"         # why there is none
     self.cache_decoded = False              # decoded positions may be cached too (every stage on the rows path)
@@ -361,13 +363,13 @@ class Launcher:
       for h, (start, end), dev, w in zip(self.handles, self.split, self.devices, self.weights, strict=True):
         h.send(Command.INITIALIZE_WORKER, device=dev, abi_version=ABI_VERSION)
         h.send(Command.CONFIGURE_ROLE, stage=h.index, start=start, end=end, slots=self.max_streams, boundary_dtype=self.boundary_dtype,
-               max_context=self.context_length, decode=self.decode, warmup=self.warmup, weights=w,
+               max_context=self.context_length, decode=self.decode, warmup=self.warmup, weights=w, graph_cache=self.graph_cache,
                micro_batches=self.micro_batches, prefill_share=self.prefill_share, prefix_blocks=self.prefix_cache_tokens // BLOCK,
                block_size=BLOCK)
-        h.send(Command.LOAD_WEIGHTS, model=str(self.path))
+        h.send(Command.LOAD_WEIGHTS, model=str(self.path), cache_dir=self.cache_dir)
       for h in self.handles:  # the stages load in parallel; we just collect
         h.info = self._expect(h, Event.WEIGHTS_LOADED, self.load_timeout_s)
-        if self.warmup: h.info["warm_up"] = self._expect(h, Event.WARMED_UP, self.load_timeout_s)
+        h.info["warm_up"] = self._expect(h, Event.WARMED_UP, self.load_timeout_s)
       self._plan_prefix_cache()
       for h in self.handles:
         upstream = self.handles[h.index - 1].info["boundary"] if h.index > 0 else None

@@ -25,7 +25,7 @@ import pathlib
 import threading
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, function, nn
@@ -39,6 +39,7 @@ from tinygrad.uop.ops import Ops
 from pyruntime import errors, kernel_opts
 from pyruntime.boundary import DTYPES, MLA_POS, ROUTER, StageBoundary
 from pyruntime.gguf import GGUFHeader, TensorInfo, read_header
+from pyruntime.graph_cache import GraphCache
 from pyruntime.plan import FFN_NORM_RENAMED, block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
 from pyruntime.protocol import DECODE_MODES, PREFILL_CHUNK, WEIGHT_MODES
 from pyruntime.rows import MAX_ROWS, RowPath, _host_mv
@@ -124,6 +125,10 @@ _TRACE_REUSE = bool(getenv("PYRUNTIME_TRACE_REUSE", 1))
 def _buffers(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.BUFFER]
 
 
+# block attributes a graph sets while it is traced (caches, views of them): not weights, named by their owners instead
+_GRAPH_STATE = {"rows_k", "rows_v", "cache_kv", "cache_k", "conv_state", "recurrent_state", "batch_kv"}
+
+
 _init_lock = threading.Lock()
 
 
@@ -145,16 +150,18 @@ class StageModel:
 
   @classmethod
   def load(cls, path: str | os.PathLike, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
-           slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None, decode: str = "batched") -> StageModel:
+           slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None, decode: str = "batched",
+           graph_cache: GraphCache | None = None) -> StageModel:
     path = pathlib.Path(path)
     if not path.is_file(): raise errors.GgufLocalPathMissing(f"no GGUF file at {path}")
     try: header = read_header(path)
     except (OSError, ValueError, KeyError, UnicodeDecodeError) as e: raise errors.ModelLoadFailed(f"{path}: {e}") from e
     return cls(header, start, end, device=device, max_context=max_context, slots=slots, boundary_dtype=boundary_dtype, weights=weights,
-               decode=decode)
+               decode=decode, graph_cache=graph_cache)
 
   def __init__(self, header: GGUFHeader, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
-               slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None, decode: str = "batched"):
+               slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None, decode: str = "batched",
+               graph_cache: GraphCache | None = None):
     check_architecture(header)
     L = num_blocks(header)
     if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool) or isinstance(end, bool) \
@@ -196,10 +203,8 @@ class StageModel:
     self._pos = [0] * slots
     self._v_start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
     self._v_toks = UOp.variable("toks", 1, self.chunk)
-    self._prefill_jit, self._decode_jit = TinyJit(self._run), TinyJit(self._run)
-    # every lazy one-time value (rope table, weights) is realized already, so the JITs capture on their first call
-    # (the reference runs once eagerly, then captures): same kernels, half the warm-up
-    self._prefill_jit.cnt = self._decode_jit.cnt = 1
+    self.graph_cache = graph_cache
+    self._graphs: dict[str, TinyJit] = {}  # tinygrad's prefill and T=1 decode: made on first use (see graph)
     # host -> device staging: one prefill chunk of ingress (raw embedding rows on the head, hidden states elsewhere)
     if self.is_head:
       self._stage_in = self._empty((PREFILL_CHUNK, self._embd_row_bytes), dtypes.uint8)
@@ -240,6 +245,8 @@ class StageModel:
       raws[n] = Tensor(UOp.from_buffer(buf))
     del mm
     self.resident_bytes = sum(r.nbytes() for r in raws.values())
+    # each tensor's bytes as in the file: with weights="quantized" the kernels dequantise them (the graph cache names them)
+    self.raw_tensors = raws if self.weights == "quantized" else {}
     self.tensor_names = names
 
     with _no_random_init(): self.blk = [new_block(cfg, i) for i in range(self.start, self.end)]
@@ -263,17 +270,22 @@ class StageModel:
       self._embd_row_bytes = ti.nbytes // cfg.vocab_size
       self._embd_rows = np.memmap(self.path, dtype=np.uint8, mode="r", offset=ti.offset, shape=(cfg.vocab_size, self._embd_row_bytes))
     if self.weights != "quantized":  # dequantised once at load, not inside every kernel
-      params = [p for b in self.blk for p in get_state_dict(b).values()]
-      if self.is_tail: params += [self.output_norm.weight, self.output.weight]
+      groups = [list(dict.fromkeys(get_state_dict(b).values())) for b in self.blk]
+      if self.is_tail: groups.append([self.output_norm.weight, self.output.weight])
       # float32 holds the float16 values exactly (every product is the same); clang's x86 code for float16 loads
       # is many times slower than for float32 ones, so on a CPU the wider copy is the fast one
       # the rows path stores each projection's matrix transposed (inputs, outputs): its kernels load VEC consecutive
       # outputs of one input as one vector (kernel_opts.rows_schedule); the tensor the block sees is the same matrix
-      for p in params:
-        w = p.float() if self.weights == "float32" else p
-        p.replace(w.T.contiguous().T if self.batched and len(p.shape) == 2 else w.contiguous())
-      Tensor.realize(*params)
-      self.resident_bytes = sum(p.nbytes() for p in params)
+      done: set[int] = set()
+      for group in groups:  # a block at a time: blocks of one kind schedule alike, and tinygrad reuses the first's schedule
+        group = [p for p in group if id(p) not in done]
+        done.update(id(p) for p in group)
+        for p in group:
+          w = p.float() if self.weights == "float32" else p
+          p.replace(w.T.contiguous().T if self.batched and len(p.shape) == 2 else w.contiguous())
+        Tensor.realize(*group)
+      params = [p for g in groups for p in g]
+      self.resident_bytes = sum(p.nbytes() for p in dict.fromkeys(params))
 
   def _tensor_name(self, i: int, key: str) -> str:
     """The file's tensor for block i's state_dict key: from_gguf reads glm4moe's and qwen35's post_attention_norm as ffn_norm."""
@@ -305,6 +317,41 @@ class StageModel:
       w = weights[k]
       if v.shape != w.shape: raise errors.ModelLoadFailed(f"{where}.{k}: expected shape {v.shape}, the file has {w.shape}")
       v.replace(w)
+
+  # --- captured graphs ---------------------------------------------------------------------------
+  def _jit(self, name: str, fxn: Callable) -> TinyJit:
+    """The TinyJit of one of this stage's graphs: from the graph cache when it has it, else captured on its first call
+    (every lazy one-time value, rope table and weights, is realized already, so there is no eager run first)."""
+    if self.graph_cache is None:
+      j = TinyJit(fxn)
+      j.cnt = 1
+      return j
+    return self.graph_cache.jit(fxn, self.graph_key(name), self.bound_tensors)
+
+  def graph(self, kind: str) -> TinyJit:
+    """tinygrad's "prefill" or "decode" graph, made on first use; on the rows path "prefill" or "decode-W" (W rows)."""
+    if self.rows is not None: return self.rows.prefill_graph() if kind == "prefill" else self.rows.decode_graph(int(kind.split("-")[1]))
+    if (jit := self._graphs.get(kind)) is None: jit = self._graphs[kind] = self._jit(f"reference-{kind}", self._run)
+    return jit
+
+  def graph_key(self, name: str) -> dict:
+    """What shapes this stage's graph `name` besides the code and the machine (pyruntime/graph_cache.py)."""
+    from pyruntime.graph_cache import model_identity
+    return {"graph": name, "model": model_identity(self.path, min(t.offset for t in self.header.tensors.values())),
+            "blocks": [self.start, self.end], "device": self.device, "renderer": type(Device[self.device].renderer).__name__,
+            "slots": self.slots, "max_context": self.config.max_context, "weights": self.weights, "boundary": self.boundary_dtype,
+            "half": self.half, "rows": self.batched}
+
+  def bound_tensors(self) -> dict[str, Tensor]:
+    """Every realized tensor of this stage a graph may read or write, by a name stable across processes: its staging
+    buffers and caches first, then the weights (a buffer seen under several names is named by the first)."""
+    out: dict[str, Tensor] = {"stage_in": self._stage_in}
+    if self.rows is not None: out.update(self.rows.bound_tensors())
+    for i, b in zip(range(self.start, self.end), self.blk, strict=True):
+      out.update({f"blk.{i}.{k}": t for k, t in get_state_dict(b).items() if k.split(".")[0] not in _GRAPH_STATE})
+    if self.is_tail: out.update({"output_norm.weight": self.output_norm.weight, "output.weight": self.output.weight})
+    out.update({f"file.{n}": t for n, t in self.raw_tensors.items()})
+    return out
 
   # --- running ----------------------------------------------------------------------------------
   def _run(self, inp: Tensor, start_pos: int | UOp, toks: int | UOp, caches: list[Tensor]) -> Tensor:
@@ -561,9 +608,9 @@ class StageModel:
       sp = self._v_start_pos.bind(int(start_pos + s))
       if prefill:
         toks = self._v_toks.bind(nt)
-        ret = self._prefill_jit(self._stage_in if self.is_head else self._stage_in[:, :toks], sp, toks, caches)
+        ret = self.graph("prefill")(self._stage_in if self.is_head else self._stage_in[:, :toks], sp, toks, caches)
       else:
-        ret = self._decode_jit(self._stage_in if self.is_head else self._stage_in[:, :1], sp, 1, caches)
+        ret = self.graph("decode")(self._stage_in if self.is_head else self._stage_in[:, :1], sp, 1, caches)
       self._pos[slot] = int(start_pos + s + nt)
       ret, *rl = ret if isinstance(ret, tuple) else (ret,)
       out = ret.uop.buf_uop.buffer
@@ -591,28 +638,38 @@ class StageModel:
     view = buf if buf.size == n and not offset else buf.view(n, buf.dtype, offset * buf.dtype.itemsize).ensure_allocated()
     return Tensor(UOp.from_buffer(view)).reshape(shape)
 
-  def warm_up(self) -> list[int]:
-    """Capture every graph a stream can need now, so none waits for a compilation mid-flight: on the rows path the
-    prefill and each decode window (WINDOW, 2 WINDOW, ... slots), else tinygrad's prefill chunk and T=1 decode. Times each
-    decode window (shape_ms). Leaves every slot empty. Returns the decode windows' row counts."""
+  def warm_up(self, every_window: bool = True, on_graph: Callable[[str, str, float, bool], None] | None = None) -> list[int]:
+    """Make every graph a stream can need ready now, so none waits for a capture mid-flight: on the rows path the prefill
+    and the decode windows (all of them, or with every_window=False the one-row window a lone stream uses), else
+    tinygrad's prefill chunk and T=1 decode. Each comes from the graph cache when it has it, else is captured (and kept
+    there). `on_graph(kind, "preparing" | "ready", seconds, from the cache)` reports each. Times the decode windows
+    (shape_ms) when it makes all of them. Leaves every slot empty. Returns the decode windows' row counts."""
+    report = on_graph or (lambda kind, what, seconds, cached: None)
     zeros = np.zeros(1, np.uint32) if self.is_head else np.zeros((1, self.dim), DTYPES[self.boundary_dtype])
-    self.reset_slot(0)
-    if self.rows is None:
-      self.forward(0, zeros, 0, prefill=True)
-      self.forward(0, zeros, 1, prefill=False)
-      shapes: list[int] = []
-    else:
-      self.prefill_rows(0, zeros, 0)
-      shapes = sorted({self.rows.window(list(range(n)))[1] for n in range(1, self.slots + 1)})
-      for slot in range(self.slots): self._pos[slot] = 1
 
-      def step(rows: int) -> float:
-        t0 = time.perf_counter()
-        self.forward_batch(list(range(rows)), np.repeat(zeros, rows, axis=0), [1] * rows).numpy()
-        for slot in range(rows): self._pos[slot] = 1
-        return time.perf_counter() - t0
-      for rows in shapes: step(rows)  # capture
-      self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
+    def run(kind: str, call: Callable[[], Any]) -> None:
+      report(kind, "preparing", 0.0, False)
+      t0 = time.perf_counter()
+      cached = self.graph(kind).cnt >= 2  # loaded from the graph cache (else its first call captures it)
+      call()
+      report(kind, "ready", time.perf_counter() - t0, cached)
+
+    def step(rows: int) -> float:
+      t0 = time.perf_counter()
+      self.forward_batch(list(range(rows)), np.repeat(zeros, rows, axis=0), [1] * rows).numpy()
+      for slot in range(rows): self._pos[slot] = 1
+      return time.perf_counter() - t0
+    self.reset_slot(0)
+    shapes: list[int] = []
+    if self.rows is None:
+      run("prefill", lambda: self.forward(0, zeros, 0, prefill=True))
+      run("decode", lambda: self.forward(0, zeros, 1, prefill=False))
+    else:
+      run("prefill", lambda: self.prefill_rows(0, zeros, 0))
+      shapes = sorted({self.rows.window(list(range(n)))[1] for n in range(1, self.slots + 1)}) if every_window else [1]
+      for slot in range(self.slots): self._pos[slot] = 1
+      for rows in shapes: run(f"decode-{rows}", lambda rows=rows: step(rows))
+      if every_window: self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
     for slot in range(self.slots): self.reset_slot(slot)
     if self.expert_load is not None: self.expert_load[:] = 0  # the warm-up's zeros were routed too: count only streams
     return shapes

@@ -160,6 +160,9 @@ class Event:
   ROLE_CONFIGURED = "RoleConfigured"
   WEIGHTS_LOADED = "WeightsLoaded"
   WARMED_UP = "WarmedUp"
+  GRAPH_PREPARING = "GraphPreparing"  # a graph is being loaded from the graph cache or captured
+  GRAPH_READY = "GraphReady"
+  STAGE_WARNING = "StageWarning"      # something runs degraded (an unusable graph cache file, say); the stage goes on
   DOWNLOAD_PROGRESS = "DownloadProgress"
   RING_INSTALLED = "RingInstalled"
   RING_UNINSTALLED = "RingUninstalled"

@@ -17,7 +17,7 @@ Rows are padded to ROW_UNIT (the padding rows compute at later positions of the 
 before anything reads them) and the attended length to KV_UNIT, so that the schedule can split rows and keys over
 the CPU's threads and vector lanes. The caches are laid out for this path: keys transposed, (slot, kv head, head
 dim, position), so a row's scores for VEC consecutive positions come from one vector load; values (slot, kv head,
-position, head dim). They hold float32 whatever the weights (tinygrad's default float), zeroed at allocation.
+position, head dim). They hold float32 whatever the weights (tinygrad's default float), and are not zeroed.
 """
 from __future__ import annotations
 
@@ -76,9 +76,8 @@ class RowPath:
     self.v_slot = UOp.variable("slot", 0, self.slots - 1)
     self.v_start = UOp.variable("start", 0, cfg.max_context - 1)
     self.v_lo = UOp.variable("window", 0, max(self.slots - 1, 1))
-    self.prefill_jit = TinyJit(self._prefill_graph)
+    self.prefill_jit: TinyJit | None = None    # made on first use (StageModel._jit: from the graph cache, or captured)
     self.decode_jits: dict[int, TinyJit] = {}
-    for j in (self.prefill_jit,): j.cnt = 1  # capture on the first call (every lazy weight is realized already)
     self.rope_host = m.blk[0].freqs_cis.numpy()  # the reference's table: a row's cos|sin, gathered on the host
     width = m._embd_row_bytes if m.is_head else cfg.dim
     dt = dtypes.uint8 if m.is_head else m._bdtype
@@ -99,9 +98,9 @@ class RowPath:
     if self._caches is None:
       self._caches = []
       for _ in self.m.blk:
-        k, v = self.m._empty((self.cache_elems,), dtypes.float32), self.m._empty((self.cache_elems,), dtypes.float32)
-        for t in (k, v): t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))  # never NaN bytes under a mask
-        self._caches.append((k, v))
+        # not zeroed: a position no row may see is masked out of the scores and the values (_attend), so whatever bytes it
+        # holds never reach a sum, and the pages are only touched once a stream gets that far
+        self._caches.append((self.m._empty((self.cache_elems,), dtypes.float32), self.m._empty((self.cache_elems,), dtypes.float32)))
     return self._caches
 
   @property
@@ -119,6 +118,22 @@ class RowPath:
 
   @property
   def cache_bytes(self) -> int: return sum(k.nbytes() + v.nbytes() for k, v in self._caches or [])
+
+  def prefill_graph(self) -> TinyJit:
+    if self.prefill_jit is None: self.prefill_jit = self.m._jit("rows-prefill", self._prefill_graph)
+    return self.prefill_jit
+
+  def decode_graph(self, W: int) -> TinyJit:
+    if (jit := self.decode_jits.get(W)) is None: jit = self.decode_jits[W] = self.m._jit(f"rows-decode-{W}", self._decode_graph)
+    return jit
+
+  def bound_tensors(self) -> dict[str, Tensor]:
+    """This path's own buffers by stable names (pyruntime/graph_cache.py): staging, caches, the position table."""
+    out = {"rows.prefill_in": self.prefill_in, "rows.prefill_pos": self.prefill_pos, "rows.prefill_rope": self.prefill_rope,
+           "rows.decode_in": self.decode_in, "rows.decode_pos": self.decode_pos, "rows.decode_rope": self.decode_rope,
+           "rows.decode_at_k": self.decode_at_k, "rows.decode_at_v": self.decode_at_v, "rows.arange": self.arange}
+    for i, (k, v) in enumerate(self.caches): out.update({f"rows.k.{i}": k, f"rows.v.{i}": v})
+    return out
 
   # --- one layer, shared by both graphs ---------------------------------------------------------------
   def _qkv(self, b: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -150,7 +165,10 @@ class RowPath:
     seen = self.arange[:kv].reshape(1, 1, 1, kv)
     hidden = (seen > pos.reshape(B, 1, 1, T, 1).expand(B, 1, G, T, 1).reshape(B, 1, G * T, 1))
     w = hidden.where(float("-inf"), scores).softmax(-1).contiguous()
-    out = w @ values                                                       # (B, KvH, G*T, Hd)
+    # the caches are not zeroed: a position past every row of a slot gets weight 0, and its value is made 0 as well, since
+    # 0 * stale bytes (a NaN, even) must not reach the sum; a position some row sees was written this step or before
+    last = pos.reshape(B, 1, T).max(-1).reshape(B, 1, 1, 1)
+    out = w @ (self.arange[:kv].reshape(1, 1, kv, 1) > last).where(0.0, values)  # (B, KvH, G*T, Hd)
     return out.reshape(B, c.n_kv_heads, G, T, Hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.n_heads * Hd)
 
   def _blocks(self, x: Tensor, attention) -> Tensor:
@@ -220,7 +238,7 @@ class RowPath:
     self.prefill_rope.uop.buffer.view(rope.size, dtypes.float32, 0).ensure_allocated().copyin(memoryview(rope).cast("B"))
     self._stage(inp)
     with kernel_opts.rows_schedules():
-      ret = self.prefill_jit(self.prefill_in, self.prefill_pos, self.prefill_rope, self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot),
+      ret = self.prefill_graph()(self.prefill_in, self.prefill_pos, self.prefill_rope, self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot),
                              self.v_start.bind(start), self.v_kv.bind(_round(start + R, KV_UNIT) // KV_UNIT))
     buf = ret.uop.buf_uop.buffer
     if m.is_tail:
@@ -274,11 +292,8 @@ class RowPath:
     for dst, arr in ((self.decode_pos, pos), (self.decode_at_k, ak), (self.decode_at_v, av), (self.decode_rope, rope)):
       dst.uop.buffer.view(arr.size, dst.dtype, 0).ensure_allocated().copyin(memoryview(np.ascontiguousarray(arr)).cast("B"))
     self._stage_window(inp, at, W)
-    if (jit := self.decode_jits.get(W)) is None:
-      jit = self.decode_jits[W] = TinyJit(self._decode_graph)
-      jit.cnt = 1
     with kernel_opts.rows_schedules():
-      ret = jit(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),
+      ret = self.decode_graph(W)(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),
                 self.v_kv.bind(_round(max(positions) + 1, KV_UNIT) // KV_UNIT))
     return m._view(ret.uop.buf_uop.buffer, (W, m.vocab_size) if m.is_tail else (W, 1, m.dim))
 

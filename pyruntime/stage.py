@@ -218,7 +218,8 @@ class Stage:
             "max_context": arg_int(cmd, "max_context", None, lo=1, hi=1 << 24), "decode": arg(cmd, "decode", str, "batched"),
             "warmup": arg(cmd, "warmup", bool, False), "micro_batches": arg_int(cmd, "micro_batches", 1, lo=1, hi=1024),
             "weights": arg(cmd, "weights", str, "quantized"), "prefill_share": arg(cmd, "prefill_share", (int, float), PREFILL_SHARE),
-            "prefix_blocks": arg_int(cmd, "prefix_blocks", 0, hi=1 << 24), "block_size": arg_int(cmd, "block_size", 16, lo=1, hi=1 << 12)}
+            "prefix_blocks": arg_int(cmd, "prefix_blocks", 0, hi=1 << 24), "block_size": arg_int(cmd, "block_size", 16, lo=1, hi=1 << 12),
+            "graph_cache": arg(cmd, "graph_cache", bool, True)}
     if role["boundary_dtype"] not in ("float32", "float16"):
       raise errors.InvalidCommand(f"boundary_dtype must be float32 or float16, not {show(role['boundary_dtype'])}")
     if role["decode"] not in DECODE_MODES: raise errors.InvalidCommand(f"decode must be one of {DECODE_MODES}, not {role['decode']!r}")
@@ -248,9 +249,13 @@ class Stage:
     except errors.PyruntimeError: raise
     except Exception as e: raise errors.ModelLoadFailed(f"{show(source, 200)}: {type(e).__name__}: {e}") from e  # noqa: BLE001
     r = self.role
+    graphs = None
+    if r["graph_cache"]:
+      from pyruntime.graph_cache import GraphCache, graph_dir
+      graphs = GraphCache(graph_dir(cache_dir), warn=lambda text: self.ch.emit(Event.STAGE_WARNING, stage=self.index, message=text))
     try:
-      self.model = StageModel.load(path, r["start"], r["end"], device=self.device, max_context=r["max_context"],
-                                   slots=r["slots"], boundary_dtype=r["boundary_dtype"], weights=r["weights"], decode=r["decode"])
+      self.model = StageModel.load(path, r["start"], r["end"], device=self.device, max_context=r["max_context"], slots=r["slots"],
+                                   boundary_dtype=r["boundary_dtype"], weights=r["weights"], decode=r["decode"], graph_cache=graphs)
     except errors.PyruntimeError: raise
     except Exception as e: raise Fatal("ModelLoadFailed", f"{type(e).__name__}: {e}", traceback=traceback.format_exc()) from e
     m = self.model
@@ -267,11 +272,14 @@ class Stage:
                  num_blocks=m.num_blocks, start=m.start, end=m.end, is_head=m.is_head, is_tail=m.is_tail, dim=m.dim,
                  vocab_size=m.vocab_size, context_length=m.context_length, resident_bytes=m.resident_bytes,
                  boundary=m.boundary.to_dict(), family=m.family, batched=m.batched, prefix_cache=cache)
-    if r["warmup"]:  # every batch shape's kernels now, not when a stream first needs them
-      t0 = time.monotonic()
-      shapes = m.warm_up()
-      self.ch.emit(Event.WARMED_UP, stage=self.index, batch_shapes=shapes, shape_ms={str(k): round(v, 2) for k, v in m.shape_ms.items()},
-                   elapsed_s=round(time.monotonic() - t0, 3))
+    # the graphs a request needs (with warmup: every decode window) ready before the first request, from the graph
+    # cache when it has them: a stream never waits on a capture, and what a new process prepares shows while it does
+    t0 = time.monotonic()
+    shapes = m.warm_up(every_window=r["warmup"], on_graph=lambda kind, what, seconds, cached: self.ch.emit(
+      Event.GRAPH_PREPARING if what == "preparing" else Event.GRAPH_READY, stage=self.index, graph=kind, seconds=round(seconds, 3),
+      cached=cached))
+    self.ch.emit(Event.WARMED_UP, stage=self.index, batch_shapes=shapes, shape_ms={str(k): round(v, 2) for k, v in m.shape_ms.items()},
+                 elapsed_s=round(time.monotonic() - t0, 3), graph_cache=graphs.stats if graphs is not None else None)
 
   def install_ring(self, cmd: dict) -> None:
     if self.model is None: raise errors.WeightsNotLoaded("InstallRing before LoadWeights")

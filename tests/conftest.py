@@ -5,6 +5,7 @@ import importlib.util
 import os
 import pathlib
 import re
+import tempfile
 
 import pytest
 
@@ -20,6 +21,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line("markers", "long: only with --long")
+  # stages keep their captured graphs in $PYRUNTIME_CACHE/graphs: the tests' own directory, shared by the session's
+  # workers and runs (a launcher of a model already captured loads its graphs), never the user's cache
+  os.environ.setdefault("PYRUNTIME_CACHE", os.path.join(tempfile.gettempdir(), f"pyruntime-tests-{os.getuid()}"))
   # tests run tinygrad in this process: a collection on one of its CPU worker threads can deadlock it
   # (pyruntime/gc_policy.py), so garbage is collected on the main thread, between tests
   collect_on_this_thread()

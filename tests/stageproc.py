@@ -48,7 +48,9 @@ class StageProc:
     self.send("ConfigureRole", stage=role.pop("stage", 0), start=start, end=end, **role)
     self.expect("RoleConfigured")
     self.send("LoadWeights", model=model)
-    return self.expect("WeightsLoaded")
+    info = self.expect("WeightsLoaded")
+    self.expect("WarmedUp")  # LoadWeights ends once the graphs a request needs are ready
+    return info
 
   def close(self) -> None:
     if self.p.poll() is None:

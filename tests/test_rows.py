@@ -125,3 +125,20 @@ def test_bad_rows_are_refused_by_name(paths):
   assert ref.rows is None
   with pytest.raises(errors.InvalidOption): ref.forward_batch([0], np.asarray([1], np.uint32), [1])
   with pytest.raises(errors.InvalidOption): StageModel.load(paths["llama_tied"], 0, 5, decode="fast")
+
+
+def test_stale_cache_bytes_never_reach_a_sum(paths):
+  """The caches are not zeroed: positions no row may see can hold anything, NaN included. Filled with NaN before the
+  streams start, every logit is still finite and equal to a fresh model's."""
+  fresh, dirty = whole(paths["qwen3"], slots=2), whole(paths["qwen3"], slots=2)
+  for k, v in dirty.rows.caches:
+    for t in (k, v): t.uop.buffer.copyin(memoryview(np.full(t.numel(), np.nan, np.float32)).cast("B"))
+  def run(m: StageModel) -> list[np.ndarray]:
+    out = [m.prefill_rows(0, np.asarray(PROMPT, np.uint32), 0).numpy().copy()]
+    m.prefill_rows(1, np.asarray(PROMPT2, np.uint32), 0)
+    for i in range(3):
+      r = m.forward_batch([0, 1], np.asarray([5 + i, 9 + i], np.uint32), [len(PROMPT) + i, len(PROMPT2) + i])
+      out.append(m.batch_rows(r, [0, 1])[0].numpy().copy())
+    return out
+  for a, b in zip(run(dirty), run(fresh), strict=True):
+    assert np.isfinite(a).all() and np.array_equal(bits(a), bits(b))

@@ -1,0 +1,133 @@
+"""The graph cache (pyruntime/graph_cache.py): a stage's captured graphs kept on disk without the weights, loaded by a
+new process with the same bits, and every way a cache file can be wrong or unusable met with one named warning and a
+rebuild, never a crash or a wrong token."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
+
+from pyruntime import graph_cache
+from pyruntime.graph_cache import SUFFIX, GraphCache
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+# In a process of its own (as a stage is): the model's graphs through a graph cache in argv[2]; prints the logits' bits
+# (hashed), how many graphs came from the cache and were saved, and the warnings.
+RUN = r"""
+import hashlib, json, sys
+import numpy as np
+from pyruntime.graph_cache import GraphCache
+from pyruntime.gguf import read_header
+from pyruntime.model import StageModel
+path, folder, decode, weights = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+warnings = []
+gc = GraphCache(folder, warn=warnings.append)
+m = StageModel.load(path, 0, read_header(path).num_blocks, max_context=128, slots=2, decode=decode, weights=weights, graph_cache=gc)
+h = hashlib.sha256()
+m.warm_up(every_window=False)
+lg = m.forward(0, np.arange(5, 30, dtype=np.uint32), 0).numpy()
+h.update(lg.tobytes())
+if m.rows is not None: h.update(m.forward_batch([0], np.asarray([int(lg.argmax())], np.uint32), [25]).numpy().tobytes())
+else: h.update(m.forward(0, np.asarray([int(lg.argmax())], np.uint32), 25, prefill=False).numpy().tobytes())
+print(json.dumps({"bits": h.hexdigest(), **gc.stats, "warnings": warnings}))
+"""
+
+
+def run(path, folder, decode: str = "batched", weights: str = "float32") -> dict:
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+  p = subprocess.run([sys.executable, "-c", RUN, str(path), str(folder), decode, weights], capture_output=True, text=True, timeout=600,
+                     env=env)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> pathlib.Path:
+  return write_tiny_gguf(tmp_path_factory.mktemp("gc") / "llama.gguf", **TINY_MODELS["llama_tied"])
+
+
+@pytest.mark.parametrize("decode,weights", [("batched", "float32"), ("batched", "quantized"), ("reference", "quantized")])
+def test_a_new_process_loads_the_graphs_and_computes_the_same_bits(model, tmp_path, decode, weights):
+  first = run(model, tmp_path, decode, weights)
+  assert first["saved"] == 2 and first["loaded"] == 0 and not first["warnings"]
+  files = list(tmp_path.glob("*" + SUFFIX))
+  assert len(files) == 2 and all(f.stat().st_mode & 0o077 == 0 for f in files)
+  # the weights are named, not copied: every one of the first block's appears by name in the prefill graph's file (as
+  # dequantised once, or as the file's bytes the kernels dequantise)
+  prefill = max(files, key=lambda f: f.stat().st_size).read_bytes()
+  named = "blk.0.{}.weight" if weights == "float32" else "file.blk.0.{}.weight"
+  assert all(named.format(w).encode() in prefill for w in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_down"))
+  second = run(model, tmp_path, decode, weights)
+  assert second["loaded"] == 2 and second["saved"] == 0 and second["bits"] == first["bits"] and not second["warnings"]
+
+
+def test_moe_graphs_too(tmp_path):
+  """tinygrad's own graphs of a MoE model (a router output besides the residual) round-trip as well."""
+  path = write_tiny_gguf(tmp_path / "moe.gguf", **TINY_FAMILIES["qwen3moe"])
+  first, second = run(path, tmp_path / "g", "reference", "quantized"), run(path, tmp_path / "g", "reference", "quantized")
+  assert second["loaded"] == 2 and second["bits"] == first["bits"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "other key", "empty"])
+def test_a_bad_file_is_named_removed_and_rebuilt(model, tmp_path, damage):
+  want = run(model, tmp_path)
+  victim = sorted(tmp_path.glob("*" + SUFFIX))[0]
+  data = victim.read_bytes()
+  if damage == "truncated": victim.write_bytes(data[:len(data) // 2])
+  elif damage == "garbage": victim.write_bytes(data.split(b"\n", 1)[0] + b"\n" + os.urandom(4096))
+  elif damage == "other key": victim.write_bytes(json.dumps({"key": {"graph": "someone else's"}}).encode() + b"\n" + data.split(b"\n", 1)[1])
+  else: victim.write_bytes(b"")
+  got = run(model, tmp_path)
+  assert got["bits"] == want["bits"] and got["rebuilt"] == 1 and got["saved"] == 1 and got["loaded"] == 1
+  assert len(got["warnings"]) == 1 and victim.name in got["warnings"][0]
+  assert run(model, tmp_path)["loaded"] == 2  # rebuilt for good
+
+
+def test_a_file_others_may_write_is_not_unpickled(model, tmp_path):
+  want = run(model, tmp_path)
+  victim = sorted(tmp_path.glob("*" + SUFFIX))[0]
+  victim.chmod(0o666)
+  got = run(model, tmp_path)
+  assert got["bits"] == want["bits"] and got["loaded"] == 1 and any("writable by others" in w for w in got["warnings"])
+
+
+def test_an_unusable_directory_means_no_cache_and_one_warning(model, tmp_path):
+  (blocker := tmp_path / "file").write_text("not a directory")
+  got = run(model, blocker / "graphs")
+  assert got["loaded"] == got["saved"] == 0 and len(got["warnings"]) == 1 and "running without it" in got["warnings"][0]
+  shared = tmp_path / "shared"
+  shared.mkdir(mode=0o777)
+  shared.chmod(0o777)  # writable by anyone: its files could be anyone's
+  got = run(model, shared)
+  assert got["saved"] == 0 and "writable by others" in got["warnings"][0]
+
+
+def test_the_directory_is_capped_least_recently_used_first(tmp_path):
+  gc = GraphCache(tmp_path, limit_bytes=2500)
+  for i in range(4):
+    (p := tmp_path / f"{i}{SUFFIX}").write_bytes(b"x" * 1000)
+    os.utime(p, (1000 + i, 1000 + i))
+  gc._trim()
+  assert sorted(p.name for p in tmp_path.glob("*" + SUFFIX)) == [f"2{SUFFIX}", f"3{SUFFIX}"]
+  assert graph_cache.clear(tmp_path.parent.parent / "nowhere") == (0, 0)
+
+
+def test_warmup_fills_the_cache_and_clear_empties_it(model, tmp_path):
+  env = {**os.environ, "PYRUNTIME_CACHE": str(tmp_path)}
+  cmd = [sys.executable, "-m", "pyruntime.cli", "warmup", "--model", str(model), "--max-context", "128", "--max-streams", "2"]
+  p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert "captured and kept" in p.stdout and "preparing the prefill graph" in p.stderr
+  n = len(list((tmp_path / "graphs").glob("*" + SUFFIX)))
+  assert n >= 2 * 3  # 2 stages: prefill, decode windows of 1 and 2 rows
+  again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+  assert again.returncode == 0 and f"0 captured and kept, {n} already in" in again.stdout
+  p = subprocess.run([sys.executable, "-m", "pyruntime.cli", "warmup", "--clear"], capture_output=True, text=True, timeout=60, env=env)
+  assert p.returncode == 0 and f"removed {n} cached graph files" in p.stdout
+  assert not list((tmp_path / "graphs").glob("*" + SUFFIX))

@@ -180,8 +180,8 @@ SYSTEM = ("You are a patient assistant who answers questions about travel, cooki
 
 
 def make_text(rng: Any, tokens: int) -> str:
-  """About `tokens` tokens of plain English-like text (about 1.3 tokens a word for these words)."""
-  words = [rng.choice(WORDS) for _ in range(max(1, int(tokens / 1.3)))]
+  """About `tokens` tokens of plain English-like text (SmolLM2 makes about 1.15 tokens a word of these)."""
+  words = [rng.choice(WORDS) for _ in range(max(1, int(tokens / 1.15)))]
   out, i = [], 0
   while i < len(words):
     n = rng.randint(6, 16)

@@ -121,15 +121,18 @@ def _on_largest_output(k: Scheduler, op: OptOps, n: int) -> None:
 def _terms(idx: UOp) -> list[UOp]: return list(idx.split_uop(Ops.ADD))
 
 
-def _biggest_input(k: Scheduler) -> UOp | None:
-  """The INDEX of the kernel's largest input buffer (the weights of a projection, the cache of an attention)."""
+def _streamed_input(k: Scheduler) -> UOp | None:
+  """The INDEX of the input whose vectors the kernel should stream: of the inputs that some output axis walks with
+  stride 1 (a projection's weights, an attention's keys or values: not the rows, which the sum walks), the largest;
+  else the largest input."""
   stored = {u.src[0] for u in k.ast.toposort() if u.op is Ops.STORE}
-  ins = [b for b in k.bufs if b not in stored and b.src[0].op is Ops.PARAM]
-  return max(ins, key=lambda b: b.src[0].ptrdtype.size, default=None)
+  ins = sorted((b for b in k.bufs if b not in stored and b.src[0].op is Ops.PARAM), key=lambda b: -b.src[0].ptrdtype.size)
+  loops = [k.rngs[i] for i in k.axes_of(AxisType.LOOP)]
+  return next((b for b in ins if any(t in loops for t in _terms(b.src[1].get_idx()))), ins[0] if ins else None)
 
 
 def _rows_cpu(k: Scheduler) -> Scheduler:
-  if (big := _biggest_input(k)) is None: return k
+  if (big := _streamed_input(k)) is None: return k
   idx = big.src[1].get_idx()
   loops = k.axes_of(AxisType.LOOP)
   # the output axis this input walks with stride 1: upcast by VEC (vector loads, vector FMAs)

@@ -42,7 +42,7 @@ from pyruntime.gguf import GGUFHeader, TensorInfo, read_header
 from pyruntime.graph_cache import GraphCache
 from pyruntime.plan import FFN_NORM_RENAMED, block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
 from pyruntime.protocol import DECODE_MODES, PREFILL_CHUNK, WEIGHT_MODES
-from pyruntime.rows import MAX_ROWS, RowPath, _host_mv
+from pyruntime.rows import MAX_ROWS, ROW_UNIT, RowPath, _host_mv
 
 # PREFILL_CHUNK (32) is Transformer.generate's chunk_size; a chunk of any 1..32 tokens runs the same kernels, so where a
 # prompt is cut changes no bit (tests/test_model.py::test_where_the_prompt_is_cut_changes_no_bit)
@@ -125,8 +125,14 @@ _TRACE_REUSE = bool(getenv("PYRUNTIME_TRACE_REUSE", 1))
 def _buffers(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.BUFFER]
 
 
+def _linears(b: FFNBlock) -> list[nn.Linear]:
+  """A block's dense projections (the rows path keeps their matrices in column blocks)."""
+  return [m for m in (getattr(b, n, None) for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"))
+          if isinstance(m, nn.Linear)]
+
+
 # block attributes a graph sets while it is traced (caches, views of them): not weights, named by their owners instead
-_GRAPH_STATE = {"rows_k", "rows_v", "cache_kv", "cache_k", "conv_state", "recurrent_state", "batch_kv"}
+_GRAPH_STATE = {"rows_k", "rows_v", "rows_join", "cache_kv", "cache_k", "conv_state", "recurrent_state", "batch_kv"}
 
 
 _init_lock = threading.Lock()
@@ -272,19 +278,24 @@ class StageModel:
     if self.weights != "quantized":  # dequantised once at load, not inside every kernel
       groups = [list(dict.fromkeys(get_state_dict(b).values())) for b in self.blk]
       if self.is_tail: groups.append([self.output_norm.weight, self.output.weight])
+      linears = {id(lin.weight): lin for b in self.blk for lin in _linears(b)} | ({id(self.output.weight): self.output} if self.is_tail else {})
       # float32 holds the float16 values exactly (every product is the same); clang's x86 code for float16 loads
       # is many times slower than for float32 ones, so on a CPU the wider copy is the fast one
-      # the rows path stores each projection's matrix transposed (inputs, outputs): its kernels load VEC consecutive
-      # outputs of one input as one vector (kernel_opts.rows_schedule); the tensor the block sees is the same matrix
       done: set[int] = set()
       for group in groups:  # a block at a time: blocks of one kind schedule alike, and tinygrad reuses the first's schedule
         group = [p for p in group if id(p) not in done]
         done.update(id(p) for p in group)
         for p in group:
           w = p.float() if self.weights == "float32" else p
-          p.replace(w.T.contiguous().T if self.batched and len(p.shape) == 2 else w.contiguous())
-        Tensor.realize(*group)
-      params = [p for g in groups for p in g]
+          if self.batched and (lin := linears.get(id(p))) is not None and p.shape[0] % kernel_opts.VEC == 0:
+            # the rows path keeps a projection's matrix in column blocks (outputs / VEC, inputs, VEC): a kernel streams
+            # each block's VEC outputs of every input as one run of memory (rows._linear); the block's own
+            # `weight` becomes a view of the same bytes, the matrix it was
+            lin.rows_blocked = w.reshape(p.shape[0] // kernel_opts.VEC, kernel_opts.VEC, p.shape[1]).permute(0, 2, 1).contiguous()
+            p.replace(lin.rows_blocked.permute(1, 0, 2).reshape(p.shape[1], p.shape[0]).T)
+          else: p.replace(w.contiguous())
+        Tensor.realize(*[getattr(linears.get(id(p)), "rows_blocked", p) for p in group])
+      params = [getattr(linears.get(id(p)), "rows_blocked", p) for g in groups for p in g]
       self.resident_bytes = sum(p.nbytes() for p in dict.fromkeys(params))
 
   def _tensor_name(self, i: int, key: str) -> str:
@@ -330,7 +341,9 @@ class StageModel:
 
   def graph(self, kind: str) -> TinyJit:
     """tinygrad's "prefill" or "decode" graph, made on first use; on the rows path "prefill" or "decode-W" (W rows)."""
-    if self.rows is not None: return self.rows.prefill_graph() if kind == "prefill" else self.rows.decode_graph(int(kind.split("-")[1]))
+    if self.rows is not None:
+      if kind == "prefill": return self.rows.prefill_graph()
+      return self.rows.mixed_graph(self.rows.slots) if kind == "mixed" else self.rows.decode_graph(int(kind.split("-")[1]))
     if (jit := self._graphs.get(kind)) is None: jit = self._graphs[kind] = self._jit(f"reference-{kind}", self._run)
     return jit
 
@@ -413,12 +426,7 @@ class StageModel:
     return x
 
   # --- the rows path (pyruntime/rows.py) ---------------------------------------------------------------
-  def forward_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> Tensor:
-    """One decode step for several streams at once: row i of `inp` (a token id on the head, else a (dim,) hidden state)
-    is the next token of the stream in KV slot `slots[i]`, at position `positions[i]`. Returns, realized, the residual
-    (rows, 1, dim) or on the tail the logits (rows, vocab) float32, where row r belongs to slot lo + r: the batch is a
-    window of consecutive slots from the lowest named one (`rows` picks each slot's row; the window's other rows are
-    fillers). May alias an internal buffer."""
+  def _check_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> None:
     if self.rows is None:
       raise errors.InvalidOption("decode", f"the batched decode serves dense models; {self.arch} ({self.family}) decodes per stream")
     if not slots: raise errors.ActivationExtentInvalid("a batch needs at least one row")
@@ -426,9 +434,33 @@ class StageModel:
     for i, (slot, p) in enumerate(zip(slots, positions, strict=True)):
       self._validate(slot, inp[i:i + 1] if self.is_head else inp[i:i + 1].reshape(1, -1), p)
       if p == 0: raise errors.StreamPositionInvalid(f"slot {slot}: position 0 is a prefill, not a decode step")
+
+  def forward_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> Tensor:
+    """One decode step for several streams at once: row i of `inp` (a token id on the head, else a (dim,) hidden state)
+    is the next token of the stream in KV slot `slots[i]`, at position `positions[i]`. Returns, realized, the residual
+    (rows, 1, dim) or on the tail the logits (rows, vocab) float32, where row r belongs to slot lo + r: the batch is a
+    window of consecutive slots from the lowest named one (`rows` picks each slot's row; the window's other rows are
+    fillers). May alias an internal buffer."""
+    self._check_batch(slots, inp, positions)
     out = self.rows.decode(slots, inp, positions)
     for slot, p in zip(slots, positions, strict=True): self._pos[slot] = int(p) + 1
     return out
+
+  def forward_mixed(self, slots: list[int], dec_inp: np.ndarray, positions: list[int], slot: int, pre_inp: np.ndarray,
+                    start_pos: int) -> tuple[Tensor, Tensor]:
+    """forward_batch(slots, dec_inp, positions) and prefill_rows(slot, pre_inp, start_pos) (at most rows.MAX_ROWS rows) in
+    one pass over the weights: the same results, bit for bit. Returns both, views of one internal buffer."""
+    self._check_batch(slots, dec_inp, positions)
+    pre_inp = self._validate(slot, pre_inp, start_pos)
+    if slot in slots: raise errors.SlotInvalid(f"slot {slot} both decodes and takes prompt rows in one step")
+    dec, pre = self.rows.mixed(slots, dec_inp, positions, slot, pre_inp, start_pos)
+    for s, p in zip(slots, positions, strict=True): self._pos[s] = int(p) + 1
+    self._pos[slot] = start_pos + len(pre_inp)
+    return dec, pre
+
+  def mixed_rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
+    """The rows of a forward_mixed decode result, in the order of `slots`, each a realized view (no copy)."""
+    return self.rows.mixed_rows(batch, slots)
 
   def prefill_rows(self, slot: int, inp: np.ndarray, start_pos: int) -> Tensor:
     """Prompt rows of the stream in `slot` at positions start_pos... through the rows path, in calls of at most
@@ -452,6 +484,11 @@ class StageModel:
   def max_chunk(self) -> int:
     """The most prompt rows one forward computes at once: the rows path's MAX_ROWS, else tinygrad's chunk."""
     return MAX_ROWS if self.rows is not None else self.chunk
+
+  @property
+  def min_chunk(self) -> int:
+    """The fewest prompt rows worth a chunk: the rows path computes rows in ROW_UNITs (fewer cost as much)."""
+    return ROW_UNIT if self.rows is not None else 1
 
   def batch_window(self, slots: list[int]) -> tuple[int, int]:
     """(first slot, rows) of the decode window that holds `slots`."""
@@ -670,6 +707,10 @@ class StageModel:
       for slot in range(self.slots): self._pos[slot] = 1
       for rows in shapes: run(f"decode-{rows}", lambda rows=rows: step(rows))
       if every_window: self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
+      if every_window and self.slots > 1:  # a prompt's chunk beside decoding streams: the mixed step
+        last = self.slots - 1
+        self.reset_slot(last)
+        run("mixed", lambda: self.forward_mixed(list(range(last)), np.repeat(zeros, last, axis=0), [1] * last, last, zeros, 0))
     for slot in range(self.slots): self.reset_slot(slot)
     if self.expert_load is not None: self.expert_load[:] = 0  # the warm-up's zeros were routed too: count only streams
     return shapes

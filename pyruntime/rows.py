@@ -52,6 +52,27 @@ def _host_mv(arr: np.ndarray) -> memoryview:
   return memoryview((ctypes.c_char * arr.nbytes).from_address(arr.ctypes.data)).cast("B")
 
 
+def _linear(lin: Any, x: Tensor) -> Tensor:
+  """nn.Linear's x @ weight.T (+ bias), from the matrix's column blocks (outputs / VEC, inputs, VEC) when the stage keeps
+  them (realized weights: StageModel._load_weights): for each block of VEC outputs the kernel reads one run of memory,
+  every input's VEC weights in a row, instead of VEC floats per row of the whole matrix. The same sum over the inputs."""
+  if (wb := getattr(lin, "rows_blocked", None)) is None: return lin(x)
+  *lead, K = x.shape
+  y = (x.reshape(*lead, 1, K, 1) * wb).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
+  return y if lin.bias is None else y + lin.bias
+
+
+def _bytes(t: Tensor, n: int) -> memoryview:
+  """The first n bytes of a realized tensor's buffer, on the host (the device's memory itself on a CPU)."""
+  return t.uop.buffer.view(n, dtypes.uint8, 0).ensure_allocated().as_memoryview(allow_zero_copy=True)
+
+
+def _join(dst: Tensor, parts: list[tuple[Tensor, Any, Any]]) -> Tensor:
+  """`dst` (1, n, w) after each part (1, rows, w) was stored at its row offset; its first sum(rows) rows."""
+  for t, at, rows in parts: dst = Tensor(dst.uop.after(dst[:, at:at + rows].uop.store(t.uop)))
+  return dst[:, :sum(rows for _, _, rows in parts)]
+
+
 def _scatter(flat: Tensor, rows: Tensor, at: Tensor, stride_a: int, stride_b: int) -> Tensor:
   """`flat` after element (i, a, b) of rows (n, A, B) is written at at[i] + a * stride_a + b * stride_b: one small kernel
   (tinygrad has no indexed store but a custom kernel's). Returns `flat` ordered after the writes."""
@@ -73,11 +94,13 @@ class RowPath:
     self.length = _round(cfg.max_context + MAX_ROWS, KV_UNIT)  # a chunk's padding rows may run past the context
     self.v_rows = UOp.variable("rows16", 1, MAX_ROWS // ROW_UNIT)
     self.v_kv = UOp.variable("kv32", 1, self.length // KV_UNIT)
+    self.v_kvp = UOp.variable("kvp32", 1, self.length // KV_UNIT)  # the prompt's attended length in a mixed step
     self.v_slot = UOp.variable("slot", 0, self.slots - 1)
     self.v_start = UOp.variable("start", 0, cfg.max_context - 1)
     self.v_lo = UOp.variable("window", 0, max(self.slots - 1, 1))
     self.prefill_jit: TinyJit | None = None    # made on first use (StageModel._jit: from the graph cache, or captured)
     self.decode_jits: dict[int, TinyJit] = {}
+    self.mixed_jits: dict[int, TinyJit] = {}
     self.rope_host = m.blk[0].freqs_cis.numpy()  # the reference's table: a row's cos|sin, gathered on the host
     width = m._embd_row_bytes if m.is_head else cfg.dim
     dt = dtypes.uint8 if m.is_head else m._bdtype
@@ -86,6 +109,14 @@ class RowPath:
     self.decode_in, self.decode_pos = m._empty((self.slots, width), dt), m._empty((self.slots,), dtypes.int32)
     self.decode_rope = m._empty((self.slots, cfg.rope_dim), dtypes.float32)
     self.decode_at_k, self.decode_at_v = m._empty((self.slots,), dtypes.int32), m._empty((self.slots,), dtypes.int32)
+    # a mixed step's inputs (the window's rows, then the prompt's), and where its parts are joined: per block the attention's
+    # output, on the tail the rows whose logits are wanted
+    n = self.slots + MAX_ROWS
+    self.mixed_in, self.mixed_pos = m._empty((n, width), dt), m._empty((n,), dtypes.int32)
+    self.mixed_rope = m._empty((n, cfg.rope_dim), dtypes.float32)
+    self.mixed_at_k, self.mixed_at_v = m._empty((n,), dtypes.int32), m._empty((n,), dtypes.int32)
+    self.joins = [m._empty((1, n, cfg.n_heads * cfg.head_dim), dtypes.float32) for _ in m.blk]
+    self.tail_join = m._empty((1, self.slots + ROW_UNIT, cfg.dim), dtypes.float32) if m.is_tail else None
     for t in (self.prefill_in, self.decode_in): t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))  # padding rows read zeros
     self.arange = Tensor.arange(self.length, dtype=dtypes.int32, device=m.device).contiguous().realize()
     self._caches: list[tuple[Tensor, Tensor]] | None = None
@@ -131,7 +162,11 @@ class RowPath:
     """This path's own buffers by stable names (pyruntime/graph_cache.py): staging, caches, the position table."""
     out = {"rows.prefill_in": self.prefill_in, "rows.prefill_pos": self.prefill_pos, "rows.prefill_rope": self.prefill_rope,
            "rows.decode_in": self.decode_in, "rows.decode_pos": self.decode_pos, "rows.decode_rope": self.decode_rope,
-           "rows.decode_at_k": self.decode_at_k, "rows.decode_at_v": self.decode_at_v, "rows.arange": self.arange}
+           "rows.decode_at_k": self.decode_at_k, "rows.decode_at_v": self.decode_at_v, "rows.arange": self.arange,
+           "rows.mixed_in": self.mixed_in, "rows.mixed_pos": self.mixed_pos, "rows.mixed_rope": self.mixed_rope,
+           "rows.mixed_at_k": self.mixed_at_k, "rows.mixed_at_v": self.mixed_at_v}
+    out.update({f"rows.join.{i}": t for i, t in enumerate(self.joins)})
+    if self.tail_join is not None: out["rows.tail_join"] = self.tail_join
     for i, (k, v) in enumerate(self.caches): out.update({f"rows.k.{i}": k, f"rows.v.{i}": v})
     return out
 
@@ -142,7 +177,7 @@ class RowPath:
     c = b.config
     B, T, _ = x.shape
     x = x.contiguous()  # normed: see _blocks
-    q, k, v = b.attn_q(x), b.attn_k(x), b.attn_v(x)
+    q, k, v = _linear(b.attn_q, x), _linear(b.attn_k, x), _linear(b.attn_v, x)
     if c.qk_norm and c.qk_norm != c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
     q = q.reshape(B, T, c.n_heads, c.head_dim).transpose(1, 2)
     k = k.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
@@ -181,8 +216,10 @@ class RowPath:
     def call(b: TransformerBlock, x: Tensor) -> Tensor:
       @function(allow_implicit=True)
       def _run(x: Tensor) -> Tensor:
-        h = x + b.attn_output(attention(b, b.attn_norm(x)))
-        return (h + b._feed_forward(b.ffn_norm(h).contiguous())).contiguous()
+        h = x + _linear(b.attn_output, attention(b, b.attn_norm(x)))
+        n = b.ffn_norm(h).contiguous()
+        # tinygrad's dense feed-forward (FFNBlock._feed_forward), through the column-blocked matrices
+        return (h + _linear(b.ffn_down, _linear(b.ffn_gate, n).silu().contiguous() * _linear(b.ffn_up, n))).contiguous()
       return _run(x)
     return self.m._blocks(x, call)
 
@@ -201,7 +238,7 @@ class RowPath:
   def _egress(self, x: Tensor) -> Tensor:
     """Rows (n, 1, dim) or (1, n, dim) out: the tail's logits (n, vocab), else the residual in the boundary dtype."""
     m = self.m
-    if m.is_tail: return m.output(m.output_norm(x).contiguous()).reshape(-1, m.vocab_size).contiguous()
+    if m.is_tail: return _linear(m.output, m.output_norm(x).contiguous()).reshape(-1, m.vocab_size).contiguous()
     return (x.cast(m._bdtype) if m._bdtype != dtypes.float32 else x).contiguous()
 
   # --- prefill: rows of one stream ------------------------------------------------------------------
@@ -210,20 +247,21 @@ class RowPath:
     cd = self.m.config.rope_dim
     cos, sin = rope[:R].reshape(1, 1, R, cd).chunk(2, dim=-1)
     p = pos[:R].reshape(1, 1, R, 1)
-    for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True):
-      b.rows_k, b.rows_v = self.key_view(kc)[slot:slot + 1], self.value_view(vc)[slot:slot + 1]
+    for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True): b.rows_k, b.rows_v = kc, vc
 
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
       q, k, v = self._qkv(b, x, cos, sin)
-      # the rows' keys and values into their consecutive positions; the padding rows' too (read by no row before a
-      # later one overwrites them)
-      kd, vd = b.rows_k[:, :, :, start:start + R], b.rows_v[:, :, start:start + R, :]
-      keys = Tensor(b.rows_k.uop.after(kd.uop.store(k.transpose(2, 3).uop)))[:, :, :, :kv]
-      values = Tensor(b.rows_v.uop.after(vd.uop.store(v.uop)))[:, :, :kv, :]
-      return self._attend(b, q, keys, values, p, kv)
+      kc, vc = self._write_rows(b.rows_k, b.rows_v, k, v, slot, start, R)
+      return self._attend(b, q, self.key_view(kc)[slot:slot + 1, :, :, :kv], self.value_view(vc)[slot:slot + 1, :, :kv, :], p, kv)
     x = self._blocks(self._ingress(inp, R, 1, R), attention)
     if self.m.is_tail: x = x[:, R - ROW_UNIT:R]  # the last real row is among the last ROW_UNIT (ROWS rows would do too)
     return self._egress(x)
+
+  def _write_rows(self, kc: Tensor, vc: Tensor, k: Tensor, v: Tensor, slot: UOp, start: UOp, R: UOp) -> tuple[Tensor, Tensor]:
+    """The flat caches after rows k, v (1, KvH, R, Hd) of one stream went into consecutive positions start.. of its slot;
+    the padding rows' too (read by no row before a later one overwrites them)."""
+    kd, vd = self.key_view(kc)[slot:slot + 1, :, :, start:start + R], self.value_view(vc)[slot:slot + 1, :, start:start + R, :]
+    return Tensor(kc.uop.after(kd.uop.store(k.transpose(2, 3).uop))), Tensor(vc.uop.after(vd.uop.store(v.uop)))
 
   def prefill(self, slot: int, inp: np.ndarray, start: int) -> Tensor:
     """Rows inp (T tokens or (T, dim)) of the stream in `slot` at positions start..start+T-1, T <= MAX_ROWS. Returns,
@@ -232,11 +270,7 @@ class RowPath:
     T = len(inp)
     if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
     R = _round(T, ROW_UNIT)
-    pos = np.arange(start, start + R, dtype=np.int32)
-    self.prefill_pos.uop.buffer.view(R, dtypes.int32, 0).ensure_allocated().copyin(memoryview(pos))
-    rope = np.ascontiguousarray(self.rope_host[np.minimum(pos, len(self.rope_host) - 1)])  # padding rows: any finite row
-    self.prefill_rope.uop.buffer.view(rope.size, dtypes.float32, 0).ensure_allocated().copyin(memoryview(rope).cast("B"))
-    self._stage(inp)
+    self._stage_prefill(inp, start, R)
     with kernel_opts.rows_schedules():
       ret = self.prefill_graph()(self.prefill_in, self.prefill_pos, self.prefill_rope, self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot),
                              self.v_start.bind(start), self.v_kv.bind(_round(start + R, KV_UNIT) // KV_UNIT))
@@ -244,6 +278,13 @@ class RowPath:
     if m.is_tail:
       return m._view(buf, (m.vocab_size,), (T - 1 - (R - ROW_UNIT)) * m.vocab_size)
     return m._view(buf, (1, T, m.dim))
+
+  def _stage_prefill(self, inp: np.ndarray, start: int, R: int) -> None:
+    pos = np.arange(start, start + R, dtype=np.int32)
+    self.prefill_pos.uop.buffer.view(R, dtypes.int32, 0).ensure_allocated().copyin(memoryview(pos))
+    rope = np.ascontiguousarray(self.rope_host[np.minimum(pos, len(self.rope_host) - 1)])  # padding rows: any finite row
+    self.prefill_rope.uop.buffer.view(rope.size, dtypes.float32, 0).ensure_allocated().copyin(memoryview(rope).cast("B"))
+    self._stage(inp)
 
   def _stage(self, inp: np.ndarray) -> None:
     """A prompt's rows into the first rows of the staging buffer, one host copy (on the head: the raw embedding rows,
@@ -262,12 +303,17 @@ class RowPath:
 
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
       q, k, v = self._qkv(b, x, cos, sin)
-      # each row's key and value into its own slot at its own position (a filler's into the spare slot)
-      kc = _scatter(b.rows_k, k.reshape(W, c.n_kv_heads, c.head_dim), ak, c.head_dim * self.length, self.length)
-      vc = _scatter(b.rows_v, v.reshape(W, c.n_kv_heads, c.head_dim), av, self.length * c.head_dim, 1)
-      keys, values = self.key_view(kc)[lo:lo + W, :, :, :kv], self.value_view(vc)[lo:lo + W, :, :kv, :]
-      return self._attend(b, q, keys, values, p, kv)
+      kc, vc = self._scatter_rows(b.rows_k, b.rows_v, k, v, ak, av)
+      return self._attend(b, q, self.key_view(kc)[lo:lo + W, :, :, :kv], self.value_view(vc)[lo:lo + W, :, :kv, :], p, kv)
     return self._egress(self._blocks(self._ingress(inp, W, W, 1), attention))
+
+  def _scatter_rows(self, kc: Tensor, vc: Tensor, k: Tensor, v: Tensor, ak: Tensor, av: Tensor) -> tuple[Tensor, Tensor]:
+    """The flat caches after each decode row's key and value (k, v: (W, KvH, 1, Hd)) went into its own slot at its own
+    position (a filler's into the spare slot): element offsets ak, av."""
+    c = self.m.config
+    W = k.shape[0]
+    return (_scatter(kc, k.reshape(W, c.n_kv_heads, c.head_dim), ak, c.head_dim * self.length, self.length),
+            _scatter(vc, v.reshape(W, c.n_kv_heads, c.head_dim), av, self.length * c.head_dim, 1))
 
   def window(self, slots: list[int]) -> tuple[int, int]:
     """(first slot, rows) of the decode window holding `slots`: the smallest power of two of consecutive slots from the
@@ -278,24 +324,107 @@ class RowPath:
   def decode(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> Tensor:
     """One decode row for each of `slots` (row i of inp at positions[i]). Returns, realized, (W, 1, dim) or on the tail
     (W, vocab): row r belongs to slot lo + r (`window`), the others are fillers. May alias an internal buffer."""
-    m, c = self.m, self.m.config
+    m = self.m
     lo, W = self.window(slots)
+    self._stage_decode(slots, inp, positions, lo, W)
+    with kernel_opts.rows_schedules():
+      ret = self.decode_graph(W)(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),
+                                 self.v_kv.bind(_round(max(positions) + 1, KV_UNIT) // KV_UNIT))
+    return m._view(ret.uop.buf_uop.buffer, (W, m.vocab_size) if m.is_tail else (W, 1, m.dim))
+
+  def _stage_decode(self, slots: list[int], inp: np.ndarray, positions: list[int], lo: int, W: int) -> None:
+    """A decode window's inputs: each row's position (-1 for a filler), cache offsets, rotary row and input row."""
+    c = self.m.config
     at = np.asarray(slots) - lo
     pos = np.full(W, -1, dtype=np.int32)
     pos[at] = positions
     where = np.full(W, self.slots, dtype=np.int64)  # fillers write into the spare slot, at position 0
     where[at] = slots
-    ak = (where * c.n_kv_heads * c.head_dim * self.length + np.maximum(pos, 0)).astype(np.int32)
-    av = (where * c.n_kv_heads * self.length * c.head_dim + np.maximum(pos, 0) * c.head_dim).astype(np.int32)
+    ak, av = self._offsets(where, np.maximum(pos, 0))
     rope = np.zeros((W, c.rope_dim), np.float32)
     rope[at] = self.rope_host[list(positions)]
     for dst, arr in ((self.decode_pos, pos), (self.decode_at_k, ak), (self.decode_at_v, av), (self.decode_rope, rope)):
       dst.uop.buffer.view(arr.size, dst.dtype, 0).ensure_allocated().copyin(memoryview(np.ascontiguousarray(arr)).cast("B"))
     self._stage_window(inp, at, W)
+
+  # --- mixed: a decode window and a prompt's rows in one pass over the weights ----------------------------
+  def _mixed_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, at_k: Tensor, at_v: Tensor, W: int, lo: UOp, kv32: UOp, rows16: UOp,
+                   slot: UOp, start: UOp, kvp32: UOp) -> Tensor:
+    """The decode graph's W rows and the prefill graph's R, through the projections and feed-forwards as one batch
+    (the weights are read once for both), each part through its own graph's attention. The parts are joined by
+    stores into buffers of their own, not by a concatenation (whose symbolic bounds tinygrad's codegen cannot gate)."""
+    c, R, kv, kvp = self.m.config, rows16 * ROW_UNIT, kv32 * KV_UNIT, kvp32 * KV_UNIT
+    cos, sin = rope[:W + R].reshape(1, 1, W + R, c.rope_dim).chunk(2, dim=-1)
+    pd, pp = pos[:W].reshape(W, 1, 1, 1), pos[W:W + R].reshape(1, 1, R, 1)
+    ak, av = at_k[:W + MAX_ROWS], at_v[:W + MAX_ROWS]
+    for b, (kc, vc), join in zip(self.m.blk, self.caches, self.joins, strict=True): b.rows_k, b.rows_v, b.rows_join = kc, vc, join
+
+    def attention(b: TransformerBlock, x: Tensor) -> Tensor:
+      q, k, v = self._qkv(b, x, cos, sin)  # (1, heads, W + R, Hd)
+      rows = lambda t: t[:, :, :W].permute(2, 1, 0, 3)  # noqa: E731 - the decode part as the decode graph has it: (W, heads, 1, Hd)
+      # every row's key and value through one scatter (a second write into the cache in the same graph, a store, makes
+      # tinygrad copy the whole cache first)
+      # (a custom kernel takes fixed shapes: the rows, computed, then padded to W + MAX_ROWS, the padding written into the
+      # spare slot)
+      full = lambda t: t.permute(2, 1, 0, 3).contiguous().pad(((0, MAX_ROWS - R), None, None, None))  # noqa: E731
+      kc, vc = self._scatter_rows(b.rows_k, b.rows_v, full(k), full(v), ak, av)
+      dec = self._attend(b, rows(q), self.key_view(kc)[lo:lo + W, :, :, :kv], self.value_view(vc)[lo:lo + W, :, :kv, :], pd, kv)
+      pre = self._attend(b, q[:, :, W:W + R], self.key_view(kc)[slot:slot + 1, :, :, :kvp], self.value_view(vc)[slot:slot + 1, :, :kvp, :],
+                         pp, kvp)
+      return _join(b.rows_join, [(dec.reshape(1, W, -1), 0, W), (pre, W, R)])
+    x = self._blocks(self._ingress(inp, W + R, 1, W + R), attention)
+    if self.m.is_tail: x = _join(self.tail_join, [(x[:, :W], 0, W), (x[:, W + R - ROW_UNIT:W + R], W, ROW_UNIT)])
+    return self._egress(x)
+
+  def mixed(self, slots: list[int], dec_inp: np.ndarray, positions: list[int], slot: int, pre_inp: np.ndarray, start: int) -> tuple[Tensor, Tensor]:
+    """decode(slots, dec_inp, positions) and prefill(slot, pre_inp, start) in one pass: the same results (bit for bit: the
+    same per-row code and sums), in less time than the two apart. Returns (what decode returns, what prefill returns),
+    views of one buffer."""
+    m = self.m
+    T = len(pre_inp)
+    if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
+    # always the window of every slot: one mixed graph to prepare, not one per window (a filler row costs little beside
+    # a chunk's rows)
+    lo, W = 0, self.slots
+    R = _round(T, ROW_UNIT)
+    self._stage_decode(slots, dec_inp, positions, lo, W)
+    self._stage_prefill(pre_inp, start, R)
+    # the prompt's rows' cache offsets after the window's, then the padding's (into the spare slot)
+    ak, av = self._offsets(np.r_[np.full(R, slot), np.full(MAX_ROWS - R, self.slots)], np.r_[np.arange(start, start + R), np.zeros(MAX_ROWS - R)])
+    for dst, window, arr in ((self.mixed_at_k, self.decode_at_k, ak), (self.mixed_at_v, self.decode_at_v, av)):
+      dst.uop.buffer.view(W, dtypes.int32, 0).ensure_allocated().copyin(_bytes(window, W * 4))
+      dst.uop.buffer.view(MAX_ROWS, dtypes.int32, W * 4).ensure_allocated().copyin(memoryview(arr).cast("B"))
+    # the mixed graph's inputs: the window's rows, then the prompt's, in one buffer each
+    for mix, dec, pre in ((self.mixed_in, self.decode_in, self.prefill_in), (self.mixed_pos, self.decode_pos, self.prefill_pos),
+                          (self.mixed_rope, self.decode_rope, self.prefill_rope)):
+      row = mix.nbytes() // mix.shape[0]
+      for src, n, at in ((dec, W, 0), (pre, R, W)):
+        mix.uop.buffer.view(n * row, dtypes.uint8, at * row).ensure_allocated().copyin(_bytes(src, n * row))
+    kv, kvp = _round(max(positions) + 1, KV_UNIT) // KV_UNIT, _round(start + R, KV_UNIT) // KV_UNIT
     with kernel_opts.rows_schedules():
-      ret = self.decode_graph(W)(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),
-                self.v_kv.bind(_round(max(positions) + 1, KV_UNIT) // KV_UNIT))
-    return m._view(ret.uop.buf_uop.buffer, (W, m.vocab_size) if m.is_tail else (W, 1, m.dim))
+      ret = self.mixed_graph(W)(self.mixed_in, self.mixed_pos, self.mixed_rope, self.mixed_at_k, self.mixed_at_v, W, self.v_lo.bind(lo),
+                                self.v_kv.bind(kv), self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot), self.v_start.bind(start),
+                                self.v_kvp.bind(kvp))
+    buf = ret.uop.buf_uop.buffer
+    if m.is_tail:
+      return m._view(buf, (W, m.vocab_size)), m._view(buf, (m.vocab_size,), (W + T - 1 - (R - ROW_UNIT)) * m.vocab_size)
+    return m._view(buf, (W, 1, m.dim)), m._view(buf, (1, T, m.dim), W * m.dim)
+
+  def mixed_rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
+    """The rows of a mixed step's decode part, in the order of `slots` (its window is every slot, from slot 0)."""
+    return self.rows_of(batch, slots, lo=0)
+
+  def mixed_graph(self, W: int) -> TinyJit:
+    if (jit := self.mixed_jits.get(W)) is None: jit = self.mixed_jits[W] = self.m._jit("rows-mixed", self._mixed_graph)
+    return jit
+
+  def _offsets(self, slots: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's element offset of (slot, kv head 0, dim 0, position) in the flat key cache, and of (slot, 0, position, 0)
+    in the value cache (_scatter_rows adds the rest)."""
+    c, L = self.m.config, self.length
+    slots, positions = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
+    return ((slots * c.n_kv_heads * c.head_dim * L + positions).astype(np.int32),
+            (slots * c.n_kv_heads * L * c.head_dim + positions * c.head_dim).astype(np.int32))
 
   def _stage_window(self, inp: np.ndarray, at: np.ndarray, W: int) -> None:
     """Rows of a window with fillers: the real rows at their places, zeros elsewhere (a filler sees no key, computes
@@ -309,8 +438,8 @@ class RowPath:
       staged[at] = np.asarray(inp).reshape(len(at), m.dim)
     self.decode_in.uop.buffer.view(staged.nbytes, dtypes.uint8, 0).ensure_allocated().copyin(_host_mv(staged))
 
-  def rows_of(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
+  def rows_of(self, batch: Tensor, slots: list[int], lo: int | None = None) -> list[Tensor]:
     """The rows of a decode result, in the order of `slots`, each a realized view (no copy)."""
-    buf, row, lo = batch.uop.buffer, prod(batch.shape[1:]), self.window(slots)[0]
+    buf, row, lo = batch.uop.buffer, prod(batch.shape[1:]), self.window(slots)[0] if lo is None else lo
     return [Tensor(UOp.from_buffer(buf.view(row, buf.dtype, (s - lo) * row * buf.dtype.itemsize).ensure_allocated()))
             .reshape(batch.shape[1:]) for s in slots]

@@ -182,7 +182,7 @@ class Stage:
     self.last_prefill: tuple[int, float] | None = None  # the last prefill chunk here: (tokens, seconds)
     self.prefill_share = PREFILL_SHARE
     self.profile_report: Callable[[], None] | None = None
-    self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "decode_steps": 0,
+    self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "decode_steps": 0, "mixed_steps": 0,
                   "decode_rows": 0, "max_batch": 0, "prefill_chunks": 0, "stream_errors": 0, "gc_collections": 0, "gc_s": 0.0, "gc_max_s": 0.0,
                   "started": time.monotonic()}
     C = Command
@@ -451,9 +451,11 @@ class Stage:
     # micro-batches: with stages on devices of their own, a step takes at most 1/micro_batches of the streams, so the
     # groups alternate between stages and every stage computes at once (stages sharing one CPU gain nothing by that)
     cap = -(-len(self.streams) // self.micro_batches)
+    prefill = next(((sid, st) for sid, st in self.streams.items() if st.pending and not st.next_is_decode()), None)
+    # on the rows path a prompt's chunk rides in the decode step's pass over the weights (the same bits either way)
+    if decode and prefill and self.decode_mode == "batched": return self.mixed_step(decode[:cap], *prefill)
     if decode: self.decode_step(decode[:cap])
-    if (prefill := next(((sid, st) for sid, st in self.streams.items() if st.pending and not st.next_is_decode()), None)):
-      self.prefill_chunk(*prefill)
+    if prefill: self.prefill_chunk(*prefill)
 
   def decode_step(self, rows: list[tuple[int, Stream]]) -> None:
     t0 = time.monotonic()
@@ -484,13 +486,47 @@ class Stage:
                       decode_rows=self.stats["decode_rows"] + n, max_batch=max(self.stats["max_batch"], n),
                       compute_s=self.stats["compute_s"] + t1 - t0, emit_s=self.stats["emit_s"] + t2 - t1)
 
-  def prefill_chunk(self, sid: int, st: Stream) -> None:
-    t0 = time.monotonic()
+  def next_chunk(self, st: Stream) -> tuple[int, np.ndarray]:
+    """The next piece of `st`'s prompt to compute: (its first position, its rows), sized by prefill_size."""
     pos, x = st.pending[0]
     n = min(len(x), self.prefill_size(st))
     if n == len(x): st.pending.popleft()
     else: st.pending[0] = (pos + n, x[n:])
-    out = self.model.forward(st.slot, x[:n], pos, prefill=True)
+    return pos, x[:n]
+
+  def mixed_step(self, rows: list[tuple[int, Stream]], psid: int, pst: Stream) -> None:
+    """One decode step with a prompt chunk in the same pass (StageModel.forward_mixed): the decode rows go out as
+    decode_step sends them, then the chunk's record as prefill_chunk sends it. The chunk's share of the step's time
+    sizes the next chunk."""
+    t0 = time.monotonic()
+    items = [(sid, st, *st.pending.popleft()) for sid, st in rows]
+    pos, x = self.next_chunk(pst)
+    slots = [st.slot for _, st, _, _ in items]
+    dec, pre = self.model.forward_mixed(slots, np.concatenate([r for *_, r in items]), [p for _, _, p, _ in items], pst.slot, x, pos)
+    outs = self.model.mixed_rows(dec, slots)
+    self.model.synchronize()
+    t1 = time.monotonic()
+    last = len(items) - 1
+    for i, ((sid, st, p, _), out) in enumerate(zip(items, outs, strict=True)):
+      self.emit(sid, st, p, 1, out, FLAG_MORE if i < last else 0, publish=i == last)
+    n = len(x)
+    if not self.model.is_tail or pos + n == pst.prompt_tokens: self.emit(psid, pst, pos, n, pre, 0)
+    t2 = time.monotonic()
+    # the chunk's share: what the step took beyond a decode step of the same window (every slot), timed at warm-up
+    decode_s = self.model.shape_ms.get(self.model.slots, 1e3 * self.step_s) / 1e3
+    self.note_prefill(n, max(1e-4, t1 - t0 - decode_s))
+    # while prompts keep coming every step is mixed: the decoding streams' step without the chunk is decode_s
+    self.step_s = 0.8 * self.step_s + 0.2 * decode_s if self.step_s else decode_s
+    k, s = len(items), self.stats
+    s.update(records=s["records"] + k + 1, tokens=s["tokens"] + k + n, decode_steps=s["decode_steps"] + 1, decode_rows=s["decode_rows"] + k,
+             max_batch=max(s["max_batch"], k), prefill_chunks=s["prefill_chunks"] + 1, mixed_steps=s["mixed_steps"] + 1,
+             compute_s=s["compute_s"] + t1 - t0, emit_s=s["emit_s"] + t2 - t1, prefill_s=s["prefill_s"] + max(0.0, t1 - t0 - self.step_s))
+
+  def prefill_chunk(self, sid: int, st: Stream) -> None:
+    t0 = time.monotonic()
+    pos, x = self.next_chunk(st)
+    n = len(x)
+    out = self.model.forward(st.slot, x, pos, prefill=True)
     self.model.synchronize()  # its kernels are queued, not done: the chunk's cost sizes the next one
     t1 = time.monotonic()
     if not self.model.is_tail or pos + n == st.prompt_tokens: self.emit(sid, st, pos, n, out, 0)
@@ -501,22 +537,23 @@ class Stage:
                       prefill_s=self.stats["prefill_s"] + t2 - t0)
 
   def prefill_size(self, st: Stream) -> int:
-    """Tokens of `st`'s next prefill chunk: the model's whole chunk when no stream decodes here, when prefill_share is
-    0, or when the whole prompt fits in one chunk (it delays the others by one step, once; cut small, it would wait
-    many steps for its first token, and short requests are most of a server's); for a longer prompt beside decoding
-    streams, as many tokens as cost about `prefill_share` of their step, judged by the last chunk (one token until a
-    step and a chunk were timed). A chunk that came in under that grows by at least one token: a chunk's fixed cost
-    (on a GPU, most of it) makes a per-token figure from a small chunk too dear, and the sizes must still find the
-    right one."""
+    """Tokens of `st`'s next prefill chunk: the model's largest chunk when no stream decodes here or prefill_share is 0;
+    beside decoding streams, as many tokens as cost about `prefill_share` of their step (on the rows path: what the
+    chunk adds to the step it rides in), judged by the last chunk (the smallest chunk until a step and a chunk were
+    timed). A chunk that came in under that grows by at least one token: a chunk's fixed cost (on a GPU, most of it)
+    makes a per-token figure from a small chunk too dear, and the sizes must still find the right one. On tinygrad's
+    path a prompt that fits in one chunk goes whole (its 32 tokens cost about a step)."""
     chunk = self.model.max_chunk
-    if not self.prefill_share or (st.prompt_tokens or 0) <= chunk or not self.decoding(): return chunk
-    if not (self.step_s and self.last_prefill): return 1
+    if not self.prefill_share or not self.decoding(): return chunk
+    if self.model.min_chunk == 1 and (st.prompt_tokens or 0) <= chunk: return chunk
+    if not (self.step_s and self.last_prefill): return self.model.min_chunk
     n, seconds = self.last_prefill
     target = self.prefill_share * self.step_s
     fit = int(n * target / seconds) if seconds > 0 else chunk
     # growing: at least one token more, at most twice as many (one quick chunk, timed in a lull, must not bring a
     # chunk that costs many steps); shrinking: to what fits at the last chunk's cost
-    return max(1, min(chunk, max(n + 1, min(fit, 2 * n)) if seconds < target else fit))
+    size = max(self.model.min_chunk, min(chunk, max(n + 1, min(fit, 2 * n)) if seconds < target else fit))
+    return size - size % self.model.min_chunk  # the rows path computes whole units of rows: a part unit costs a whole one
 
   def note_prefill(self, n: int, seconds: float) -> None: self.last_prefill = (n, seconds)
 

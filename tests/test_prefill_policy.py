@@ -20,10 +20,11 @@ class ChannelDouble:
 NEWCOMER = 99
 
 
-def stage_with(decoding: int, chunk: int = 32, prompt: int = 500) -> Stage:
-  """A stage with `decoding` streams past their prompts and one stream with a `prompt`-token prompt still to prefill."""
+def stage_with(decoding: int, chunk: int = 32, prompt: int = 500, min_chunk: int = 1) -> Stage:
+  """A stage with `decoding` streams past their prompts and one stream with a `prompt`-token prompt still to prefill.
+  By default its model is on tinygrad's path (chunks of 1..32); the rows path's are 16..256."""
   stage = Stage(ChannelDouble())
-  stage.model = SimpleNamespace(max_chunk=chunk)  # a test double: the policy reads only the model's largest chunk
+  stage.model = SimpleNamespace(max_chunk=chunk, min_chunk=min_chunk)  # a test double: the policy reads only its chunk bounds
   for i in range(decoding): stage.streams[i] = Stream(slot=i, prompt_tokens=4, position=5)
   newcomer = Stream(slot=decoding, prompt_tokens=prompt, position=prompt)
   newcomer.pending.append((0, np.zeros(prompt, np.uint32)))
@@ -95,3 +96,19 @@ def test_sizes_settle_where_a_chunk_costs_about_one_step(fixed_s, token_s, step_
     stage.note_prefill(n, fixed_s + n * token_s)
   best = max(1, min(32, int((PREFILL_SHARE * step_s - fixed_s) / token_s)))
   assert sizes[0] == 1 and abs(sizes[-1] - best) <= 1 and len(set(sizes[-4:])) <= 2, sizes
+
+
+def test_rows_path_cuts_even_a_short_prompt_by_load_in_units_of_sixteen():
+  """On the rows path a chunk rides in the decode step (it costs what it adds to the step): beside decoding streams a
+  prompt is sized by load whatever its length, starting at (and never under) the 16 rows the path computes anyway."""
+  stage = stage_with(decoding=3, chunk=256, prompt=100, min_chunk=16)
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == 16
+  stage.step_s = 0.1
+  stage.note_prefill(16, 0.016)
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == 32  # at most twice the last
+  stage.note_prefill(64, 0.2)  # whole units of 16 rows: what fits, rounded down
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == int(64 * PREFILL_SHARE * 0.1 / 0.2) // 16 * 16
+  stage.note_prefill(64, 5.0)
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == 16
+  alone = stage_with(decoding=0, chunk=256, prompt=1000, min_chunk=16)
+  assert alone.prefill_size(alone.streams[NEWCOMER]) == 256

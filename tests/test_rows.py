@@ -142,3 +142,24 @@ def test_stale_cache_bytes_never_reach_a_sum(paths):
     return out
   for a, b in zip(run(dirty), run(fresh), strict=True):
     assert np.isfinite(a).all() and np.array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("name,cut", [("llama_tied", (0, 5)), ("qwen3", (0, 2)), ("qwen3", (2, 5))])
+def test_a_mixed_step_equals_its_decode_and_prompt_apart(paths, name, cut):
+  """A decode step and a prompt's chunk in one pass over the weights (StageModel.forward_mixed) give the very bits of
+  the two computed apart, on a head, a middle and a tail stage."""
+  m = StageModel.load(paths[name], *cut, max_context=CTX, slots=4, decode="batched", weights="float32")
+  rng = np.random.default_rng(0)
+  mk = lambda n: rng.integers(1, 250, n).astype(np.uint32) if m.is_head else rng.standard_normal((n, m.dim)).astype(np.float32)  # noqa: E731
+  p0, p1, p2, tok = mk(30), mk(17), mk(45), mk(2)
+
+  def run(mixed: bool) -> list[np.ndarray]:
+    for s in range(3): m.reset_slot(s)
+    m.prefill_rows(0, p0, 0); m.prefill_rows(1, p1, 0)
+    if mixed:
+      dec, pre = m.forward_mixed([0, 1], tok, [30, 17], 2, p2, 0)
+      return [r.numpy().copy() for r in m.mixed_rows(dec, [0, 1])] + [pre.numpy().copy()]
+    dec = [r.numpy().copy() for r in m.batch_rows(m.forward_batch([0, 1], tok, [30, 17]), [0, 1])]
+    return dec + [m.prefill_rows(2, p2, 0).numpy().copy()]
+  assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(run(True), run(False), strict=True))
+  with pytest.raises(errors.SlotInvalid): m.forward_mixed([0, 2], tok, [30, 45], 2, p2, 45)

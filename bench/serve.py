@@ -213,11 +213,14 @@ def conversation(url: str, model: str, i: int, a: argparse.Namespace, record: An
 
 def chat_scenario(url: str, model: str, a: argparse.Namespace) -> dict:
   """--conversations conversations of --turns turns each, started --spacing s apart (see the module's docstring)."""
+  import httpx
   results: dict[int, list[dict]] = {}
   lock = threading.Lock()
 
   def record(turn: int, res: dict) -> None:
     with lock: results.setdefault(turn, []).append(res)
+  with httpx.Client(timeout=900) as cl:  # warm: the first request of a server renders the chat template for the first time
+    stream(cl, url + "/v1/chat/completions", chat_body(model, [{"role": "user", "content": "Hello there."}], 2, prefix_cache=False))
   threads = []
   t0 = time.monotonic()
   for i in range(a.conversations):

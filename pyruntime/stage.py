@@ -338,11 +338,14 @@ class Stage:
                and not any(p < st.prompt_tokens for p, _ in st.pending))
 
   def ready(self) -> bool:
-    """Run a step now: a prefill chunk waits, or enough decode rows are here, or gathering them took long enough."""
+    """Run a step now: enough decode rows are here, or gathering them took long enough, or a prefill chunk waits and
+    no stream decodes. On the rows path a chunk waits for the decode rows too (a bounded time): it rides in their step
+    (mixed_step) instead of costing a pass over the weights of its own; on tinygrad's path it runs at once."""
     if not self.has_work(): self.gathering = None; return False
-    if any(st.pending and not st.next_is_decode() for st in self.streams.values()): return True
-    rows = sum(1 for st in self.streams.values() if st.next_is_decode())
-    if rows >= -(-self.decoding() // self.micro_batches): return True
+    rows, wanted = sum(1 for st in self.streams.values() if st.next_is_decode()), -(-self.decoding() // self.micro_batches)
+    if rows >= wanted: return True
+    if any(st.pending and not st.next_is_decode() for st in self.streams.values()) and (self.decode_mode != "batched" or not wanted):
+      return True
     if self.gathering is None: self.gathering = time.monotonic()
     return self.gather_left() <= 0
 
@@ -543,17 +546,21 @@ class Stage:
     timed). A chunk that came in under that grows by at least one token: a chunk's fixed cost (on a GPU, most of it)
     makes a per-token figure from a small chunk too dear, and the sizes must still find the right one. On tinygrad's
     path a prompt that fits in one chunk goes whole (its 32 tokens cost about a step)."""
-    chunk = self.model.max_chunk
+    chunk, unit = self.model.max_chunk, self.model.min_chunk
     if not self.prefill_share or not self.decoding(): return chunk
-    if self.model.min_chunk == 1 and (st.prompt_tokens or 0) <= chunk: return chunk
-    if not (self.step_s and self.last_prefill): return self.model.min_chunk
+    if unit == 1 and (st.prompt_tokens or 0) <= chunk: return chunk
+    # on the rows path the head sizes a prompt's chunks and the stages after it compute them as they come (cut again,
+    # a chunk would ride in several steps of theirs)
+    if unit > 1 and not self.model.is_head: return chunk
+    if not (self.step_s and self.last_prefill): return unit
     n, seconds = self.last_prefill
     target = self.prefill_share * self.step_s
     fit = int(n * target / seconds) if seconds > 0 else chunk
+    if unit > 1:  # timed as what it added to its step (mixed_step), not in a lull: what fits, in whole units of rows
+      return max(unit, min(chunk, fit) // unit * unit)
     # growing: at least one token more, at most twice as many (one quick chunk, timed in a lull, must not bring a
     # chunk that costs many steps); shrinking: to what fits at the last chunk's cost
-    size = max(self.model.min_chunk, min(chunk, max(n + 1, min(fit, 2 * n)) if seconds < target else fit))
-    return size - size % self.model.min_chunk  # the rows path computes whole units of rows: a part unit costs a whole one
+    return max(1, min(chunk, max(n + 1, min(fit, 2 * n)) if seconds < target else fit))
 
   def note_prefill(self, n: int, seconds: float) -> None: self.last_prefill = (n, seconds)
 

@@ -99,16 +99,20 @@ def test_sizes_settle_where_a_chunk_costs_about_one_step(fixed_s, token_s, step_
 
 
 def test_rows_path_cuts_even_a_short_prompt_by_load_in_units_of_sixteen():
-  """On the rows path a chunk rides in the decode step (it costs what it adds to the step): beside decoding streams a
-  prompt is sized by load whatever its length, starting at (and never under) the 16 rows the path computes anyway."""
+  """On the rows path a chunk rides in the decode step and is timed as what it added to it: beside decoding streams the
+  head sizes every prompt by load whatever its length, to what fits in whole units of 16 rows (never fewer), and the
+  stages after the head compute the chunks as they come."""
   stage = stage_with(decoding=3, chunk=256, prompt=100, min_chunk=16)
+  stage.model.is_head = True
   assert stage.prefill_size(stage.streams[NEWCOMER]) == 16
   stage.step_s = 0.1
-  stage.note_prefill(16, 0.016)
-  assert stage.prefill_size(stage.streams[NEWCOMER]) == 32  # at most twice the last
-  stage.note_prefill(64, 0.2)  # whole units of 16 rows: what fits, rounded down
+  stage.note_prefill(16, 0.016)  # 16 rows added 16 ms to a 100 ms step
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == min(256, int(16 * PREFILL_SHARE * 0.1 / 0.016)) // 16 * 16
+  stage.note_prefill(64, 0.2)
   assert stage.prefill_size(stage.streams[NEWCOMER]) == int(64 * PREFILL_SHARE * 0.1 / 0.2) // 16 * 16
   stage.note_prefill(64, 5.0)
   assert stage.prefill_size(stage.streams[NEWCOMER]) == 16
+  stage.model.is_head = False
+  assert stage.prefill_size(stage.streams[NEWCOMER]) == 256  # a later stage takes the head's chunks whole
   alone = stage_with(decoding=0, chunk=256, prompt=1000, min_chunk=16)
   assert alone.prefill_size(alone.streams[NEWCOMER]) == 256

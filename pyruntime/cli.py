@@ -279,9 +279,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
   from pyruntime.gguf import read_header
-  from pyruntime.plan import block_tensor_names, suggest_split, tensor_cost
+  from pyruntime.plan import block_tensor_names, prefix_cache_bytes_per_token, suggest_split, tensor_cost
   from pyruntime.source import resolve_model
   h = read_header(resolve_model(a.model))
+  cache = prefix_cache_bytes_per_token(h)
   blocks = h.num_blocks
   per_block = [sum(t.nbytes for n, t in h.tensors.items() if n.startswith(f"blk.{i}.")) for i in range(blocks)]
   other = {n: t.nbytes for n, t in h.tensors.items() if not n.startswith("blk.")}
@@ -293,6 +294,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           "bytes_per_block": per_block, "non_block_bytes": other,
           "compute_per_block": [tensor_cost(h, block_tensor_names(h, i), "compute") for i in range(blocks)],  # parameters a token touches
           "unused_bytes": unused,  # multi-token-prediction (nextn) layers: in the file, run by nobody
+          "prefix_cache_bytes_per_token": cache,  # None: recurrent blocks, no prefix cache
           "experts": h.get("expert_count", 0), "experts_per_token": h.get("expert_used_count", 0),
           "leading_dense_blocks": h.get("leading_dense_block_count", 0), "kv_lora_rank": h.get("attention.kv_lora_rank", 0),
           "suggested_split": {f"{n}_stages": {"by_memory": suggest_split(h, n, by="memory"), "by_compute": suggest_split(h, n, by="compute")}
@@ -300,17 +302,21 @@ def cmd_inspect(a: argparse.Namespace) -> int:
   if a.server: info["expert_load"] = _server_expert_load(a.server)
   if a.json: print(json.dumps(info, indent=1))
   else:
+    w = max(map(len, info))  # the longest key sets the column
     for k, v in info.items():
       if k == "bytes_per_block": v = f"{min(v)}..{max(v)} bytes (total {sum(v)})"
       if k == "compute_per_block": v = f"{min(v)}..{max(v)} parameters per token"
+      if k == "prefix_cache_bytes_per_token":
+        k, v = "prefix_cache", (f"{v} bytes per token, host memory over all stages ({v * PREFIX_CACHE_TOKENS / 2**20:.0f} MiB for the "
+                                f"default {PREFIX_CACHE_TOKENS} tokens)" if v else "none: recurrent blocks' state is not a function of positions")
       if k == "suggested_split":
-        for n, s in v.items(): print(f"split {n:>10}: memory {s['by_memory']}  compute {s['by_compute']}")
+        for n, s in v.items(): print(f"{'split ' + n:>{w}}: memory {s['by_memory']}  compute {s['by_compute']}")
         continue
       if k == "expert_load":
-        if not v: print(f"{k:>16}: none counted by {a.server} (a dense model, or no token routed yet)")
-        for stage, load in v.items(): print(f"{k:>16}: stage {stage}: {_load_summary(load)}")
+        if not v: print(f"{k:>{w}}: none counted by {a.server} (a dense model, or no token routed yet)")
+        for stage, load in v.items(): print(f"{k:>{w}}: stage {stage}: {_load_summary(load)}")
         continue
-      print(f"{k:>16}: {v}")
+      print(f"{k:>{w}}: {v}")
   return 0
 
 

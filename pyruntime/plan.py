@@ -62,6 +62,19 @@ def model_weight_bytes(header: GGUFHeader) -> int:
   return sum(t.nbytes for t in header.tensors.values())
 
 
+def prefix_cache_bytes_per_token(header: GGUFHeader) -> int | None:
+  """Host bytes one cached position takes in the whole pipeline's prefix-cache blocks (pyruntime/kv_blocks.py): every
+  block's key and value rows (MLA: its latent and rotary key), as float32. None for a model with recurrent blocks: their
+  state is not a function of positions alone, so it has no prefix cache."""
+  t, total = header.tensors, 0
+  for i in range(num_blocks(header)):
+    p = f"blk.{i}."
+    if any(n.startswith(p + "ssm_") for n in t): return None
+    if p + "attn_kv_a_mqa.weight" in t: total += t[p + "attn_kv_a_mqa.weight"].shape[0]
+    else: total += t[p + "attn_k.weight"].shape[0] + t[p + "attn_v.weight"].shape[0]
+  return 4 * total
+
+
 def tensor_cost(header: GGUFHeader, names: list[str], by: str) -> int:
   """by="memory": their bytes; by="compute": the parameters a token touches, of routed experts (`*_exps`) only the
   expert_used_count of expert_count it goes through."""

@@ -168,3 +168,13 @@ def test_inspect_names_a_server_that_is_not_there(tmp_path):
   path = write_tiny_gguf(tmp_path / "tiny.gguf", **TINY_MODELS["llama_tied"])
   out = subprocess.run([*CLI, "inspect", str(path), "--server", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
   assert out.returncode == 2 and "ServerUnreachable" in out.stderr and "127.0.0.1:9/metrics" in out.stderr, out.stderr
+
+
+def test_inspect_text_keeps_its_column_and_says_a_hybrid_model_has_no_prefix_cache(tmp_path):
+  from tinymodels import TINY_FAMILIES, write_tiny_gguf
+  path = write_tiny_gguf(tmp_path / "hybrid.gguf", **TINY_FAMILIES["qwen35"])
+  out = subprocess.run([*CLI, "inspect", str(path)], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.splitlines()
+  assert len({ln.index(": ") for ln in lines}) == 1, out.stdout  # every value starts in the same column
+  assert any(ln.split(": ", 1)[0].strip() == "prefix_cache" and "none: recurrent" in ln for ln in lines), out.stdout

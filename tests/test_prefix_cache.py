@@ -11,7 +11,9 @@ import pytest
 from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
+from pyruntime.gguf import read_header
 from pyruntime.launcher import Done, Launcher
+from pyruntime.plan import prefix_cache_bytes_per_token
 from pyruntime.prefix_cache import BLOCK, PrefixIndex
 
 SYSTEM = "The quick brown fox jumps over the lazy dog. A tiny model has tiny weights, but the tokenizer is real. " * 2
@@ -67,6 +69,8 @@ def test_cached_turns_equal_a_launcher_without_the_cache(paths, cold, name):
         else: assert all(d.usage.cached_tokens for d in got[1:])
     stats = lm.prefix_cache_stats()
     assert stats["enabled"] and stats["hits"] >= 8 and stats["hit_tokens"] > 0 and stats["bytes_held"] > 0
+    # what `inspect` says from the header alone is what the stages hold
+    assert stats["bytes_budget"] == stats["blocks"] * BLOCK * prefix_cache_bytes_per_token(read_header(paths[name]))
     # tinygrad's own decode kernels (MoE, MLA) compute a decoded position with other bits than a prompt row: only the
     # rows path caches replies
     assert stats["caches_decoded_positions"] == (name == "llama")
@@ -132,6 +136,7 @@ def test_recurrent_models_run_without_it_and_say_why(paths):
   with Launcher(paths["qwen35"], stages=2, max_context=512) as lm:
     s = lm.prefix_cache_stats()
     assert not s["enabled"] and "recurrent" in s["why"]
+    assert prefix_cache_bytes_per_token(read_header(paths["qwen35"])) is None  # and `inspect` says so
     a, b = (done(lm, messages=[{"role": "user", "content": QUESTIONS[0]}]) for _ in range(2))
     assert a.token_ids == b.token_ids and a.usage.cached_tokens == b.usage.cached_tokens == 0
 

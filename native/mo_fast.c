@@ -38,7 +38,7 @@
 
 /* What pyruntime/ring.py expects of this module (FAST_API there): bump on any change to the
  * methods or types it uses, so that a stale build is ignored rather than half-used. */
-#define FAST_API 3
+#define FAST_API 4
 
 #ifndef FAST_COPY_NOGIL /* -D for experiments */
 #define FAST_COPY_NOGIL 65536 /* payloads this large are copied with the GIL released */
@@ -211,32 +211,46 @@ static int bind_slow(PyObject *owner, PyObject **wr, PyObject **slots[], PyObjec
 typedef struct {
   PyObject_HEAD
   mo_producer *p;
-  PyObject *owner;      /* keeps the handle's memory alive */
+  Py_buffer hold;       /* the handle's memory, held (hold_struct) */
   PyObject *wr;         /* weak reference to the Writer (bind) */
   PyObject *write_slow; /* fn(writer, status, *args, **kw): everything fast_write does not do */
 } Producer;
 
-static int handle_init(PyObject *args, void **handle, PyObject **owner) {
-  PyObject *addr, *own;
-  if (!PyArg_ParseTuple(args, "OO", &addr, &own)) return -1;
-  void *h = PyLong_AsVoidPtr(addr);
-  if (!h) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "null handle");
+/* Hold an export of `obj` (a cffi buffer over the struct, `ffi.buffer(ptr)`) at least `size` bytes long: the
+ * address comes from the buffer, never from a Python int, so no call from Python can hand us a bad pointer, and
+ * the export keeps the memory where it is for the object's life. */
+static int hold_struct(PyObject *obj, Py_ssize_t size, int flags, Py_buffer *out, const char *what) {
+  if (PyObject_GetBuffer(obj, out, flags) < 0) return -1;
+  if (out->len < size || ((uintptr_t)out->buf % _Alignof(uint64_t)) != 0) {
+    PyBuffer_Release(out);
+    PyErr_Format(PyExc_ValueError, "%s: needs an aligned buffer of at least %zd bytes", what, size);
     return -1;
   }
-  Py_INCREF(own);
-  Py_XSETREF(*owner, own);
-  *handle = h;
   return 0;
 }
 
-static int Producer_init(Producer *self, PyObject *args, PyObject *kw) {
+/* Producer(buffer) and Consumer(buffer): the handle, a cffi buffer over the mo_producer / mo_consumer. */
+static PyObject *handle_new(PyTypeObject *type, PyObject *args, Py_ssize_t size, Py_ssize_t hold_at, const char *what) {
+  PyObject *obj;
+  if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+  PyObject *self = type->tp_alloc(type, 0);
+  if (!self) return NULL;
+  if (hold_struct(obj, size, PyBUF_WRITABLE, (Py_buffer *)((char *)self + hold_at), what) < 0) {
+    Py_DECREF(self);
+    return NULL;
+  }
+  return self;
+}
+
+static PyObject *Producer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   (void)kw;
-  return handle_init(args, (void **)&self->p, &self->owner);
+  Producer *self = (Producer *)handle_new(type, args, sizeof(mo_producer), offsetof(Producer, hold), "Producer");
+  if (self) self->p = self->hold.buf;
+  return (PyObject *)self;
 }
 
 static void Producer_dealloc(Producer *self) {
-  Py_XDECREF(self->owner);
+  if (self->hold.obj) PyBuffer_Release(&self->hold);
   Py_XDECREF(self->wr);
   Py_XDECREF(self->write_slow);
   Py_TYPE(self)->tp_free((PyObject *)self);
@@ -358,11 +372,10 @@ static PyMethodDef Producer_methods[] = {
 static PyTypeObject ProducerType = {
   PyVarObject_HEAD_INIT(NULL, 0)
   .tp_name = "pyruntime._ringfast.Producer",
-  .tp_doc = "Producer(handle_address, owner): the per-record calls of one mo_producer handle",
+  .tp_doc = "Producer(buffer): the per-record calls of the mo_producer handle `buffer` exports (ffi.buffer(handle))",
   .tp_basicsize = sizeof(Producer),
   .tp_flags = Py_TPFLAGS_DEFAULT,
-  .tp_new = PyType_GenericNew,
-  .tp_init = (initproc)Producer_init,
+  .tp_new = Producer_new,
   .tp_dealloc = (destructor)Producer_dealloc,
   .tp_methods = Producer_methods,
 };
@@ -372,20 +385,22 @@ static PyTypeObject ProducerType = {
 typedef struct {
   PyObject_HEAD
   mo_consumer *c;
-  PyObject *owner;
+  Py_buffer hold;      /* the handle's memory, held (hold_struct) */
   PyObject *recs;      /* list: recs[k] is the Record over c->views[k] (set_records) */
   PyObject *wr;        /* weak reference to the Reader (bind) */
   PyObject *read_slow; /* fn(reader, status, *args, **kw) */
   PyObject *next_slow;
 } Consumer;
 
-static int Consumer_init(Consumer *self, PyObject *args, PyObject *kw) {
+static PyObject *Consumer_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   (void)kw;
-  return handle_init(args, (void **)&self->c, &self->owner);
+  Consumer *self = (Consumer *)handle_new(type, args, sizeof(mo_consumer), offsetof(Consumer, hold), "Consumer");
+  if (self) self->c = self->hold.buf;
+  return (PyObject *)self;
 }
 
 static void Consumer_dealloc(Consumer *self) {
-  Py_XDECREF(self->owner);
+  if (self->hold.obj) PyBuffer_Release(&self->hold);
   Py_XDECREF(self->recs);
   Py_XDECREF(self->wr);
   Py_XDECREF(self->read_slow);
@@ -554,11 +569,10 @@ static PyMethodDef Consumer_methods[] = {
 static PyTypeObject ConsumerType = {
   PyVarObject_HEAD_INIT(NULL, 0)
   .tp_name = "pyruntime._ringfast.Consumer",
-  .tp_doc = "Consumer(handle_address, owner): the per-record calls of one mo_consumer handle",
+  .tp_doc = "Consumer(buffer): the per-record calls of the mo_consumer handle `buffer` exports (ffi.buffer(handle))",
   .tp_basicsize = sizeof(Consumer),
   .tp_flags = Py_TPFLAGS_DEFAULT,
-  .tp_new = PyType_GenericNew,
-  .tp_init = (initproc)Consumer_init,
+  .tp_new = Consumer_new,
   .tp_dealloc = (destructor)Consumer_dealloc,
   .tp_methods = Consumer_methods,
 };
@@ -573,35 +587,37 @@ static PyTypeObject ConsumerType = {
 typedef struct {
   PyObject_HEAD
   const mo_view *v;
-  PyObject *owner;     /* keeps *v's memory alive (the cffi array of views) */
+  Py_buffer views;     /* the cffi array of views *v lies in, held (hold_struct) */
   PyObject *data;      /* read-only memoryview of the ring's data region */
   Py_ssize_t exports;  /* buffers handed out over payloads */
   Py_buffer hold;      /* export of data, held while exports > 0 */
 } Record;
 
-static int Record_init(Record *self, PyObject *args, PyObject *kw) {
+/* Record(views, k, data): the record over views[k], views a cffi buffer over an array of mo_view (checked: k
+ * within it), data the Reader's read-only view of the ring's data region. */
+static PyObject *Record_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   (void)kw;
-  PyObject *addr, *own, *data;
-  if (!PyArg_ParseTuple(args, "OOO", &addr, &own, &data)) return -1;
-  if (self->exports) {
-    PyErr_SetString(PyExc_BufferError, "Record: payload buffers are exported");
-    return -1;
+  PyObject *views, *data;
+  Py_ssize_t k;
+  if (!PyArg_ParseTuple(args, "OnO", &views, &k, &data)) return NULL;
+  if (k < 0 || k > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(mo_view) - 1) {
+    PyErr_SetString(PyExc_IndexError, "Record: view index out of range");
+    return NULL;
   }
-  void *v = PyLong_AsVoidPtr(addr);
-  if (!v) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "null view");
-    return -1;
+  Record *self = (Record *)type->tp_alloc(type, 0);
+  if (!self) return NULL;
+  if (hold_struct(views, (k + 1) * (Py_ssize_t)sizeof(mo_view), PyBUF_SIMPLE, &self->views, "Record") < 0) {
+    Py_DECREF(self);
+    return NULL;
   }
-  Py_INCREF(own);
-  Py_XSETREF(self->owner, own);
+  self->v = (const mo_view *)self->views.buf + k;
   Py_INCREF(data);
-  Py_XSETREF(self->data, data);
-  self->v = v;
-  return 0;
+  self->data = data;
+  return (PyObject *)self;
 }
 
 static void Record_dealloc(Record *self) {
-  Py_XDECREF(self->owner);
+  if (self->views.obj) PyBuffer_Release(&self->views);
   Py_XDECREF(self->data);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -730,11 +746,10 @@ static PyGetSetDef Record_getset[] = {
 static PyTypeObject RecordType = {
   PyVarObject_HEAD_INIT(NULL, 0)
   .tp_name = "pyruntime._ringfast.Record",
-  .tp_doc = "Record(view_address, owner, data): one record slot read through C (pyruntime.ring subclasses it)",
+  .tp_doc = "Record(views, k, data): the record slot views[k] read through C (pyruntime.ring subclasses it)",
   .tp_basicsize = sizeof(Record),
   .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-  .tp_new = PyType_GenericNew,
-  .tp_init = (initproc)Record_init,
+  .tp_new = Record_new,
   .tp_dealloc = (destructor)Record_dealloc,
   .tp_getset = Record_getset,
   .tp_methods = Record_methods,

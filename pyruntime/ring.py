@@ -51,7 +51,7 @@ __all__ = ["Arena", "Writer", "Reader", "Record", "RecordBatch", "RingSpec", "cl
            "HEADER_LEN", "record_size", "encode_header"]
 
 
-_FAST_API = 3  # FAST_API in native/mo_fast.c
+_FAST_API = 4  # FAST_API in native/mo_fast.c
 
 
 def _load_fast():
@@ -570,7 +570,7 @@ class _FastWriter(Writer):
 
   def __init__(self, arena: Arena, ring):
     super().__init__(arena, ring)
-    fw = _fast.Producer(int(ffi.cast("uintptr_t", self._p)), self._p)
+    fw = _fast.Producer(ffi.buffer(self._p))
     self._fw, self._fput = fw, fw.put
     fw.bind(self, _FastWriter._write_slow)
     self.write = fw.fast_write
@@ -957,7 +957,7 @@ class _FastReader(Reader):
 
   def __init__(self, arena: Arena, ring):
     super().__init__(arena, ring)  # _grow(8) below runs before _fc exists
-    fc = _fast.Consumer(int(ffi.cast("uintptr_t", self._c)), self._c)
+    fc = _fast.Consumer(ffi.buffer(self._c))
     self._fc, self._ftake = fc, fc.take
     fc.set_records(self._recs)
     fc.bind(self, _FastReader._read_slow, _FastReader._next_slow)
@@ -967,14 +967,14 @@ class _FastReader(Reader):
     pool = ffi.new("mo_view[]", cap)
     self._pools.append(pool)
     self._c.views, self._c.nviews = pool, cap
-    base, size, data = int(ffi.cast("uintptr_t", pool)), VIEW_DTYPE.itemsize, self._data
-    self._recs = [_FastRecord(base + k * size, pool, data) for k in range(cap)]
+    views, data = ffi.buffer(pool), self._data
+    self._recs = [_FastRecord(views, k, data) for k in range(cap)]
     self._cap = cap
     fc = getattr(self, "_fc", None)
     if fc is not None: fc.set_records(self._recs)
 
   def _record_of(self, v) -> Record:
-    return _FastRecord(int(ffi.cast("uintptr_t", v)), v, self._data)
+    return _FastRecord(ffi.buffer(v), 0, self._data)
 
   def _read_slow(self, status: int, timeout: float | None = None) -> Record:
     """Reader.read after the C entry point: status 0 = not tried (a bad timeout, or no free slot)."""

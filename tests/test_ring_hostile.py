@@ -234,3 +234,26 @@ def test_huge_timeouts_wait_instead_of_overflowing():
     assert got == [5]
     with pytest.raises(ValueError):
       r.read(timeout=float("nan"))
+
+
+def test_the_fast_bindings_types_take_no_address_from_python():
+  """pyruntime._ringfast's Producer, Consumer and Record take their memory from a buffer they hold (checked for size
+  and alignment), never from an int: constructing them with junk raises, in a process of its own so a crash shows."""
+  code = textwrap.dedent("""
+    from pyruntime import _ringfast as f
+    bad = [(f.Record, (8, None, b"x" * 64)), (f.Record, (8, 0, b"x")), (f.Record, (bytearray(8), 0, b"x")),
+           (f.Record, (bytearray(4096), 10**9, b"x")), (f.Record, (bytearray(4096), -1, b"x")), (f.Record, ()),
+           (f.Producer, (8, None)), (f.Producer, (8,)), (f.Producer, (b"x" * 4096,)), (f.Producer, (bytearray(8),)),
+           (f.Consumer, (8, None)), (f.Consumer, (0,)), (f.Consumer, (bytearray(8),)), (f.Consumer, ())]
+    for t, args in bad:
+      try: t(*args)
+      except (TypeError, ValueError, BufferError, IndexError, OverflowError): continue
+      raise SystemExit(f"{t.__name__}{args!r:.60} was constructed")
+    r = f.Record(bytearray(4096), 1, memoryview(b"y" * 64))  # junk views inside a real buffer: bounds-checked reads
+    try: bytes(r)
+    except BufferError: pass
+    print("ok")
+  """)
+  pytest.importorskip("pyruntime._ringfast", reason="the fast binding is not built here")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stdout, out.stderr[-800:])

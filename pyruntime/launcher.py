@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -99,7 +100,7 @@ class Timings:
 
 @dataclass
 class Done:
-  finish_reason: str                 # "stop" | "length"
+  finish_reason: str                 # "stop" | "length" | "cancelled" (cancel(), or an iterator closed or dropped)
   usage: Usage
   timings: Timings
   prompt_token_ids: list[int]
@@ -195,8 +196,10 @@ class StreamHandle:
     else: self.deliver(ev)
 
   def deliver(self, ev: Any) -> None:
+    # whatever a consumer's callback raises (KeyboardInterrupt, SystemExit too) must not end the driver thread, which
+    # every other stream depends on
     try: self.sink(ev)
-    except Exception: pass  # noqa: BLE001 - a consumer's bug must not stop the driver
+    except BaseException: pass  # noqa: BLE001
 
   def push(self, token: int, end: bool, now: float | None = None) -> bool:
     """One sampled token (that arrived at `now`, monotonic); True when the stream is finished (its Done went out)."""
@@ -217,14 +220,18 @@ class StreamHandle:
         self.text.append(rest)
         self.emit(Delta(rest, []))
       if self.stopper.matched is not None: reason, stop_hit = "stop", self.stopper.matched  # the last bytes completed a stop string
+    self.emit(self.final(reason, stop_hit))
+    return True
+
+  def final(self, reason: str, stop_hit: str | None = None) -> Done:
+    """The stream's one Done, its timings up to now: the stream has ended."""
     now, out = time.monotonic(), self.out
     t0, t_first, t_last = self.t_submit, self.t_first or now, self.t_last or now
     decode = (len(out) - 1) / (t_last - t_first) if len(out) > 1 and t_last > t_first else 0.0
     timings = Timings(round(self.launcher.load_s, 4), round(t_first - t0, 4), round(decode, 3), round(now - t0, 4),
                       round((self.t_admitted or t0) - t0, 4))
     self.ended = True
-    self.emit(Done(reason, Usage(len(self.ids), len(out), self.cached), timings, self.ids, out, "".join(self.text), stop_hit))
-    return True
+    return Done(reason, Usage(len(self.ids), len(out), self.cached), timings, self.ids, list(out), "".join(self.text), stop_hit)
 
   def fail(self, e: BaseException) -> None:
     if not self.ended:
@@ -274,6 +281,9 @@ class Launcher:
     self.head: Writer | None = None       # writer of the head ring
     self.tail: Reader | None = None       # reader of the tail's egress ring
     self._lock = threading.Lock()         # the head ring's producer side, the slots and the queue (see _admit)
+    # held (before self._lock, never under it) while events go out to consumers, outside self._lock: a callback may
+    # call submit() or cancel() (which take self._lock), and a cancelled stream's Done cannot overtake its last Delta
+    self._delivering = threading.RLock()
     self._stream_ids = itertools.count(1)
     self._free_slots = list(range(max_streams))
     self._waiting: collections.deque[StreamHandle] = collections.deque()
@@ -491,7 +501,10 @@ class Launcher:
     events: queue.SimpleQueue = queue.SimpleQueue()
     st = self.submit(prompt, messages, raw=raw, max_tokens=max_tokens, stop=stop, logits=logits, ignore_eos=ignore_eos,
                      on_event=events.put, **sampling)
-    return self._iterate(st, events)
+    it = self._iterate(st, events)
+    # an iterator dropped before its first next() never runs its `finally`: its stream would run to the end
+    weakref.finalize(it, st.cancel).atexit = False
+    return it
 
   def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, raw: bool = False,
              max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,
@@ -503,6 +516,7 @@ class Launcher:
     the caller's thread, and raise before anything is queued."""
     from pyruntime.params import check_request
     from pyruntime.textstream import StopStream, budget
+    if not callable(on_event): raise TypeError(f"submit(): on_event must be callable, got {on_event!r:.80}")
     params = check_request(max_tokens, sampling, stop)
     if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 1024):
       raise errors.InvalidOption("cache_salt", f"must be a string of at most 1024 characters, got {cache_salt!r:.80}")
@@ -551,12 +565,18 @@ class Launcher:
       self._write(object_id(st.id, st.cached), struct.pack(f"<{len(rest)}I", *rest), 0)
 
   def _cancel(self, st: StreamHandle) -> None:
-    with self._lock:
-      if st.state == "waiting":
-        self._waiting.remove(st)
-        st.state = "done"
-      elif st.state == "open" and not self._closed:
-        self._close_stream(st)
+    """A stream that has not ended gets its one final event here, a Done with finish reason "cancelled", delivered from
+    the cancelling thread (no Delta of it follows: the driver passes over a stream that is not open)."""
+    with self._delivering:
+      with self._lock:
+        if st.state == "waiting":
+          self._waiting.remove(st)
+          st.state = "done"
+        elif st.state == "open" and not self._closed:
+          self._close_stream(st)
+        else: return
+        done = None if st.ended else st.final("cancelled")
+      if done is not None: st.deliver(done)
 
   def _close_stream(self, st: StreamHandle, save: bool = True) -> None:
     """Under self._lock: what the stream computed goes to the prefix cache, then the CLOSE goes out; the slot is free
@@ -586,16 +606,19 @@ class Launcher:
           continue
         t_got = time.monotonic()
         tokens = 0
-        with self._lock:  # once for the tail's whole step: it publishes a MORE group at once
-          box = self._outbox = []
+        with self._delivering:
+          box = []
           try:
-            while True:
-              tokens += self._take(rec, t_got)
-              if not rec.flags & FLAG_MORE: break
-              try: rec = read(0)
-              except errors.WouldBlock: break  # the rest of the group is not out yet: wait for it unlocked
+            with self._lock:  # once for the tail's whole step: it publishes a MORE group at once
+              self._outbox = box
+              try:
+                while True:
+                  tokens += self._take(rec, t_got)
+                  if not rec.flags & FLAG_MORE: break
+                  try: rec = read(0)
+                  except errors.WouldBlock: break  # the rest of the group is not out yet: wait for it unlocked
+              finally: self._outbox = None
           finally:
-            self._outbox = None
             for st, ev in box: st.deliver(ev)
         release()
         if tokens:

@@ -222,7 +222,7 @@ class Job:
       with m.lock:
         m.completion_tokens += len(ev.token_ids)
         if self.first: m.ttft.observe(time.monotonic() - self.accepted); self.first = False
-    elif isinstance(ev, Done):
+    elif isinstance(ev, Done) and ev.finish_reason != "cancelled":  # the server cancelled it: its client has gone
       with m.lock:
         m.prompt_tokens += ev.usage.prompt_tokens
         if ev.timings.decode_tokens_per_s > 0: m.decode_rate.observe(ev.timings.decode_tokens_per_s)

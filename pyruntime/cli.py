@@ -10,7 +10,7 @@ from typing import Any
 
 from pyruntime import errors
 from pyruntime.prefix_cache import PREFIX_CACHE_TOKENS
-from pyruntime.protocol import PREFILL_SHARE
+from pyruntime.protocol import PREFILL_SHARE, STALL_CAPTURE_TIMEOUT_S, STALL_STEPS, STALL_TIMEOUT_S
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                  help="capture every graph anew instead of loading the ones kept in $PYRUNTIME_CACHE/graphs (see `pyruntime warmup`)")
   p.add_argument("--prefill-share", type=float, default=PREFILL_SHARE,
                  help="beside decoding streams, a new prompt's prefill chunks cost about this share of their step "
-                 "(0: whole 32-token chunks, the fastest first token and the longest stalls for the others)")
+                 "(0: whole 256-token chunks, the fastest first token and the longest stalls for the others)")
+  p.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="S",
+                 help=f"a stage with work and no progress this long (or {STALL_STEPS} of its slowest steps) is ended as stalled")
+  p.add_argument("--stall-capture-timeout", type=float, default=STALL_CAPTURE_TIMEOUT_S, metavar="S",
+                 help="... while it captures a graph that was not prepared at load (no progress is reported meanwhile)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -223,7 +227,8 @@ def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) 
   return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
                   boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, weights=a.weights,
                   max_context=a.max_context, prefill_share=a.prefill_share, warmup=warmup, on_event=LoadProgress(quiet),
-                  prefix_cache=a.prefix_cache, graph_cache=a.graph_cache)
+                  prefix_cache=a.prefix_cache, graph_cache=a.graph_cache, stall_timeout=a.stall_timeout,
+                  stall_capture_timeout=a.stall_capture_timeout)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -117,6 +117,12 @@ class StageFailed(GenerationError):
     super().__init__(f"stage {stage} failed: {reason}" + (f": {detail}" if detail else ""))
     self.stage, self.reason, self.detail = stage, reason, detail
 
+class StageStalled(StageFailed):
+  """A stage had work and made no progress (no step finished, no record taken) for longer than its bound: stopped,
+  deadlocked, a hung device. The launcher ends it like a dead stage."""
+  def __init__(self, stage: int, detail: str):
+    super().__init__(stage, "StageStalled", detail)
+
 class LauncherClosed(GenerationError): pass
 
 class StreamFailed(GenerationError):

@@ -40,6 +40,9 @@ from pyruntime.protocol import (
   FLAG_MORE,
   FLAG_OPEN,
   PREFILL_SHARE,
+  STALL_CAPTURE_TIMEOUT_S,
+  STALL_STEPS,
+  STALL_TIMEOUT_S,
   WEIGHT_MODES,
   Command,
   Event,
@@ -118,6 +121,15 @@ class StageHandle:
   events: queue.Queue = field(default_factory=queue.Queue)
   fatal: dict | None = None
   info: dict = field(default_factory=dict)
+  beat: dict | None = None      # its last Heartbeat, and when it came
+  beat_t: float = 0.0
+  progress_t: float = 0.0       # when it last made progress, or said it had nothing to do (the stall rule)
+
+  def note_beat(self, ev: dict) -> None:
+    now, last = time.monotonic(), self.beat
+    if last is None or not ev.get("busy") or (ev.get("steps"), ev.get("records")) != (last.get("steps"), last.get("records")):
+      self.progress_t = now
+    self.beat, self.beat_t = ev, now
 
   def send(self, command: str, **args: Any) -> None:
     try:
@@ -158,6 +170,9 @@ def _pump(h: StageHandle, on_event: Callable[[dict], None] | None) -> None:
     try: ev = json.loads(line)
     except json.JSONDecodeError: continue
     ev.setdefault("stage", h.index)
+    if ev.get("event") == Event.HEARTBEAT:  # twice a second for the stage's life: kept as state, not as events
+      h.note_beat(ev)
+      continue
     if ev.get("event") == Event.WORKER_FATAL: h.fatal = ev
     if on_event is not None: on_event(ev)
     h.events.put(ev)
@@ -253,7 +268,8 @@ class Launcher:
                decode: str = "batched", weights: str = "auto", warmup: bool = False, max_context: int | None = None,
                prefill_share: float = PREFILL_SHARE, on_event: Callable[[dict], None] | None = None,
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0,
-               prefix_cache: int = PREFIX_CACHE_TOKENS, graph_cache: bool = True):
+               prefix_cache: int = PREFIX_CACHE_TOKENS, graph_cache: bool = True, stall_timeout: float = STALL_TIMEOUT_S,
+               stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S):
     if boundary_dtype not in ("float32", "float16"): raise errors.InvalidOption("boundary_dtype", "float32 or float16")
     if not isinstance(max_streams, int) or isinstance(max_streams, bool) or not 1 <= max_streams <= 256:
       raise errors.InvalidOption("max_streams", f"must be an integer in [1, 256], got {max_streams!r}")
@@ -264,6 +280,10 @@ class Launcher:
     if not isinstance(prefix_cache, int) or isinstance(prefix_cache, bool) or not 0 <= prefix_cache <= 1 << 28:
       raise errors.InvalidOption("prefix_cache", f"must be a number of tokens in [0, {1 << 28}] (0: off), got {prefix_cache!r}")
     self.prefix_cache_tokens = prefix_cache
+    for name, v in (("stall_timeout", stall_timeout), ("stall_capture_timeout", stall_capture_timeout)):
+      if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.5 <= v <= 86400:
+        raise errors.InvalidOption(name, f"must be seconds in [0.5, 86400], got {v!r}")
+    self.stall_timeout, self.stall_capture_timeout = float(stall_timeout), float(stall_capture_timeout)
     if not isinstance(graph_cache, bool): raise errors.InvalidOption("graph_cache", f"must be true or false, got {graph_cache!r}")
     self.graph_cache = graph_cache  # stages load their captured graphs from disk, and keep new ones (pyruntime/graph_cache.py)
     self.prefix: PrefixIndex | None = None  # the prefix cache's index, once every stage said it keeps blocks (start)
@@ -394,6 +414,7 @@ class Launcher:
       self.template = self.header.kv.get("tokenizer.chat_template") or ""
       self.recipe = recipe_digest(self.model_name, self.split, self.boundary_dtype, self.template)
       self.load_s = time.monotonic() - t0
+      for h in self.handles: h.progress_t = time.monotonic()
       self._driver = threading.Thread(target=self._drive, name="launcher-driver", daemon=True)
       self._driver.start()
       self._event({"event": "LauncherReady", "load_s": round(self.load_s, 3), "split": [list(r) for r in self.split],
@@ -447,6 +468,28 @@ class Launcher:
       if ev and ev.get("event") == name: return ev
       if (f := self._first_failure()) is not None: raise self._fail(f)
       if time.monotonic() > deadline: raise self._fail(errors.StageFailed(h.index, "Timeout", f"no {name} within {timeout:.0f} s"))
+
+  def stall_bound(self, h: StageHandle) -> float:
+    """How long stage h may have work and make no progress: `stall_timeout`, or STALL_STEPS of its slowest step if that
+    is longer; `stall_capture_timeout` while it captures a graph (it says so before, and beats again after)."""
+    b = h.beat or {}
+    if b.get("capturing"): return self.stall_capture_timeout
+    return max(self.stall_timeout, STALL_STEPS * float(b.get("slowest_s") or 0.0))
+
+  def _stalled(self) -> errors.StageStalled | None:
+    """The stall rule (docs/control-channel.md, "Stalls"), checked while streams are in the pipeline (the driver waits on
+    them): a stage is stalled when its last progress (a step finished or a record taken, counted by its data loop's
+    own thread and reported in Heartbeats; or a Heartbeat saying it had nothing to do) is older than its bound."""
+    with self._lock:
+      if not self._active: return None
+    now = time.monotonic()
+    for h in self.handles:
+      quiet = now - h.progress_t
+      if quiet > (bound := self.stall_bound(h)):
+        heard = f"{now - h.beat_t:.1f} s ago: {h.beat.get('doing')}" if h.beat else "never since it started"
+        return errors.StageStalled(h.index, f"no progress for {quiet:.1f} s (bound {bound:.1f} s) while the pipeline had work; "
+                                            f"last heard {heard}")
+    return None
 
   def _first_failure(self) -> errors.StageFailed | None:
     # A dead stage makes its neighbours fail too (PeerDead, RingClosed): name the root cause.
@@ -602,7 +645,7 @@ class Launcher:
         # failure elsewhere reaches the tail ring as RingClosed/PeerDead, or is seen here at the latest DRIVER_WAKE_S on
         try: rec = read(DRIVER_WAKE_S)
         except errors.RingTimeout:
-          if (f := self._first_failure()) is not None: raise f from None
+          if (f := self._first_failure() or self._stalled()) is not None: raise f from None
           continue
         t_got = time.monotonic()
         tokens = 0

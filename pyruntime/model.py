@@ -218,6 +218,7 @@ class StageModel:
       self._stage_in = self._empty((1, PREFILL_CHUNK, cfg.dim), self._bdtype)
     self.rows = RowPath(self) if self.batched else None
     self.shape_ms: dict[int, float] = {}  # measured step time of each decode window (warm_up)
+    self.on_capture: Callable[[str], None] | None = None  # told the graph it is about to capture (the stage: a Heartbeat)
     # MoE boundaries carry the router logits of the last MoE block before the cut: that block's function returns them too.
     # The tail has no such boundary, but its last MoE block returns them as well, for the expert load below.
     moe = [b for b in self.blk if b.config.num_experts]
@@ -333,11 +334,14 @@ class StageModel:
   def _jit(self, name: str, fxn: Callable) -> TinyJit:
     """The TinyJit of one of this stage's graphs: from the graph cache when it has it, else captured on its first call
     (every lazy one-time value, rope table and weights, is realized already, so there is no eager run first)."""
+    def captured(*args: Any, **kw: Any) -> Any:  # TinyJit calls its function only while it captures, never on replay
+      if self.on_capture is not None: self.on_capture(name)
+      return fxn(*args, **kw)
     if self.graph_cache is None:
-      j = TinyJit(fxn)
+      j = TinyJit(captured)
       j.cnt = 1
       return j
-    return self.graph_cache.jit(fxn, self.graph_key(name), self.bound_tensors)
+    return self.graph_cache.jit(captured, self.graph_key(name), self.bound_tensors)
 
   def graph(self, kind: str) -> TinyJit:
     """tinygrad's "prefill" or "decode" graph, made on first use; on the rows path "prefill" or "decode-W" (W rows)."""

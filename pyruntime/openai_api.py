@@ -259,6 +259,7 @@ def error_body(exc: BaseException, kind: str | None = None) -> tuple[int, dict[s
   if isinstance(exc, QueueFull): return shape(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded")
   if isinstance(exc, ServiceUnavailable): return shape(503, str(exc), "server_error", None, "service_unavailable")
   if isinstance(exc, ServerShuttingDown): return shape(503, str(exc), "server_error", None, "server_shutting_down")
+  if isinstance(exc, errors.StageStalled): return shape(500, str(exc), "server_error", None, "stage_stalled")
   if isinstance(exc, errors.StageFailed): return shape(500, str(exc), "server_error", None, "stage_failed")
   if isinstance(exc, errors.LauncherClosed):
     return shape(503, f"the model is not running: {exc}", "server_error", None, "service_unavailable")

@@ -154,6 +154,13 @@ class Command:
   SHUTDOWN_WORKER = "ShutdownWorker"
 
 
+# The stall rule (docs/control-channel.md, "Stalls"): a stage with work and no progress (Heartbeat counters) this long,
+# or STALL_STEPS of its slowest step if longer, is ended as stalled; while it captures a graph, the larger bound.
+STALL_TIMEOUT_S = 20.0
+STALL_STEPS = 20
+STALL_CAPTURE_TIMEOUT_S = 600.0
+
+
 class Event:
   """Control channel events (JSON lines on a stage's stdout)."""
   WORKER_READY = "WorkerReady"
@@ -180,3 +187,4 @@ class Event:
   PROFILE_REPORT = "ProfileReport"
   WORKER_STOPPED = "WorkerStopped"
   WORKER_FATAL = "WorkerFatal"
+  HEARTBEAT = "Heartbeat"             # from the data loop's own thread: its progress counters (the launcher's stall rule)

@@ -60,6 +60,7 @@ GATHER_STEPS, GATHER_MIN_S, GATHER_MAX_S = 3.0, 0.005, 1.0  # how long a stage w
 # Where a prompt is cut never changes a number: every prefill chunk of 1..model.chunk tokens runs the same kernels
 # (symbolic T), each row reduced in the same order (tests/test_model.py proves it bit for bit), so chunks sized by load
 # (Stage.prefill_size, protocol.PREFILL_SHARE) keep every stream's tokens independent of the others.
+HEARTBEAT_S = 0.5      # the data loop reports its progress at most this often (Heartbeat; the launcher's stall rule)
 MAX_TAKE = 256         # records taken from the ring per loop turn, so a flooding upstream cannot starve the compute
 MAX_COMMAND_BYTES = 64 << 20  # one control line; a longer one is refused (InvalidCommand) rather than buffered without end
 
@@ -182,6 +183,11 @@ class Stage:
     self.last_prefill: tuple[int, float] | None = None  # the last prefill chunk here: (tokens, seconds)
     self.prefill_share = PREFILL_SHARE
     self.profile_report: Callable[[], None] | None = None
+    self.beat_t = 0.0                    # the last Heartbeat
+    self.steps_run = 0                   # steps finished, records taken: the progress a Heartbeat reports
+    self.records_taken = 0
+    self.slowest_step_s = 0.0
+    self.doing = "waiting for records"
     self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "decode_steps": 0, "mixed_steps": 0,
                   "decode_rows": 0, "max_batch": 0, "prefill_chunks": 0, "stream_errors": 0, "gc_collections": 0, "gc_s": 0.0, "gc_max_s": 0.0,
                   "started": time.monotonic()}
@@ -278,6 +284,7 @@ class Stage:
     shapes = m.warm_up(every_window=r["warmup"], on_graph=lambda kind, what, seconds, cached: self.ch.emit(
       Event.GRAPH_PREPARING if what == "preparing" else Event.GRAPH_READY, stage=self.index, graph=kind, seconds=round(seconds, 3),
       cached=cached))
+    m.on_capture = self.on_capture  # from now on a capture happens mid-flight: say so (the launcher's stall rule)
     self.ch.emit(Event.WARMED_UP, stage=self.index, batch_shapes=shapes, shape_ms={str(k): round(v, 2) for k, v in m.shape_ms.items()},
                  elapsed_s=round(time.monotonic() - t0, 3), graph_cache=graphs.stats if graphs is not None else None)
 
@@ -373,6 +380,7 @@ class Stage:
 
   def take(self, rec: Any) -> None:
     """One ingress record: OPEN, CLOSE and ERROR are acted on and forwarded at once; data waits for the next step."""
+    self.records_taken += 1
     stream_id, pos = split_object_id(rec.object_id)
     if rec.flags & (FLAG_OPEN | FLAG_CLOSE | FLAG_ERROR | FLAG_CACHE):
       if rec.flags & FLAG_OPEN: self.open_stream(stream_id, decode_json(rec.payload))
@@ -448,7 +456,31 @@ class Stage:
   def close_stream(self, stream_id: int) -> None:
     if (st := self.streams.pop(stream_id, None)) is not None: self.model.reset_slot(st.slot)
 
+  def beat(self, force: bool = False, capturing: bool = False) -> None:
+    """A Heartbeat: what this loop has done (steps finished, records taken), whether work waits here, and what it does
+    now. Sent from the thread that does the work, so a stopped or deadlocked loop goes quiet (docs/control-channel.md,
+    "Stalls")."""
+    now = time.monotonic()
+    if not force and (now - self.beat_t < HEARTBEAT_S or not self.looping): return
+    self.beat_t = now
+    self.ch.emit(Event.HEARTBEAT, stage=self.index, steps=self.steps_run, records=self.records_taken, busy=self.has_work(),
+                 doing=self.doing, slowest_s=round(self.slowest_step_s, 4), capturing=capturing)
+
+  def on_capture(self, graph: str) -> None:
+    """A graph is captured now (not prepared at load: a decode window first used, say): the launcher allows a capture's
+    time, not a step's, until the next Heartbeat."""
+    self.doing = f"capturing the {graph} graph"
+    self.beat(force=True, capturing=True)
+
   def run_step(self) -> None:
+    t0 = time.monotonic()
+    self.step()
+    dt = time.monotonic() - t0
+    self.steps_run += 1
+    self.slowest_step_s = max(self.slowest_step_s, dt)
+    self.doing = "waiting for records"
+
+  def step(self) -> None:
     self.gathering = None
     decode = sorted(((sid, st) for sid, st in self.streams.items() if st.next_is_decode()), key=lambda x: x[1].waiting_since)
     # micro-batches: with stages on devices of their own, a step takes at most 1/micro_batches of the streams, so the
@@ -456,6 +488,9 @@ class Stage:
     cap = -(-len(self.streams) // self.micro_batches)
     prefill = next(((sid, st) for sid, st in self.streams.items() if st.pending and not st.next_is_decode()), None)
     # on the rows path a prompt's chunk rides in the decode step's pass over the weights (the same bits either way)
+    self.doing = (f"a step of {min(cap, len(decode))} decode rows" if decode else "") + (" and " if decode and prefill else "") + \
+                 (f"a prompt chunk of stream {prefill[0]}" if prefill else "")
+    self.beat()
     if decode and prefill and self.decode_mode == "batched": return self.mixed_step(decode[:cap], *prefill)
     if decode: self.decode_step(decode[:cap])
     if prefill: self.prefill_chunk(*prefill)
@@ -711,6 +746,7 @@ class Stage:
     The queue holds command lines, an InvalidCommand (the reader could not read a line) or None (stdin closed)."""
     while True:
       self.collect()
+      self.beat()
       try:
         if self.looping:
           try: item = commands.get_nowait()

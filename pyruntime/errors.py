@@ -80,6 +80,9 @@ class GgufLocalPathMissing(ModelSourceError): pass
 class GgufDownloadFailed(ModelSourceError): pass
 class DefaultModelMissing(ModelSourceError): pass
 class ModelLoadFailed(ModelSourceError): pass
+class AddressInUse(PyruntimeError):
+  """`serve` cannot listen on its host and port (another process has it): found before anything loads."""
+
 class ServerUnreachable(PyruntimeError):
   """`pyruntime inspect --server URL`: no pyruntime server answered /metrics there."""
 

@@ -822,6 +822,17 @@ def uvicorn_config(app: Any, *, host: str = "127.0.0.1", port: int = 8000, timeo
                         timeout_keep_alive=timeout_keep_alive, **kw)   # type: ignore[arg-type]  # a float works (call_later)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+  """A bound socket on host:port (port 0: an ephemeral one), for uvicorn to listen on; AddressInUse naming them."""
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try: sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    raise errors.AddressInUse(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+  return sock
+
+
 class BackgroundServer:
   """uvicorn serving `app` on a loopback port (0: an ephemeral one) in a thread; for tests and embedding.
 
@@ -830,9 +841,7 @@ class BackgroundServer:
   def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
                timeout_keep_alive: float = TIMEOUT_KEEP_ALIVE, timeout_request_head: float = TIMEOUT_REQUEST_HEAD):
     import uvicorn
-    self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    self.sock.bind((host, port))
+    self.sock = listen_socket(host, port)
     self.host, self.port = host, self.sock.getsockname()[1]
     self.server = uvicorn.Server(uvicorn_config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=3,
                                                 timeout_keep_alive=timeout_keep_alive, timeout_request_head=timeout_request_head))
@@ -900,8 +909,12 @@ def serve(args: Any, make_launcher: Callable[[], Any]) -> int:
     if not v > 0: raise errors.InvalidOption(name, f"must be > 0 seconds, got {v}")
   if not grace >= 0: raise errors.InvalidOption("shutdown_grace", f"must be >= 0 seconds, got {grace}")
   if attempts < 0: raise errors.InvalidOption("restart_attempts", f"must be >= 0, got {attempts}")
+  sock = listen_socket(args.host, args.port)  # before loading: a port in use is one line, not half a minute of warm-up
   lm = make_launcher()
-  lm.start()
+  try: lm.start()
+  except BaseException:
+    sock.close()
+    raise
   state: ServerState | None = None
   try:
     app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body,
@@ -914,8 +927,9 @@ def serve(args: Any, make_launcher: Callable[[], Any]) -> int:
     sys.stderr.flush()
     config = uvicorn_config(app, host=args.host, port=args.port, lifespan="on", timeout_graceful_shutdown=5,
                             timeout_keep_alive=t_keep_alive, timeout_request_head=t_head)
-    draining_server(config, state, grace).run()
+    draining_server(config, state, grace).run(sockets=[sock])
   finally:
     if state is not None: state.close()
     lm.close()
+    sock.close()
   return 0

@@ -178,3 +178,17 @@ def test_inspect_text_keeps_its_column_and_says_a_hybrid_model_has_no_prefix_cac
   lines = out.stdout.splitlines()
   assert len({ln.index(": ") for ln in lines}) == 1, out.stdout  # every value starts in the same column
   assert any(ln.split(": ", 1)[0].strip() == "prefix_cache" and "none: recurrent" in ln for ln in lines), out.stdout
+
+
+def test_serve_on_a_port_in_use_says_so_before_loading_anything(tmp_path):
+  import socket
+
+  from tinymodels import TINY_MODELS, write_tiny_gguf
+  path = write_tiny_gguf(tmp_path / "tiny.gguf", **TINY_MODELS["llama_tied"])
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0)); taken.listen()
+    port = taken.getsockname()[1]
+    out = subprocess.run([*CLI, "serve", "--model", str(path), "--port", str(port)], capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0
+  assert "AddressInUse" in out.stderr and f"127.0.0.1:{port}" in out.stderr, out.stderr
+  assert "loading" not in out.stderr and "stage" not in out.stderr, out.stderr  # nothing was spawned

@@ -601,7 +601,13 @@ async def _collect(request: Request, job: Job, shaper: Any, kind: str) -> Respon
   if gone:
     request.scope.setdefault("state", {})["pyruntime_status"] = CLIENT_CLOSED
     return Response(status_code=CLIENT_CLOSED)
-  if "error" in result: return _error(result["error"], kind)
+  if "error" in result:
+    e = result["error"]
+    # the pipeline failed before this answer started: the request can be retried, as every later one is told (503)
+    if isinstance(e, (errors.StageFailed, errors.LauncherClosed)):
+      return _unavailable(ServerRecovering(f"the pipeline failed before this request was answered ({e}); the server is "
+                                           "restarting it, retry shortly", retry_after=1), kind)
+    return _error(e, kind)
   return JSONResponse(shaper.response(result["done"]))
 
 

@@ -329,6 +329,11 @@ class Launcher:
     self.overhead = {"tokens": 0, "seconds": 0.0}
 
   # --- start -------------------------------------------------------------------------------------
+  @property
+  def started(self) -> bool:
+    """start() has finished: the pipeline runs (or ran: see alive())."""
+    return self.head is not None
+
   def __enter__(self) -> "Launcher":
     self.start()
     return self
@@ -389,7 +394,10 @@ class Launcher:
       specs.append(RingSpec(capacity=_pow2(rb["tail_capacity"]), max_extent=rb["tail"], alignment=4))
       self.arena = Arena.create(specs)
       self._event({"event": "ArenaCreated", "name": self.arena.name, "rings": len(specs)})
-      self.handles = [self._spawn(i) for i in range(len(self.split))]
+      for i in range(len(self.split)):  # one at a time: a close() from another thread meanwhile sees each one it must end
+        self._check_open()
+        self.handles.append(self._spawn(i))
+      self._check_open()
       for h, (start, end), dev, w in zip(self.handles, self.split, self.devices, self.weights, strict=True):
         h.send(Command.INITIALIZE_WORKER, device=dev, abi_version=ABI_VERSION)
         h.send(Command.CONFIGURE_ROLE, stage=h.index, start=start, end=end, slots=self.max_streams, boundary_dtype=self.boundary_dtype,
@@ -458,9 +466,14 @@ class Launcher:
       try: self.on_event(ev)
       except Exception: pass  # noqa: BLE001 - a watcher's bug must not break generation
 
+  def _check_open(self) -> None:
+    """start() goes on only while nobody closed the launcher (a server shutting down while it heals, say)."""
+    if self._closed: raise errors.LauncherClosed("the launcher was closed while it started")
+
   def _expect(self, h: StageHandle, name: str, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while True:
+      self._check_open()
       try: ev = h.events.get(timeout=min(POLL_S * 4, max(0.0, deadline - time.monotonic())))
       except queue.Empty: ev = {}
       if ev is None or (ev and ev.get("event") == Event.WORKER_FATAL):
@@ -779,9 +792,19 @@ class Launcher:
       # the bound is for a driver stuck in a consumer's callback: closing goes on regardless
       self._driver.join(STOP_GRACE_S)
     with self._close_lock:
-      if self._shut: return
+      if self._shut:
+        self._reap()
+        return
       self._shut = True
       self._shutdown(grace_s)
+
+  def _reap(self) -> None:
+    """After the shutdown: end what a start() in another thread made since (a stage spawned, the arena), at once."""
+    for h in self.handles:
+      if h.proc.poll() is None:
+        h.proc.kill()
+        h.proc.wait()
+    if self.arena is not None: self.arena.close()
 
   def _wake_driver(self) -> None:
     """Close our side of the head ring: the stages drain and close theirs in turn, down to the tail ring, whose reader

@@ -71,6 +71,7 @@ SHUTDOWN_GRACE_S = 30.0         # on SIGTERM, how long running requests may take
 RESTART_ATTEMPTS = 5            # consecutive failed attempts to restart the pipeline before the server gives up (503 for good)
 RESTART_BACKOFF_S = 1.0         # wait before the 2nd attempt; doubled for each further one
 RESTART_BACKOFF_MAX_S = 60.0
+FAILED_START_GRACE_S = 0.5      # a pipeline still starting when the server stops: its stages get this long after SIGTERM
 HEALTH_POLL_S = 0.5             # how often the supervisor looks at the stages when nothing reports a failure
 STABLE_S = 60.0                 # a pipeline that ran this long resets the count of consecutive restarts
 
@@ -373,6 +374,7 @@ class ServerState:
     self._wake = threading.Event()
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
+    self.starting: Any = None          # a launcher the supervisor is starting now: close() ends it at once
     if restart is not None:
       # This thread starts every later pipeline and lives as long as the server: a stage's parent-death signal
       # follows the thread that spawned it, so a short-lived thread would take its stages down when it ends.
@@ -432,10 +434,12 @@ class ServerState:
   def close(self) -> None:
     """Stop the supervisor and the current launcher (and any pipeline it is starting). Idempotent."""
     self._stop.set(); self._wake.set()
-    try: getattr(self.launcher, "close", lambda: None)()
-    except Exception: pass  # noqa: BLE001
+    for lm, grace in ((self.starting, FAILED_START_GRACE_S), (self.launcher, None)):
+      try:
+        if lm is not None: lm.close() if grace is None else lm.close(grace_s=grace)
+      except Exception: pass  # noqa: BLE001
     if self._supervisor is not None and self._supervisor is not threading.current_thread():
-      self._supervisor.join(timeout=900)
+      self._supervisor.join(timeout=60)
 
   # --- the supervisor -----------------------------------------------------------------------------
   def _supervise(self) -> None:
@@ -477,6 +481,12 @@ class ServerState:
         try:
           assert self.restart is not None
           new = self.restart()
+          if getattr(new, "started", True) is False:  # started here, where close() can reach it while it loads
+            self.starting = new
+            try:
+              if self._stop.is_set(): raise errors.LauncherClosed("the server is stopping")  # close() came first
+              new.start()
+            finally: self.starting = None
         except Exception as e:  # noqa: BLE001 - a failed start is one failed attempt
           self._note_error(e)
           _log(f"restart attempt {consecutive} failed: {type(e).__name__}: {e}")
@@ -648,7 +658,8 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   A body longer than `max_body_bytes` is answered 413 (request_too_large) without being read past
   the limit; one that takes longer than `timeout_request_body` seconds to arrive, 408.
 
-  `restart`: a factory returning a new, started launcher. With it the server heals: when a stage dies the running
+  `restart`: a factory returning a new launcher, started or not (one whose `started` is False the supervisor starts,
+  where closing the app can end it while it loads: `pyruntime serve` passes it so). With it the server heals: when a stage dies the running
   requests end with their error, new ones get 503 with Retry-After while a supervisor thread closes the failed
   launcher and builds a new one (the first attempt at once, then waits of `restart_backoff_s` doubling up to
   `restart_backoff_max_s`; after `restart_attempts` failures in a row it gives up). The app then owns the
@@ -924,7 +935,7 @@ def serve(args: Any, make_launcher: Callable[[], Any]) -> int:
   state: ServerState | None = None
   try:
     app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body,
-                     restart=(lambda: make_launcher().start()) if attempts > 0 else None, restart_attempts=max(1, attempts))
+                     restart=make_launcher if attempts > 0 else None, restart_attempts=max(1, attempts))
     state = app.state.pyruntime
     if args.host not in ("127.0.0.1", "localhost", "::1"):
       sys.stderr.write(f"pyruntime: serving on {args.host}, beyond this host; there is no authentication\n")

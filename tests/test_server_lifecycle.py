@@ -225,3 +225,41 @@ def gone(pid: int) -> bool:
   try:
     with open(f"/proc/{pid}/stat") as f: return f.read().rsplit(")", 1)[1].split()[0] == "Z"
   except OSError: return True
+
+
+def test_sigterm_while_the_server_heals_stops_it_and_leaves_nothing(tiny, tmp_path):
+  """A stage dies; the new pipeline's stages are caught (stopped) while they load; SIGTERM then ends the server within
+  its grace and a few seconds, with no stage process and no segment left."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+  log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+  proc = subprocess.Popen([sys.executable, "-m", "pyruntime", "serve", "--model", tiny, "--split", "0:2,2:5", "--max-context", "128",
+                           "--port", str(port), "--shutdown-grace", "2"], stdout=log, stderr=subprocess.STDOUT)
+  seen: set[int] = set()
+  try:
+    def up() -> bool:
+      assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+      try: return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+      except httpx.TransportError: return False
+    wait_for(up, 180, "the server to come up")
+    first = stage_pids(proc.pid)
+    seen.update(first)
+    os.kill(first[1], signal.SIGKILL)
+    def restarting() -> list[int]:
+      new = [p for p in stage_pids(proc.pid) if p not in first]
+      for p in new: os.kill(p, signal.SIGSTOP)  # as soon as they exist: the restart cannot finish
+      return new if len(new) == 2 else []
+    seen.update(wait_for(restarting, 60, "the new pipeline's stages"))
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    assert time.monotonic() - t0 < 2 + 5 + 10, time.monotonic() - t0  # the issue's bound (grace + 5 s), and room for CI
+  finally:
+    for pid in seen:
+      try: os.kill(pid, signal.SIGCONT)
+      except OSError: pass
+    if proc.poll() is None: proc.kill(); proc.wait()
+    log.close()
+  deadline = time.monotonic() + 10
+  while not all(gone(p) for p in seen): assert time.monotonic() < deadline, [p for p in seen if not gone(p)]; time.sleep(0.05)
+  assert segments_of(proc.pid) == [], (tmp_path / "serve.log").read_text()

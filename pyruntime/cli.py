@@ -16,9 +16,9 @@ from pyruntime.protocol import PREFILL_SHARE, STALL_CAPTURE_TIMEOUT_S, STALL_STE
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None,
                  help="GGUF path, [hf://]owner/repo/file.gguf[@revision], or 'default' (default: the bundled SmolLM2-135M)")
-  g = p.add_mutually_exclusive_group()
-  g.add_argument("--stages", type=int, default=2, help="number of stages (split balanced by memory)")
-  g.add_argument("--split", default=None, help="explicit half-open block ranges, e.g. 0:15,15:30 (default: from --stages)")
+  p.add_argument("--stages", type=int, default=None, help="number of stages, split balanced by memory (default: 2; with "
+                 "--split, its count, and a --stages that differs is refused)")
+  p.add_argument("--split", default=None, help="explicit half-open block ranges, e.g. 0:15,15:30 (default: from --stages)")
   p.add_argument("--device", default=None, help="one device for all stages, or one per stage: CUDA:0,CUDA:1 (default: automatic)")
   p.add_argument("--boundary-dtype", default="float32", choices=["float32", "float16"], help="dtype of activations between stages")
   p.add_argument("--max-streams", type=int, default=8, help="streams run through the pipeline at once (KV slots per stage); the rest wait")
@@ -184,7 +184,13 @@ class LoadProgress:
       with self.lock:
         if self.done.is_set(): return
         if self.tty: self.draw()
-        else: self.line(f"still loading: {self.loaded}/{self.total} stages loaded, {_elapsed(self.t0)}")
+        else: self.line(self.waiting_for())
+
+  def waiting_for(self) -> str:
+    """What the start waits for now: weights still loading, or (every stage's weights in) the graphs being prepared."""
+    if self.loaded < self.total: return f"still loading: {self.loaded}/{self.total} stages have their weights, {_elapsed(self.t0)}"
+    graphs = ", ".join(f"stage {s}: the {g} graph" for s, g in sorted(self.preparing.items())) or "the stages' graphs"
+    return f"still preparing {graphs} (weights loaded in all {self.total} stages), {_elapsed(self.t0)}"
 
 
 class Spinner:
@@ -224,7 +230,11 @@ class Spinner:
 def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) -> Any:
   from pyruntime.launcher import Launcher
   from pyruntime.plan import parse_split
-  return Launcher(a.model, stages=a.stages, split=parse_split(a.split) if a.split else None, devices=a.device,
+  split = parse_split(a.split) if a.split else None
+  if split is not None and a.stages is not None and a.stages != len(split):
+    raise errors.InvalidOption("stages", f"--stages {a.stages} and a --split of {len(split)} ranges: give one, or the same count")
+  stages = a.stages if a.stages is not None else len(split) if split else 2
+  return Launcher(a.model, stages=stages, split=split, devices=a.device,
                   boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, weights=a.weights,
                   max_context=a.max_context, prefill_share=a.prefill_share, warmup=warmup, on_event=LoadProgress(quiet),
                   prefix_cache=a.prefix_cache, graph_cache=a.graph_cache, stall_timeout=a.stall_timeout,

@@ -192,3 +192,11 @@ def test_serve_on_a_port_in_use_says_so_before_loading_anything(tmp_path):
   assert out.returncode != 0
   assert "AddressInUse" in out.stderr and f"127.0.0.1:{port}" in out.stderr, out.stderr
   assert "loading" not in out.stderr and "stage" not in out.stderr, out.stderr  # nothing was spawned
+
+
+def test_stages_and_split_agree_or_are_refused_by_name(tmp_path):
+  """One rule whatever the numbers: --stages beside --split must give the split's count."""
+  for stages, split in (("2", "0:1,1:3,3:5"), ("3", "0:2,2:5"), ("1", "0:2,2:5")):
+    out = subprocess.run([*CLI, "generate", "hi", "--stages", stages, "--split", split, "--model", str(tmp_path / "none.gguf")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "InvalidOption" in out.stderr and "--stages" in out.stderr, out.stderr

@@ -74,13 +74,14 @@ def bench_pipeline(path: str, n_stages: int, prompt: str, n_tokens: int, max_con
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--model", default=None)
-  ap.add_argument("--tokens", type=int, default=32)
-  ap.add_argument("--stages", default="1,2,3")
-  ap.add_argument("--max-context", type=int, default=512)
+  class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter): pass
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
+  ap.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M)")
+  ap.add_argument("--tokens", type=int, default=32, help="tokens decoded per run")
+  ap.add_argument("--stages", default="1,2,3", help="comma-separated stage counts, one pipeline each")
+  ap.add_argument("--max-context", type=int, default=512, help="context of every pipeline and of the reference")
   ap.add_argument("--weights", default="auto", help="comma-separated: each pipeline runs once per weights mode (see Launcher)")
-  ap.add_argument("--json", action="store_true")
+  ap.add_argument("--json", action="store_true", help="one JSON document instead of the table")
   a = ap.parse_args(argv)
   from pyruntime.chat import build_prompt_ids
   from pyruntime.gguf import read_header

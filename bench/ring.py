@@ -57,7 +57,8 @@ import traceback
 import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path: sys.path.insert(0, ROOT)
+# run as a file from a checkout: its pyruntime first (installed, this is pyruntime/bench and pyruntime is importable)
+if os.path.isdir(os.path.join(ROOT, "pyruntime")) and ROOT not in sys.path: sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 

@@ -379,14 +379,21 @@ def cmd_warmup(a: argparse.Namespace) -> int:
   return 0
 
 
+BENCHMARKS = {"ring": "ring throughput and latency against multiprocessing and other Python peers",
+              "pipeline": "1/2/3-stage pipelines against tinygrad's single-process model",
+              "serve": "the OpenAI server under load: levels, chat, burst, prompt, long-prompt scenarios",
+              "launcher": "the launcher's own CPU per token",
+              "kernels": "the rows path's prompt rows against numpy's matmuls, decode steps, schedules on and off"}
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
-  # The benchmarks live in the source tree's bench/ (an editable install, or a checkout).
-  import pathlib
+  """Run pyruntime.bench.NAME (the bench/ folder, shipped in the package) as a script."""
   import runpy
-  script = pathlib.Path(__file__).resolve().parent.parent / "bench" / f"{a.what}.py"
-  if not script.exists(): raise errors.InvalidOption("bench", f"{script} not found: run from a source checkout (pip install -e .)")
-  sys.argv = [str(script), *a.args]
-  runpy.run_path(str(script), run_name="__main__")
+  sys.argv = [f"pyruntime bench {a.what}", *a.args]
+  try: runpy.run_module(f"pyruntime.bench.{a.what}", run_name="__main__", alter_sys=True)
+  except ModuleNotFoundError as e:
+    if e.name and e.name.split(".")[0] in ("pyruntime", "tinygrad", "numpy"): raise
+    raise errors.InvalidOption("bench", f"`pyruntime bench {a.what}` needs {e.name}: pip install 'pyruntime[bench]'") from None
   return 0
 
 
@@ -451,8 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
   _add_model_args(p)
   p.add_argument("--clear", action="store_true", help="remove every cached graph instead")
   p.set_defaults(fn=cmd_warmup)
-  p = command("bench", "benchmarks: ring | pipeline | serve")
-  p.add_argument("what", choices=["ring", "pipeline", "serve", "launcher"], help="which benchmark")
+  p = command("bench", "benchmarks: " + " | ".join(BENCHMARKS))
+  p.add_argument("what", choices=list(BENCHMARKS), metavar="NAME",
+                 help="which benchmark: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
   p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
   p.set_defaults(fn=cmd_bench)
   p = command("shm", "shared-memory housekeeping")

@@ -200,3 +200,17 @@ def test_stages_and_split_agree_or_are_refused_by_name(tmp_path):
     out = subprocess.run([*CLI, "generate", "hi", "--stages", stages, "--split", split, "--model", str(tmp_path / "none.gguf")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "InvalidOption" in out.stderr and "--stages" in out.stderr, out.stderr
+
+
+def test_bench_runs_from_the_package_and_names_the_extra_it_lacks():
+  """`pyruntime bench` runs pyruntime.bench.NAME (shipped in the package); a missing benchmark dependency is one line
+  naming the `bench` extra, not a traceback."""
+  helps = subprocess.run([*CLI, "bench", "--help"], capture_output=True, text=True, timeout=60).stdout
+  for name in ("ring", "pipeline", "serve", "launcher", "kernels"): assert name in helps, helps
+  pipeline = subprocess.run([*CLI, "bench", "pipeline", "--help"], capture_output=True, text=True, timeout=60)
+  assert pipeline.returncode == 0 and "(default: 1,2,3)" in pipeline.stdout and "stage counts" in pipeline.stdout
+  code = ("import sys; sys.modules['httpx'] = None\n"
+          "from pyruntime.cli import main\n"
+          "sys.exit(main(['bench', 'serve', '--url', 'http://127.0.0.1:9']))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 2 and "pyruntime[bench]" in out.stderr and "httpx" in out.stderr and "Traceback" not in out.stderr, out.stderr

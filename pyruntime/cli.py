@@ -16,7 +16,7 @@ from pyruntime.protocol import PREFILL_SHARE, STALL_CAPTURE_TIMEOUT_S, STALL_STE
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None,
                  help="GGUF path, [hf://]owner/repo/file.gguf[@revision], or 'default' (default: the bundled SmolLM2-135M)")
-  p.add_argument("--stages", type=int, default=None, help="number of stages, split balanced by memory (default: 2; with "
+  p.add_argument("--stages", type=int, default=None, help="number of stages, split balanced by time per decode step (default: 2; with "
                  "--split, its count, and a --stages that differs is refused)")
   p.add_argument("--split", default=None, help="explicit half-open block ranges, e.g. 0:15,15:30 (default: from --stages)")
   p.add_argument("--device", default=None, help="one device for all stages, or one per stage: CUDA:0,CUDA:1 (default: automatic)")
@@ -312,7 +312,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           "prefix_cache_bytes_per_token": cache,  # None: recurrent blocks, no prefix cache
           "experts": h.get("expert_count", 0), "experts_per_token": h.get("expert_used_count", 0),
           "leading_dense_blocks": h.get("leading_dense_block_count", 0), "kv_lora_rank": h.get("attention.kv_lora_rank", 0),
-          "suggested_split": {f"{n}_stages": {"by_memory": suggest_split(h, n, by="memory"), "by_compute": suggest_split(h, n, by="compute")}
+          # the launcher's default: by time per decode step, from the bytes a step reads (weights as stored: GPUs; as
+          # float32: a CPU's default); memory and compute for reference
+          "suggested_split": {f"{n}_stages": {"by_time": suggest_split(h, n, by="time"), "by_time_float32": suggest_split(h, n, by="time-float32"),
+                                              "by_memory": suggest_split(h, n, by="memory"), "by_compute": suggest_split(h, n, by="compute")}
                               for n in range(1, a.max_stages + 1) if n <= blocks}}
   if a.server: info["expert_load"] = _server_expert_load(a.server)
   if a.json: print(json.dumps(info, indent=1))
@@ -325,7 +328,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         k, v = "prefix_cache", (f"{v} bytes per token, host memory over all stages ({v * PREFIX_CACHE_TOKENS / 2**20:.0f} MiB for the "
                                 f"default {PREFIX_CACHE_TOKENS} tokens)" if v else "none: recurrent blocks' state is not a function of positions")
       if k == "suggested_split":
-        for n, s in v.items(): print(f"{'split ' + n:>{w}}: memory {s['by_memory']}  compute {s['by_compute']}")
+        for n, s in v.items():
+          print(f"{'split ' + n:>{w}}: time {s['by_time']}  time with float32 weights {s['by_time_float32']}  memory {s['by_memory']}")
         continue
       if k == "expert_load":
         if not v: print(f"{k:>{w}}: none counted by {a.server} (a dense model, or no token routed yet)")

@@ -353,14 +353,16 @@ class Launcher:
     self.header: GGUFHeader = read_header(self.path)
     self.model_name = self.header.kv.get("general.name") or self.path.stem
     self.num_blocks = self.header.num_blocks
-    self.split = plan_split(self.header, self.stages_wanted, self.split_wanted)
-    self.devices = parse_devices(self.devices_wanted, len(self.split))
+    n = len(self.split_wanted) if self.split_wanted else self.stages_wanted
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1: raise errors.InvalidOption("stages", f"must be an integer >= 1, got {n!r}")
+    self.devices = parse_devices(self.devices_wanted, n)
     # stages on devices of their own compute at once when the streams are cut into one micro-batch per stage; stages
     # that share the CPU would only take cores from each other
-    self.micro_batches = len(self.split) if len(set(self.devices)) == len(self.devices) and not any(
-      d.upper().startswith("CPU") for d in self.devices) else 1
+    self.micro_batches = n if len(set(self.devices)) == len(self.devices) and not any(d.upper().startswith("CPU") for d in self.devices) else 1
     fits = 4 * sum(math.prod(t.dims) for t in self.header.tensors.values()) <= available_memory() // 2  # float32 copy
     self.weights = [self._weights_for(d, fits) for d in self.devices]
+    # balanced by what a decode step takes on each stage: the bytes it reads of its weights, in the form it holds them
+    self.split = plan_split(self.header, n, self.split_wanted, by="time-float32" if all(w == "float32" for w in self.weights) else "time")
     self.context_length = int(min(self.max_context_wanted or 1 << 62, self.header.get("context_length")))
     self.tokenizer: Tokenizer = Tokenizer.from_gguf_kv(self.header.kv)
     self.dim = int(self.header.get("embedding_length"))

@@ -75,26 +75,33 @@ def prefix_cache_bytes_per_token(header: GGUFHeader) -> int | None:
   return 4 * total
 
 
+SPLIT_BY = ("memory", "compute", "time", "time-float32")
+
+
 def tensor_cost(header: GGUFHeader, names: list[str], by: str) -> int:
   """by="memory": their bytes; by="compute": the parameters a token touches, of routed experts (`*_exps`) only the
-  expert_used_count of expert_count it goes through."""
+  expert_used_count of expert_count it goes through; by="time": the bytes a decode step reads of them, which is what
+  it takes on every device we run (a decode step streams its weights): stored bytes, of routed experts the used share;
+  "time-float32": the same for weights held as float32 (--weights float32, a CPU's default), 4 bytes a parameter."""
   used, experts = header.get("expert_used_count", 0), header.get("expert_count", 0)
   def cost(name: str) -> int:
     t = header.tensors[name]
     if by == "memory": return t.nbytes
-    return math.prod(t.dims) * used // experts if experts and "_exps." in t.name else math.prod(t.dims)
+    n = {"compute": 1, "time-float32": 4}.get(by, 0) * math.prod(t.dims) or t.nbytes
+    return n * used // experts if experts and "_exps." in t.name else n
   return sum(cost(n) for n in names)
 
 
 def suggest_split(header: GGUFHeader, n_stages: int, by: str = "memory") -> list[tuple[int, int]]:
   """Contiguous [start, end) ranges covering every block once, balancing the stages' on-device weight bytes
-  (by="memory": the tail also holds output_norm + output, the head nothing extra) or their compute
+  (by="memory": the tail also holds output_norm + output, the head nothing extra), their compute
   (by="compute": parameters touched per token, so the output projection counts on the tail, and of an MoE block's
-  routed experts only the expert_used_count of expert_count a token goes through)."""
+  routed experts only the expert_used_count of expert_count a token goes through), or their time per decode step
+  (by="time" / "time-float32": the bytes a step reads, see tensor_cost; the head's embedding rows cost nothing)."""
   L = num_blocks(header)
   if not isinstance(n_stages, int) or not 1 <= n_stages <= L:
     raise errors.LayerRangeInvalid(f"cannot cut {L} blocks into {n_stages} non-empty stages")
-  if by not in ("memory", "compute"): raise ValueError(f"by must be 'memory' or 'compute', not {by!r}")
+  if by not in SPLIT_BY: raise ValueError(f"by must be one of {', '.join(SPLIT_BY)}, not {by!r}")
   blk = [tensor_cost(header, block_tensor_names(header, i), by) for i in range(L)]
   tail_extra = tensor_cost(header, ["output_norm.weight", output_tensor_name(header)], by)
   prefix = [0]
@@ -136,8 +143,11 @@ def parse_split(text: str) -> list[tuple[int, int]]:
   except ValueError: raise errors.InvalidOption("split", f"expected START:END,START:END..., got {text!r}") from None
 
 
-def plan_split(header: GGUFHeader, stages: int, split: Sequence[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
-  """The split a pipeline runs: the one asked for, checked, or the memory-balanced one for `stages` stages."""
-  ranges = [tuple(r) for r in (split or suggest_split(header, stages, by="memory"))]
+def plan_split(header: GGUFHeader, stages: int, split: Sequence[tuple[int, int]] | None = None,
+               by: str = "time") -> list[tuple[int, int]]:
+  """The split a pipeline runs: the one asked for, checked, or for `stages` stages the one that balances their time
+  per decode step (`by`: "time-float32" when the stages hold float32 weights). A stage's memory is its devices' to
+  hold: the launcher takes float32 weights only where a float32 copy of the whole model fits."""
+  ranges = [tuple(r) for r in (split or suggest_split(header, stages, by=by))]
   check_split(ranges, num_blocks(header))
   return ranges  # type: ignore[return-value]

@@ -104,7 +104,7 @@ def test_load_progress_without_a_terminal_is_a_line_per_step():
   p({"event": "LauncherReady", "load_s": 99.0})
   lines = err.getvalue().splitlines()
   assert lines[0] == "pyruntime: loading 3 stages"
-  assert any(line.startswith("pyruntime: still loading: 0/3 stages loaded, ") for line in lines[1:-4])   # not silence while it waits
+  assert any(line.startswith("pyruntime: still loading: 0/3 stages have their weights, ") for line in lines[1:-4])   # not silence while it waits
   loaded = [line for line in lines if " loaded [" in line]
   assert [line.split(" loaded ")[0] for line in loaded] == ["pyruntime: stage 2 (blocks 2:3)", "pyruntime: stage 0 (blocks 0:1)",
                                                             "pyruntime: stage 1 (blocks 1:2)"]

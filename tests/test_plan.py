@@ -1,6 +1,7 @@
 """Planning from the header alone (pyruntime/plan.py): splits, and that planning never imports tinygrad."""
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import subprocess
@@ -24,12 +25,32 @@ def qwen3(tmp_path_factory) -> pathlib.Path:
 def test_suggest_split_covers_every_block(qwen3):
   h = read_header(qwen3)
   for n in (1, 2, 3, 5):
-    for by in ("memory", "compute"):
+    for by in ("memory", "compute", "time", "time-float32"):
       r = suggest_split(h, n, by)
       assert len(r) == n and r[0][0] == 0 and r[-1][1] == 5 and all(a < b for a, b in r)
       assert all(r[i][1] == r[i + 1][0] for i in range(n - 1))
   with pytest.raises(errors.LayerRangeInvalid): suggest_split(h, 6)
   with pytest.raises(errors.LayerRangeInvalid): suggest_split(h, 0)
+
+
+def test_the_default_split_balances_a_decode_steps_reads(tmp_path):
+  """By time, a stage costs the bytes a decode step reads of its weights: stored bytes (of routed experts the share a
+  token uses), or 4 a parameter for float32 weights; the tail's output projection counts."""
+  from tinymodels import TINY_FAMILIES
+
+  from pyruntime.plan import block_tensor_names, output_tensor_name, tensor_cost
+  moe = read_header(write_tiny_gguf(tmp_path / "moe.gguf", **TINY_FAMILIES["qwen3moe"]))
+  names = block_tensor_names(moe, 1)
+  exps = [n for n in names if "_exps." in n]
+  assert exps and tensor_cost(moe, names, "time") < tensor_cost(moe, names, "memory")  # only the used experts are read
+  used, experts = moe.get("expert_used_count"), moe.get("expert_count")
+  assert tensor_cost(moe, exps, "time") == sum(moe.tensors[n].nbytes * used // experts for n in exps)
+  assert tensor_cost(moe, names, "time-float32") == 4 * tensor_cost(moe, names, "compute")
+  out = [output_tensor_name(moe)]
+  assert tensor_cost(moe, out, "time-float32") == 4 * math.prod(moe.tensors[out[0]].dims)
+  for by in ("time", "time-float32"):
+    r = plan_split(moe, 2, by=by)
+    assert r == suggest_split(moe, 2, by) and len(r) == 2
 
 
 def test_stage_bytes_add_up(qwen3):

@@ -387,7 +387,8 @@ BENCHMARKS = {"ring": "ring throughput and latency against multiprocessing and o
               "pipeline": "1/2/3-stage pipelines against tinygrad's single-process model",
               "serve": "the OpenAI server under load: levels, chat, burst, prompt, long-prompt scenarios",
               "launcher": "the launcher's own CPU per token",
-              "kernels": "the rows path's prompt rows against numpy's matmuls, decode steps, schedules on and off"}
+              "kernels": "the rows path's prompt rows against numpy's matmuls, decode steps, schedules on and off",
+              "restart": "how long serve is away after a stage dies, serving or during the restart's warm-up"}
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

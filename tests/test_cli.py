@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 CLI = [sys.executable, "-m", "pyruntime"]
 
 
@@ -116,6 +118,7 @@ def test_load_progress_without_a_terminal_is_a_line_per_step():
   assert len(err.getvalue()) == n   # the heartbeat stopped with the load
 
 
+@pytest.mark.integration
 def test_generate_without_a_terminal_shows_progress_then_a_clean_error(tmp_path):
   """A real load of a tiny model with stderr a pipe: a line per stage, then an error (the prompt cannot fit) on its own line."""
   from tinymodels import TINY_MODELS, write_tiny_gguf

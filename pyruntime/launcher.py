@@ -656,8 +656,9 @@ class Launcher:
     self._driver_tid = threading.get_ident()
     try:
       while not self._closed:
-        # Parked in C between tokens (the ring checks the tail stage's liveness every POLL_S without waking Python): a
-        # failure elsewhere reaches the tail ring as RingClosed/PeerDead, or is seen here at the latest DRIVER_WAKE_S on
+        # Parked in C between tokens (the ring checks the tail stage's liveness at each DRIVER_WAKE_S poll, set in
+        # start(), without waking Python): a failure elsewhere reaches the tail ring as RingClosed/PeerDead; a dead or
+        # stalled stage is seen here at the latest DRIVER_WAKE_S on
         try: rec = read(DRIVER_WAKE_S)
         except errors.RingTimeout:
           if (f := self._first_failure() or self._stalled()) is not None: raise f from None

@@ -423,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
   from pyruntime import server
   ap = argparse.ArgumentParser(prog="pyruntime", description="Serve an LLM split across the devices of one host over shared-memory rings.",
                                formatter_class=_Help)
+  ap.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                  help="what the launcher and server log on stderr (a consumer callback that raised, a close that failed, ...)")
   sub = ap.add_subparsers(dest="cmd", required=True)
   def command(name: str, help: str) -> argparse.ArgumentParser: return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
   p = command("generate", "generate a completion for one prompt")
@@ -476,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   a = build_parser().parse_args(argv)
+  import logging
+  logging.basicConfig(level=a.log_level, format="pyruntime: %(levelname)s %(name)s: %(message)s")
   try:
     return a.fn(a)
   except errors.PyruntimeError as e:

@@ -14,6 +14,7 @@ import collections
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import queue
@@ -54,6 +55,8 @@ from pyruntime.protocol import (
   ring_bytes,
   split_object_id,
 )
+
+log = logging.getLogger("pyruntime.launcher")
 
 if TYPE_CHECKING:  # the ring hands out arrays; the launcher itself needs no numpy (the ring is imported at start)
   import numpy as np
@@ -190,6 +193,7 @@ class StreamHandle:
     self.launcher, self.id, self.ids, self.n_max, self.params = launcher, sid, ids, n_max, params
     self.stopper, self.want_logits, self.end_ids, self.sink = stopper, want_logits, end_ids, sink
     self.cache_salt, self.prefix_cache = cache_salt, prefix_cache
+    self.sink_failed = False  # its callback raised once (logged)
     self.cached = 0     # prompt positions copied in from the prefix cache
     self.computed = 0   # positions every stage has computed: the tail answered them
     self.decoder = IncrementalDecoder(launcher.tokenizer)
@@ -214,7 +218,10 @@ class StreamHandle:
     # whatever a consumer's callback raises (KeyboardInterrupt, SystemExit too) must not end the driver thread, which
     # every other stream depends on
     try: self.sink(ev)
-    except BaseException: pass  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001
+      if not self.sink_failed:  # once per stream: a callback that raises on every event would flood the log
+        self.sink_failed = True
+        log.warning("stream %d: its on_event callback raised %s: %s (dropped, and any later ones)", self.id, type(e).__name__, e)
 
   def push(self, token: int, end: bool, now: float | None = None) -> bool:
     """One sampled token (that arrived at `now`, monotonic); True when the stream is finished (its Done went out)."""
@@ -466,7 +473,8 @@ class Launcher:
     self.events.append(ev)
     if self.on_event is not None:
       try: self.on_event(ev)
-      except Exception: pass  # noqa: BLE001 - a watcher's bug must not break generation
+      except Exception:  # noqa: BLE001 - a watcher's bug must not break generation
+        log.warning("the launcher's on_event watcher raised on %s", ev.get("event"), exc_info=True)
 
   def _check_open(self) -> None:
     """start() goes on only while nobody closed the launcher (a server shutting down while it heals, say)."""

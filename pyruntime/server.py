@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import re
 import socket
 import sys
@@ -257,7 +258,8 @@ class Job:
     self.admission.metrics.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
     if self.stream is not None:
       try: self.stream.cancel()
-      except Exception: pass  # noqa: BLE001 - a launcher that already failed has nothing left to stop
+      except Exception as x:  # noqa: BLE001 - a launcher that already failed has nothing left to stop
+        log.debug("cancelling an aborted request's stream: %s", x)
     try: self.loop.call_soon_threadsafe(self.events.put_nowait, ("abort", e))
     except RuntimeError: pass  # the event loop is gone
 
@@ -437,7 +439,8 @@ class ServerState:
     for lm, grace in ((self.starting, FAILED_START_GRACE_S), (self.launcher, None)):
       try:
         if lm is not None: lm.close() if grace is None else lm.close(grace_s=grace)
-      except Exception: pass  # noqa: BLE001
+      except Exception:  # noqa: BLE001 - closing goes on: the other launcher, the supervisor
+        log.warning("closing a launcher failed", exc_info=True)
     if self._supervisor is not None and self._supervisor is not threading.current_thread():
       self._supervisor.join(timeout=60)
 
@@ -458,7 +461,8 @@ class ServerState:
     finally:
       if self._stop.is_set():   # this thread spawned the current stages: end them in order before it goes
         try: getattr(self.launcher, "close", lambda: None)()
-        except Exception: pass  # noqa: BLE001
+        except Exception:  # noqa: BLE001
+          log.warning("closing the launcher at the supervisor's end failed", exc_info=True)
 
   def _recover(self, consecutive: int) -> int:
     """Close the failed launcher, then build new ones (exponential backoff) until one starts or the attempts are used."""
@@ -466,7 +470,8 @@ class ServerState:
     self.recovery = {"attempt": 0, "since": time.time(), "next_attempt_at": None}
     _log(f"a stage failed ({(self.last_error or {}).get('message', 'stage not alive')}); restarting the pipeline")
     try: getattr(old, "close", lambda: None)()   # it closed itself on the failure; make sure: stages ended, arena unlinked
-    except Exception: pass  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the restart goes on
+      log.warning("closing the failed launcher failed", exc_info=True)
     try:
       while not self._stop.is_set() and not self.draining:
         if consecutive >= self.restart_attempts:
@@ -535,6 +540,9 @@ class ServerState:
   def expert_load(self) -> list[list[int] | None]:
     try: return list(self.launcher.expert_load())
     except Exception: return []  # noqa: BLE001 - a closed or failed launcher has no stages to ask
+
+
+log = logging.getLogger("pyruntime.server")
 
 
 def _log(text: str) -> None:

@@ -807,7 +807,8 @@ def main() -> None:
       # a launcher killed -9 cannot unlink its arena; its orphans do it for it. Only that launcher's segments
       # ({prefix}-{pid}-...): other launchers' orphans are theirs to clean, or `pyruntime shm clean`'s
       cleanup_stale(f"{DEFAULT_PREFIX}-{launcher_pid}")
-    except Exception: pass  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - exiting regardless; stderr reaches the launcher's tail of it
+      os.write(2, f"pyruntime stage: cleaning the launcher's segments on exit failed: {type(e).__name__}: {e}\n".encode())
     os._exit(128 + signum)
 
   signal.signal(signal.SIGTERM, on_term)

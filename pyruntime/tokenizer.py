@@ -308,7 +308,6 @@ class Tokenizer:
     except TypeError: raise TokenIdInvalid(f"token ids must be a sequence of integers, not {type(ids).__name__}") from None
     return b"".join(self.token_bytes(i, special=special) for i in ids).decode("utf-8", "replace")
 
-  def is_end(self, token_id: int) -> bool: return token_id in self.end_ids
 
   def __repr__(self) -> str:
     return f"Tokenizer(family={self.family!r}, pre_type={self.pre_type!r}, vocab_size={self.vocab_size})"

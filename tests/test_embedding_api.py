@@ -73,13 +73,16 @@ def test_cancel_delivers_one_cancelled_done_to_running_and_waiting_streams(lm, n
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit, RuntimeError])
-def test_a_callback_that_raises_leaves_the_driver_running(lm, exc):
+def test_a_callback_that_raises_leaves_the_driver_running(lm, exc, caplog):
   def bad(ev) -> None: raise exc("from a callback")
-  h = lm.submit(PROMPT, raw=True, max_tokens=4, ignore_eos=True, on_event=bad)
-  done = next(ev for ev in lm.generate(PROMPT, raw=True, max_tokens=4, ignore_eos=True) if isinstance(ev, Done))
-  assert len(done.token_ids) == 4
-  h.cancel()
-  idle(lm)
+  with caplog.at_level("WARNING", logger="pyruntime.launcher"):
+    h = lm.submit(PROMPT, raw=True, max_tokens=4, ignore_eos=True, on_event=bad)
+    done = next(ev for ev in lm.generate(PROMPT, raw=True, max_tokens=4, ignore_eos=True) if isinstance(ev, Done))
+    assert len(done.token_ids) == 4
+    h.cancel()
+    idle(lm)
+  said = [r.getMessage() for r in caplog.records if "on_event callback raised" in r.getMessage()]
+  assert len(said) == 1 and exc.__name__ in said[0], said  # logged once for the stream, not once per event
 
 
 def test_a_callback_may_cancel_its_own_stream_and_submit_another(lm):

@@ -194,6 +194,7 @@ class StreamHandle:
     self.stopper, self.want_logits, self.end_ids, self.sink = stopper, want_logits, end_ids, sink
     self.cache_salt, self.prefix_cache = cache_salt, prefix_cache
     self.sink_failed = False  # its callback raised once (logged)
+    self.grammar: str | None = None  # a structured answer's grammar (response_format), enforced at the tail
     self.cached = 0     # prompt positions copied in from the prefix cache
     self.computed = 0   # positions every stage has computed: the tail answered them
     self.decoder = IncrementalDecoder(launcher.tokenizer)
@@ -575,7 +576,7 @@ class Launcher:
   def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, raw: bool = False,
              max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,
              ignore_eos: bool = False, cache_salt: str | None = None, prefix_cache: bool = True,
-             on_event: Callable[[Any], None], **sampling: Any) -> StreamHandle:
+             response_format: dict | None = None, on_event: Callable[[Any], None], **sampling: Any) -> StreamHandle:
     """Start one stream without a thread of its own: `on_event` is called from the launcher's driver thread with each
     `Delta` / `Logits`, then exactly one final `Done` or exception instance (a `PyruntimeError`). It must not block
     (an asyncio caller hands events over with `loop.call_soon_threadsafe`). Validation and tokenisation run here, in
@@ -587,6 +588,7 @@ class Launcher:
     if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 1024):
       raise errors.InvalidOption("cache_salt", f"must be a string of at most 1024 characters, got {cache_salt!r:.80}")
     if not isinstance(prefix_cache, bool): raise errors.InvalidOption("prefix_cache", f"must be true or false, got {prefix_cache!r:.80}")
+    grammar = self._grammar(response_format, logits)
     if self._closed or self.head is None: raise errors.LauncherClosed("the launcher is not running")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     stopper = StopStream(stops)
@@ -594,11 +596,22 @@ class Launcher:
     n_max = budget(max_tokens if max_tokens is not None else self.context_length, self.context_length, len(ids))
     st = StreamHandle(self, next(self._stream_ids), ids, n_max, params, stopper, logits, frozenset() if ignore_eos else self.tokenizer.end_ids,
                       on_event, cache_salt, prefix_cache)
+    st.grammar = grammar
     with self._lock:
       if self._closed: raise errors.LauncherClosed("the launcher is not running")
       self._waiting.append(st)
       self._admit()
     return st
+
+  def _grammar(self, response_format: dict | None, logits: bool) -> str | None:
+    """A structured answer's grammar (pyruntime/grammar.py), checked against the vocabulary here, in the caller's
+    thread: a schema that cannot be enforced is refused by name before anything runs, never answered unconstrained."""
+    if response_format is None: return None
+    from pyruntime.grammar import check, grammar_for
+    if (grammar := grammar_for(response_format)) is None: return None
+    if logits: raise errors.InvalidOption("response_format", "a structured answer samples its tokens: not with logits=True")
+    check(grammar, self.tokenizer)
+    return grammar
 
   def _iterate(self, st: StreamHandle, events: queue.SimpleQueue) -> Iterator[Delta | Logits | Done]:
     try:
@@ -624,7 +637,7 @@ class Launcher:
       blocks = self.prefix.match(st.ids, st.cache_salt) if self.prefix is not None and st.prefix_cache else []
       st.cached = st.computed = len(blocks) * BLOCK
       info = OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
-                      sorted(st.end_ids), st.want_logits, st.cached, [[b, i * BLOCK] for i, b in enumerate(blocks)])
+                      sorted(st.end_ids), st.want_logits, st.cached, [[b, i * BLOCK] for i, b in enumerate(blocks)], st.grammar)
       st.t_admitted = time.monotonic()
       self._write(object_id(st.id, 0), info.encode(4), FLAG_OPEN)
       rest = st.ids[st.cached:]

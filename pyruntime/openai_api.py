@@ -27,19 +27,20 @@ CHAT, COMPLETION = "chat", "completion"
 SAMPLING_FIELDS = tuple(SAMPLING)
 # ignore_eos: vLLM's extension (generate through end tokens), which serving benchmarks use for fixed-length outputs
 # cache_salt: vLLM's (requests with different salts share no cached prefix); prefix_cache: false keeps a request out of it
+# response_format: text, json_object or json_schema, enforced by a grammar at the tail (pyruntime/grammar.py)
 _COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "ignore_eos", "cache_salt", "prefix_cache",
-           *SAMPLING_FIELDS}
+           "response_format", *SAMPLING_FIELDS}
 SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens"}, COMPLETION: _COMMON | {"prompt"}}
 
 # OpenAI features we refuse by name. A value that asks for nothing (the field's neutral value) is
 # accepted: a client that spells out a default is not asking for a feature.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-  "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+  "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
   "parallel_tool_calls": (), "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "best_of": (1,), "echo": (False,),
   "suffix": ("",), "store": (False,), "metadata": (), "modalities": (["text"],), "audio": (), "prediction": (),
   "reasoning_effort": (), "service_tier": ("auto", "default"), "web_search_options": (),
 }
-UNSUPPORTED_VALUE_FIELDS = {"n", "response_format", "stream_options"}
+UNSUPPORTED_VALUE_FIELDS = {"n", "stream_options"}
 
 
 class MalformedRequest(errors.PyruntimeError):
@@ -213,6 +214,10 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     if not isinstance(salt, str) or not salt: raise errors.InvalidOption("cache_salt", f"must be a non-empty string, got {_show(salt)}")
     gen["cache_salt"] = salt
   if _bool(body, "prefix_cache") is False: gen["prefix_cache"] = False
+  if (rf := body.get("response_format")) is not None:
+    from pyruntime.grammar import grammar_for
+    # its shape and schema checked here, named; the launcher checks the grammar against the vocabulary
+    if grammar_for(rf) is not None: gen["response_format"] = rf
   from pyruntime.textstream import validate_stop
   stop = validate_stop(body.get("stop"))
   if stop: gen["stop"] = stop

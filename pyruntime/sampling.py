@@ -130,6 +130,7 @@ class Sampler:
     self._hostp = np.array([p.temperature, p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.top_p, p.min_p, 0.0,
                             p.top_k], dtype=np.float32)
     self._counts = None
+    self._mask: Tensor | None = None  # a constrained stream's allowed tokens (sample(mask=...)), made on first use
     if p.has_penalties:
       self._counts = Tensor.empty(vocab_size, dtype=dtypes.float32, device=device)
       self._counts.uop.buffer.ensure_allocated()
@@ -149,14 +150,21 @@ class Sampler:
     lg = _penalize(logits.reshape(self.vocab_size).float(), counts, params)
     return lg if self.params.greedy else lg / params[_TEMP]
 
-  def sample(self, logits: Tensor, history: list[int] | None = None) -> int:
-    """Pick the next token from `logits` ((vocab,) or (1, vocab), any float dtype, on the device)."""
+  def sample(self, logits: Tensor, history: list[int] | None = None, mask: np.ndarray | None = None) -> int:
+    """Pick the next token from `logits` ((vocab,) or (1, vocab), any float dtype, on the device). `mask` (vocab,
+    float32: 0 where a token is allowed, -inf where not; pyruntime/grammar.py) is added to them first."""
     if logits.shape[-1] != self.vocab_size or logits.numel() != self.vocab_size:
       raise errors.InvalidOption("logits", f"expected {self.vocab_size} logits, got shape {logits.shape}")
     logits = logits.reshape(self.vocab_size)
     if logits.dtype != dtypes.float32: logits = logits.float()
     if not logits.uop.is_realized: logits = logits.contiguous().realize()
     if logits.device != self._params.device: logits = logits.to(self._params.device).realize()
+    if mask is not None:
+      if self._mask is None:
+        self._mask = Tensor.empty(self.vocab_size, dtype=dtypes.float32, device=self._params.device)
+        self._mask.uop.buffer.ensure_allocated()
+      self._mask.uop.buffer.copyin(memoryview(np.ascontiguousarray(mask, np.float32)).cast("B"))
+      logits = (logits + self._mask).contiguous().realize()
     if not self.params.greedy: self._hostp[_U] = self.rng.random(dtype=np.float32)
     self._params.uop.buffer.copyin(memoryview(self._hostp).cast("B"))
     key = (str(self._params.device), self.vocab_size, self.params.greedy, self._counts is not None, self.topk, self.topp, self.minp)

@@ -156,6 +156,7 @@ class Stream:
   history: list[int] = field(default_factory=list)
   end_ids: frozenset[int] = frozenset()
   logits: bool = False
+  constraint: Any = None             # the tail's grammar matcher of a structured answer (pyruntime/grammar.py)
 
   def next_is_decode(self) -> bool:
     return bool(self.pending) and self.prompt_tokens is not None and self.pending[0][0] >= self.prompt_tokens
@@ -444,6 +445,9 @@ class Stage:
       if not info.get("identity"): raise errors.ResultIdentityMissing(f"stream {stream_id} opened without a request identity")
       st.sampler = Sampler(SamplingParams.from_dict(info.get("sampling", {})), self.model.vocab_size, self.model.device)
       st.history, st.end_ids, st.logits = list(info.get("history", [])), frozenset(info.get("end_ids", [])), bool(info.get("logits"))
+      if grammar := info.get("grammar"):
+        from pyruntime.grammar import Constraint
+        st.constraint = Constraint(str(grammar), self._tok(), self.model.vocab_size)
     self.streams[stream_id] = st
 
   def save_blocks(self, stream_id: int, info: dict) -> None:
@@ -608,9 +612,16 @@ class Stage:
       return self.writer.commit(object_id(sid, pos), flags, publish)
     oid = object_id(sid, pos + n - 1)
     if st.logits: return self.put(oid, out.numpy().astype("<f4", copy=False).reshape(-1), flags, publish)
-    token = st.sampler.sample(out, st.history)
+    token = st.sampler.sample(out, st.history, None if st.constraint is None else st.constraint.mask())
     st.history.append(token)
-    self.put(oid, token.to_bytes(4, "little"), flags | (FLAG_END if token in st.end_ids else 0), publish)
+    end = token in st.end_ids
+    if st.constraint is not None:
+      # once the answer is whole the mask allows only end tokens: the one sampled then ends the stream (ignore_eos too)
+      if st.constraint.done: end = True
+      else:
+        try: st.constraint.take(token)
+        except errors.StreamFailed as e: return self.fail_stream(sid, st, e)  # a mask lets no such token through: a bug
+    self.put(oid, token.to_bytes(4, "little"), flags | (FLAG_END if end else 0), publish)
 
   def put(self, oid: int, payload: Any, flags: int, publish: bool) -> None:
     if publish: return self.writer.write(oid, payload, flags)

@@ -114,7 +114,7 @@ def test_errors_through_the_client(live):
     c.chat.completions.create(model="default", messages=MESSAGES, n=2)
   assert e.value.param == "n"
   with pytest.raises(openai.BadRequestError) as e:
-    c.chat.completions.create(model="default", messages=MESSAGES, response_format={"type": "json_object"})
+    c.chat.completions.create(model="default", messages=MESSAGES, response_format={"type": "json_schema", "json_schema": {"schema": []}})
   assert e.value.param == "response_format"
   with pytest.raises(openai.BadRequestError) as e:
     c.completions.create(model="default", prompt="x", logprobs=2)

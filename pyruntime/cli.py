@@ -388,7 +388,8 @@ BENCHMARKS = {"ring": "ring throughput and latency against multiprocessing and o
               "serve": "the OpenAI server under load: levels, chat, burst, prompt, long-prompt scenarios",
               "launcher": "the launcher's own CPU per token",
               "kernels": "the rows path's prompt rows against numpy's matmuls, decode steps, schedules on and off",
-              "restart": "how long serve is away after a stage dies, serving or during the restart's warm-up"}
+              "restart": "how long serve is away after a stage dies, serving or during the restart's warm-up",
+              "structured": "structured output's cost: the same requests free and under a JSON schema, C=1 and C=8"}
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

@@ -2,8 +2,9 @@
 tail's logits so every answer parses and validates.
 
 The launcher turns a request's `response_format` into a grammar and checks it against the model's vocabulary in the
-caller's thread (a bad schema is an InvalidOption naming the field, before anything runs); the grammar travels in the
-OPEN record; the tail builds the stream's matcher and, before each sample, masks the row's logits with the tokens the
+caller's thread (a bad schema is an InvalidOption naming the field, before anything runs); the grammar goes to the tail
+over its control channel (SetGrammar) just before the stream's OPEN record, so the rings keep their small records; the
+tail builds the stream's matcher and, before each sample, masks the row's logits with the tokens the
 grammar allows (one row at a time: a constrained stream's tokens do not depend on its batch, and unconstrained rows
 pay nothing). llguidance computes a mask in tens of microseconds from the GGUF's own vocabulary (token bytes, special
 tokens, end tokens), bridged here.
@@ -16,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from pyruntime import errors
-from pyruntime.protocol import MAX_GRAMMAR_BYTES  # the grammar travels in the OPEN record (protocol.ring_bytes)
 
 MAX_SCHEMA_BYTES = 32 << 10   # a schema's JSON
+MAX_GRAMMAR_BYTES = 64 << 10  # the grammar made from it, sent to the tail over its control channel (SetGrammar)
 # compact JSON: no free whitespace between tokens, so a weak model cannot spend its budget on blanks
 JSON_OPTIONS = {"whitespace_flexible": False}
 

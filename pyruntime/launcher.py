@@ -124,6 +124,7 @@ class StageHandle:
   events: queue.Queue = field(default_factory=queue.Queue)
   fatal: dict | None = None
   info: dict = field(default_factory=dict)
+  send_lock: threading.Lock = field(default_factory=threading.Lock)
   beat: dict | None = None      # its last Heartbeat, and when it came
   beat_t: float = 0.0
   progress_t: float = 0.0       # when it last made progress, or said it had nothing to do (the stall rule)
@@ -135,9 +136,11 @@ class StageHandle:
     self.beat, self.beat_t = ev, now
 
   def send(self, command: str, **args: Any) -> None:
+    line = json.dumps({"command": command, **args}) + "\n"
     try:
-      self.proc.stdin.write(json.dumps({"command": command, **args}) + "\n")
-      self.proc.stdin.flush()
+      with self.send_lock:  # lines from several threads (a stream's grammar, stats) must not interleave
+        self.proc.stdin.write(line)
+        self.proc.stdin.flush()
     except (BrokenPipeError, ValueError, OSError):
       pass  # the process is gone; its reader thread reports why
 
@@ -637,8 +640,10 @@ class Launcher:
       blocks = self.prefix.match(st.ids, st.cache_salt) if self.prefix is not None and st.prefix_cache else []
       st.cached = st.computed = len(blocks) * BLOCK
       info = OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
-                      sorted(st.end_ids), st.want_logits, st.cached, [[b, i * BLOCK] for i, b in enumerate(blocks)], st.grammar)
+                      sorted(st.end_ids), st.want_logits, st.cached, [[b, i * BLOCK] for i, b in enumerate(blocks)], st.grammar is not None)
       st.t_admitted = time.monotonic()
+      # the grammar goes to the tail directly, before the OPEN: the tail waits for it when the OPEN says there is one
+      if st.grammar is not None: self.handles[-1].send(Command.SET_GRAMMAR, stream=st.id, grammar=st.grammar)
       self._write(object_id(st.id, 0), info.encode(4), FLAG_OPEN)
       rest = st.ids[st.cached:]
       self._write(object_id(st.id, st.cached), struct.pack(f"<{len(rest)}I", *rest), 0)

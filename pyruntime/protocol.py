@@ -96,9 +96,6 @@ def decode_json(payload) -> dict:
   return json.loads(bytes(payload))
 
 
-MAX_GRAMMAR_BYTES = 64 << 10  # the largest grammar an OPEN record carries (pyruntime/grammar.py refuses larger)
-
-
 @dataclass
 class OpenInfo:
   """The OPEN record's payload. `history` (the prompt ids) is for the tail's penalties. `load` names the prefix-cache
@@ -112,7 +109,7 @@ class OpenInfo:
   logits: bool = False
   cached: int = 0
   load: list[list[int]] = field(default_factory=list)
-  grammar: str | None = None                         # a structured answer's grammar, for the tail (pyruntime/grammar.py)
+  grammar: bool = False                              # a structured answer: its grammar came to the tail first (SetGrammar)
 
   def encode(self, alignment: int) -> bytes: return encode_json(asdict(self), alignment)
 
@@ -131,7 +128,7 @@ def ring_bytes(context_length: int, dim: int, itemsize: int, vocab_size: int, ma
   and whose prefix-cache blocks take at most 2 bytes a position: a [block, position] pair per 16), or a CACHE record
   between stages: one prefill chunk of residual rows, or an OPEN or CACHE record
   tail egress: one token (or the logits), an OPEN or CACHE echo, or an ERROR."""
-  open_max = 1024 + 13 * context_length + 2 * MAX_GRAMMAR_BYTES  # a grammar's characters, JSON-escaped at worst 2 bytes each
+  open_max = 1024 + 13 * context_length
   head = max(4 * context_length, open_max)
   mid = max(MAX_CHUNK * dim * itemsize, open_max)
   tail = max(4 * vocab_size, open_max)
@@ -152,6 +149,7 @@ class Command:
   EXECUTE_STEP = "ExecuteStep"
   RELEASE_DEVICE_OBJECT = "ReleaseDeviceObject"
   ENCODE_PROMPT = "EncodePrompt"
+  SET_GRAMMAR = "SetGrammar"  # the tail: a structured stream's grammar, sent before its OPEN (pyruntime/grammar.py)
   DECODE_TOKENS = "DecodeTokens"
   INFER_PROMPT = "InferPrompt"
   QUERY_STATS = "QueryStats"

@@ -61,9 +61,11 @@ def _penalize(lg: Tensor, counts: Tensor | None, params: Tensor) -> Tensor:
   return lg - (counts * params[_FREQ] + seen.where(1.0, 0.0) * params[_PRES])
 
 
-def _sample_graph(logits: Tensor, counts: Tensor | None, params: Tensor, greedy: bool, topk: bool, topp: bool, minp: bool) -> Tensor:
+def _sample_graph(logits: Tensor, counts: Tensor | None, params: Tensor, greedy: bool, topk: bool, topp: bool, minp: bool,
+                  mask: Tensor | None = None) -> Tensor:
   V = logits.shape[0]
   lg = _penalize(logits.float(), counts, params)
+  if mask is not None: lg = lg + mask  # a grammar's: 0 where a token is allowed, -inf where not
   if greedy: return lg.argmax().reshape(1).cast(dtypes.int32)
   lg = lg / params[_TEMP]
   keep = Tensor.ones(V, dtype=dtypes.bool, device=lg.device)
@@ -103,11 +105,11 @@ _jits_lock = threading.Lock()
 def _jit_for(key: tuple) -> TinyJit:
   with _jits_lock:
     if (j := _jits.get(key)) is None:
-      _, _, greedy, pen, topk, topp, minp = key
-      if pen:
-        def fn(logits, counts, params): return _sample_graph(logits, counts, params, greedy, topk, topp, minp).contiguous()
-      else:
-        def fn(logits, params): return _sample_graph(logits, None, params, greedy, topk, topp, minp).contiguous()
+      _, _, greedy, pen, topk, topp, minp, masked = key
+
+      def fn(logits: Tensor, *inputs: Tensor) -> Tensor:  # (counts if pen) (mask if masked) params
+        counts, mask = inputs[0] if pen else None, inputs[int(pen)] if masked else None
+        return _sample_graph(logits, counts, inputs[-1], greedy, topk, topp, minp, mask).contiguous()
       j = _jits[key] = TinyJit(fn)
       j.cnt = 1  # nothing lazy to realize once: capture on the first call
     return j
@@ -164,17 +166,17 @@ class Sampler:
         self._mask = Tensor.empty(self.vocab_size, dtype=dtypes.float32, device=self._params.device)
         self._mask.uop.buffer.ensure_allocated()
       self._mask.uop.buffer.copyin(memoryview(np.ascontiguousarray(mask, np.float32)).cast("B"))
-      logits = (logits + self._mask).contiguous().realize()
     if not self.params.greedy: self._hostp[_U] = self.rng.random(dtype=np.float32)
     self._params.uop.buffer.copyin(memoryview(self._hostp).cast("B"))
-    key = (str(self._params.device), self.vocab_size, self.params.greedy, self._counts is not None, self.topk, self.topp, self.minp)
-    jit = _jit_for(key)
+    key = (str(self._params.device), self.vocab_size, self.params.greedy, self._counts is not None, self.topk, self.topp, self.minp,
+           mask is not None)
+    inputs = []
     if self._counts is not None:
       c = self.counts(list(history or []))
       self._counts.uop.buffer.copyin(memoryview(c).cast("B"))
-      out = jit(logits, self._counts, self._params)
-    else:
-      out = jit(logits, self._params)
+      inputs.append(self._counts)
+    if mask is not None: inputs.append(self._mask)
+    out = _jit_for(key)(logits, *inputs, self._params)
     return int(out.numpy().reshape(-1)[0])
 
 

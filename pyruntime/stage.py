@@ -60,6 +60,7 @@ GATHER_STEPS, GATHER_MIN_S, GATHER_MAX_S = 3.0, 0.005, 1.0  # how long a stage w
 # Where a prompt is cut never changes a number: every prefill chunk of 1..model.chunk tokens runs the same kernels
 # (symbolic T), each row reduced in the same order (tests/test_model.py proves it bit for bit), so chunks sized by load
 # (Stage.prefill_size, protocol.PREFILL_SHARE) keep every stream's tokens independent of the others.
+GRAMMAR_WAIT_S = 10.0  # the tail waits this long for a structured stream's SetGrammar (sent before its OPEN)
 HEARTBEAT_S = 0.5      # the data loop reports its progress at most this often (Heartbeat; the launcher's stall rule)
 MAX_TAKE = 256         # records taken from the ring per loop turn, so a flooding upstream cannot starve the compute
 MAX_COMMAND_BYTES = 64 << 20  # one control line; a longer one is refused (InvalidCommand) rather than buffered without end
@@ -198,7 +199,11 @@ class Stage:
       C.INSTALL_RING: self.install_ring, C.UNINSTALL_RING: self.uninstall_ring, C.RING_READABLE: self.ring_readable,
       C.EXECUTE_STEP: self.execute_step, C.RELEASE_DEVICE_OBJECT: self.release_object, C.ENCODE_PROMPT: self.encode_prompt,
       C.DECODE_TOKENS: self.decode_tokens, C.INFER_PROMPT: self.infer_prompt, C.QUERY_STATS: self.query_stats,
+      C.SET_GRAMMAR: self.set_grammar,
     }
+    self.grammars: dict[int, str] = {}             # structured streams' grammars by stream id, from SetGrammar until CLOSE
+    self.command_queue: queue.Queue = queue.Queue()  # serve()'s: await_grammar reads ahead in it
+    self.deferred: collections.deque = collections.deque()  # what await_grammar read ahead, run first
 
   @property
   def index(self) -> int | None: return self.role["stage"] if self.role else None
@@ -445,9 +450,9 @@ class Stage:
       if not info.get("identity"): raise errors.ResultIdentityMissing(f"stream {stream_id} opened without a request identity")
       st.sampler = Sampler(SamplingParams.from_dict(info.get("sampling", {})), self.model.vocab_size, self.model.device)
       st.history, st.end_ids, st.logits = list(info.get("history", [])), frozenset(info.get("end_ids", [])), bool(info.get("logits"))
-      if grammar := info.get("grammar"):
+      if info.get("grammar"):
         from pyruntime.grammar import Constraint
-        st.constraint = Constraint(str(grammar), self._tok(), self.model.vocab_size)
+        st.constraint = Constraint(self.await_grammar(stream_id), self._tok(), self.model.vocab_size)
     self.streams[stream_id] = st
 
   def save_blocks(self, stream_id: int, info: dict) -> None:
@@ -458,7 +463,26 @@ class Stage:
     self.blocks.save(st.slot, info.get("save"), self.model.position(st.slot))
 
   def close_stream(self, stream_id: int) -> None:
+    self.grammars.pop(stream_id, None)
     if (st := self.streams.pop(stream_id, None)) is not None: self.model.reset_slot(st.slot)
+
+  def set_grammar(self, cmd: dict) -> None:
+    """SetGrammar: a structured stream's grammar, before its OPEN (the tail only)."""
+    stream, grammar = arg_int(cmd, "stream", hi=1 << 32), arg(cmd, "grammar", str)
+    if self.model is None or not self.model.is_tail: raise errors.InvalidCommand("SetGrammar goes to the tail stage")
+    if len(self.grammars) >= 4 * self.model.slots: self.grammars.pop(next(iter(self.grammars)))  # a stream whose OPEN never came
+    self.grammars[stream] = grammar
+
+  def await_grammar(self, stream_id: int) -> str:
+    """The stream's grammar: its SetGrammar left the launcher before the OPEN did, but the control channel and the rings
+    race; until it is here, other commands wait their turn (in order) and only SetGrammar lines run."""
+    deadline = time.monotonic() + GRAMMAR_WAIT_S
+    while stream_id not in self.grammars:
+      try: item = self.command_queue.get(timeout=max(0.0, deadline - time.monotonic()))
+      except queue.Empty: raise errors.StreamFailed(self.index, "GrammarMissing", f"no SetGrammar for stream {stream_id}") from None
+      if _command_name(item) == Command.SET_GRAMMAR: self.dispatch(item)
+      else: self.deferred.append(item)
+    return self.grammars[stream_id]
 
   def beat(self, force: bool = False, capturing: bool = False) -> None:
     """A Heartbeat: what this loop has done (steps finished, records taken), whether work waits here, and what it does
@@ -755,11 +779,13 @@ class Stage:
     """Commands and records both run here, on the main thread: tinygrad's state (its kernel cache
     database among it) belongs to the thread that created it. Between records we look for commands.
     The queue holds command lines, an InvalidCommand (the reader could not read a line) or None (stdin closed)."""
+    self.command_queue = commands
     while True:
       self.collect()
       self.beat()
       try:
-        if self.looping:
+        if self.deferred: item = self.deferred.popleft()
+        elif self.looping:
           try: item = commands.get_nowait()
           except queue.Empty:
             self.poll_ring()
@@ -772,6 +798,14 @@ class Stage:
         self.die(fatal_from(e))
     self.close_rings()
     self.ch.emit(Event.WORKER_STOPPED, stage=self.index)
+
+
+def _command_name(item: Any) -> str | None:
+  """The command a queued line names (None: not a well-formed command line; dispatch names what is wrong with it)."""
+  if not isinstance(item, str): return None
+  try: cmd = json.loads(item)
+  except (ValueError, RecursionError): return None
+  return cmd.get("command") if isinstance(cmd, dict) else None
 
 
 def read_commands(fd: int, commands: queue.Queue) -> None:

@@ -38,7 +38,7 @@ print(json.dumps({"devices": sys.argv[1], "text": done.text, "equal_to_single_pr
 PY
 DEV=CUDA PYRUNTIME_DEVICE=CUDA python3 bench/pipeline.py --json 2>&1 | tee "$OUT/bench_pipeline_cuda.json" | tail -3
 DEV=CUDA PYRUNTIME_DEVICE=CUDA python3 bench/serve.py --json --tokens 64 2>&1 | tee "$OUT/bench_serve_cuda.json" | tail -3
-DEV=CUDA python3 -m pytest -q -n 0 tests/test_rows.py tests/test_prefix_cache.py tests/test_graph_cache.py 2>&1 \
+DEV=CUDA python3 -m pytest -q -n 0 tests/test_rows.py tests/test_prefix_cache.py tests/test_graph_cache.py tests/test_structured.py 2>&1 \
   | tee "$OUT/test_prompt_path_cuda.txt" | tail -5
 DEV=CUDA PYRUNTIME_DEVICE=CUDA python3 bench/serve.py --json --scenario chat --conversations 4 --turns 6 --max-context 8192 2>&1 \
   | tee "$OUT/bench_chat_cuda.json" | tail -3

@@ -137,6 +137,8 @@ class StreamFailed(GenerationError):
 
 # --- the stage worker's control channel (docs/control-channel.md) ---------------------------
 class WorkerError(PyruntimeError): pass
+class GrammarMissing(WorkerError):
+  """A structured stream's OPEN reached the tail and its SetGrammar did not follow in time (the launcher sends it first)."""
 class UnknownCommand(WorkerError): pass
 class InvalidCommand(WorkerError):
   """A known command with missing or malformed arguments."""

@@ -479,7 +479,7 @@ class Stage:
     deadline = time.monotonic() + GRAMMAR_WAIT_S
     while stream_id not in self.grammars:
       try: item = self.command_queue.get(timeout=max(0.0, deadline - time.monotonic()))
-      except queue.Empty: raise errors.StreamFailed(self.index, "GrammarMissing", f"no SetGrammar for stream {stream_id}") from None
+      except queue.Empty: raise errors.GrammarMissing(f"no SetGrammar for stream {stream_id} within {GRAMMAR_WAIT_S:.0f} s of its OPEN") from None
       if _command_name(item) == Command.SET_GRAMMAR: self.dispatch(item)
       else: self.deferred.append(item)
     return self.grammars[stream_id]

@@ -47,6 +47,7 @@ def test_named_fatal_and_exit(stage, lines, reason):
 
 # --- the data path on real rings, with a tiny model ---------------------------------------------
 import struct  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 from tinymodels import write_tiny_gguf  # noqa: E402
@@ -381,5 +382,30 @@ def test_a_batched_steps_records_are_published_together(stage, tiny):
       assert not second.flags & FLAG_MORE and {first.object_id >> 32, second.object_id >> 32} == {1, 2}
       firsts = {rec.object_id >> 32: int.from_bytes(rec.payload, "little") for rec in (first, second)}
       r.release()
+  finally:
+    arena.close()
+
+
+def test_a_structured_streams_grammar_may_come_after_its_open(stage, tiny):
+  """SetGrammar races the OPEN record (control channel against rings): a tail that meets the OPEN first reads ahead in
+  its commands for the grammar, runs other commands in their order afterwards, and masks the first token with it."""
+  from pyruntime.grammar import grammar_for
+  from pyruntime.tokenizer import Tokenizer
+  arena, w, r, _ = wired(stage, tiny, 0, 4)  # the whole tiny model: head and tail
+  try:
+    schema = {"type": "object", "properties": {"k": {"enum": ["v"]}}, "required": ["k"], "additionalProperties": False}
+    w.write(object_id(1, 0), encode_json({"slot": 0, "identity": {"request": 1}, "sampling": {}, "end_ids": [], "grammar": True}, 4),
+            FLAG_OPEN)
+    w.write(object_id(1, 0), np.array([1, 2, 3], dtype="<u4"))
+    time.sleep(0.5)  # the tail is waiting for the grammar now
+    stage.send("QueryStats")  # read ahead and kept for after
+    stage.send("SetGrammar", stream=1, grammar=grammar_for({"type": "json_schema", "json_schema": {"schema": schema}}))
+    assert r.read(timeout=30).flags == FLAG_OPEN
+    r.release()
+    rec = r.read(timeout=60)
+    token = int.from_bytes(rec.payload[:4], "little")
+    r.release()
+    assert Tokenizer.from_gguf(tiny).token_bytes(token).startswith(b"{")  # what the grammar allows first
+    assert stage.expect("StageStats")["stage"] == 0  # the command read ahead still ran
   finally:
     arena.close()

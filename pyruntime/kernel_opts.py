@@ -73,6 +73,16 @@ def _divides(size, n: int) -> bool:
   return size % n == 0 if isinstance(size, int) else size.divides(n) is not None
 
 
+def _thread_first(k: Scheduler, axes: list[int], n: int) -> None:
+  """Split the first of `axes` that n divides over n threads (an output axis: every sum keeps its order)."""
+  for i in axes:
+    if _divides(k.full_shape[i], n):
+      try:
+        k.apply_opt(Opt(OptOps.THREAD, i, n))
+        return
+      except KernelOptError: pass
+
+
 # --- stock+ ---------------------------------------------------------------------------------------
 def _symbolic_schedule(k: Scheduler) -> Scheduler:
   """A kernel with a symbolic loop axis (a prefill chunk's tokens), after tinygrad's heuristic: the upcast and the
@@ -84,14 +94,8 @@ def _symbolic_schedule(k: Scheduler) -> Scheduler:
         k.apply_opt(Opt(OptOps.UPCAST, i, UPCAST))
         break
       except KernelOptError: pass
-  if k.ren.has_threads and k.ren.global_max and not any(o.op is OptOps.THREAD for o in k.applied_opts):
-    n = k.ren.global_max[0]
-    for i in _loops(k, False):
-      if n > 1 and k.full_shape[i] % n == 0:
-        try:
-          k.apply_opt(Opt(OptOps.THREAD, i, n))
-          break
-        except KernelOptError: pass
+  if k.ren.has_threads and k.ren.global_max and not any(o.op is OptOps.THREAD for o in k.applied_opts) and k.ren.global_max[0] > 1:
+    _thread_first(k, _loops(k, False), k.ren.global_max[0])
   return k
 
 
@@ -148,15 +152,8 @@ def _rows_cpu(k: Scheduler) -> Scheduler:
     if vec is not None and vec in k.rngs: k.apply_opt(Opt(OptOps.UPCAST, k.rngs.index(vec), VEC))
   except KernelOptError: pass
   n = k.ren.global_max[0] if k.ren.has_threads and k.ren.global_max else 1
-  if n > 1:
-    # split the largest constant output axis, else a symbolic one the graph made divisible (rows in units of ROWS * n)
-    cands = sorted(_loops(k, False), key=lambda i: -k.full_shape[i]) + _loops(k, True)
-    for i in cands:
-      if _divides(k.full_shape[i], n):
-        try:
-          k.apply_opt(Opt(OptOps.THREAD, i, n))
-          break
-        except KernelOptError: pass
+  # split the largest constant output axis, else a symbolic one the graph made divisible (rows in units of ROWS * n)
+  if n > 1: _thread_first(k, sorted(_loops(k, False), key=lambda i: -k.full_shape[i]) + _loops(k, True), n)
   return k
 
 

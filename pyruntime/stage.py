@@ -189,7 +189,7 @@ class Stage:
     self.steps_run = 0                   # steps finished, records taken: the progress a Heartbeat reports
     self.records_taken = 0
     self.slowest_step_s = 0.0
-    self.doing = "waiting for records"
+    self.doing: str | tuple[int, int | None] = "waiting for records"
     self.stats = {"records": 0, "tokens": 0, "compute_s": 0.0, "emit_s": 0.0, "prefill_s": 0.0, "wait_s": 0.0, "decode_steps": 0, "mixed_steps": 0,
                   "decode_rows": 0, "max_batch": 0, "prefill_chunks": 0, "stream_errors": 0, "gc_collections": 0, "gc_s": 0.0, "gc_max_s": 0.0,
                   "started": time.monotonic()}
@@ -492,7 +492,8 @@ class Stage:
     if not force and (now - self.beat_t < HEARTBEAT_S or not self.looping): return
     self.beat_t = now
     self.ch.emit(Event.HEARTBEAT, stage=self.index, steps=self.steps_run, records=self.records_taken, busy=self.has_work(),
-                 doing=self.doing, slowest_s=round(self.slowest_step_s, 4), capturing=capturing)
+                 doing=self.doing if isinstance(self.doing, str) else _step_text(*self.doing), slowest_s=round(self.slowest_step_s, 4),
+                 capturing=capturing)
 
   def on_capture(self, graph: str) -> None:
     """A graph is captured now (not prepared at load: a decode window first used, say): the launcher allows a capture's
@@ -516,8 +517,7 @@ class Stage:
     cap = -(-len(self.streams) // self.micro_batches)
     prefill = next(((sid, st) for sid, st in self.streams.items() if st.pending and not st.next_is_decode()), None)
     # on the rows path a prompt's chunk rides in the decode step's pass over the weights (the same bits either way)
-    self.doing = (f"a step of {min(cap, len(decode))} decode rows" if decode else "") + (" and " if decode and prefill else "") + \
-                 (f"a prompt chunk of stream {prefill[0]}" if prefill else "")
+    self.doing = (min(cap, len(decode)), prefill[0] if prefill else None)  # formatted only when a Heartbeat goes out
     self.beat()
     if decode and prefill and self.decode_mode == "batched": return self.mixed_step(decode[:cap], *prefill)
     if decode: self.decode_step(decode[:cap])
@@ -798,6 +798,13 @@ class Stage:
         self.die(fatal_from(e))
     self.close_rings()
     self.ch.emit(Event.WORKER_STOPPED, stage=self.index)
+
+
+def _step_text(rows: int, chunk_of: int | None) -> str:
+  """What a step does, in words, for a Heartbeat."""
+  parts = [f"a step of {rows} decode rows"] if rows else []
+  if chunk_of is not None: parts.append(f"a prompt chunk of stream {chunk_of}")
+  return " and ".join(parts)
 
 
 def _command_name(item: Any) -> str | None:

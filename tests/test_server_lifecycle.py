@@ -169,21 +169,39 @@ def test_server_gives_up_after_the_restart_attempts(tiny):
   assert stage_pids(os.getpid()) == [] and segments_of(os.getpid()) == []
 
 
-def test_serve_drains_on_sigterm(tiny, tmp_path):
+def serve_process(tiny: str, tmp_path, grace: int) -> tuple[subprocess.Popen, int, object]:
+  """`pyruntime serve` on the tiny model in a process of its own, logging to tmp_path/serve.log: (process, port, log)."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
   log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
   proc = subprocess.Popen([sys.executable, "-m", "pyruntime", "serve", "--model", tiny, "--split", "0:2,2:5", "--max-context", "128",
-                           "--port", str(port), "--shutdown-grace", "3"], stdout=log, stderr=subprocess.STDOUT)
+                           "--port", str(port), "--shutdown-grace", str(grace)], stdout=log, stderr=subprocess.STDOUT)
+  return proc, port, log
+
+
+def wait_up(proc: subprocess.Popen, port: int, tmp_path) -> None:
+  def up() -> bool:
+    assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+    try: return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.TransportError: return False
+  wait_for(up, 180, "the server to come up")
+
+
+def release(pids, proc: subprocess.Popen) -> None:
+  """Whatever a test stopped runs again, and a server still running is killed."""
+  for pid in pids:
+    try: os.kill(pid, signal.SIGCONT)
+    except OSError: pass
+  if proc.poll() is None: proc.kill(); proc.wait()
+
+
+def test_serve_drains_on_sigterm(tiny, tmp_path):
+  proc, port, log = serve_process(tiny, tmp_path, grace=3)
   base = f"http://127.0.0.1:{port}"
   c = httpx.Client(base_url=base, timeout=60)
   stages: list[int] = []
   try:
-    def up() -> bool:
-      assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-      try: return c.get("/health").status_code == 200
-      except httpx.TransportError: return False
-    wait_for(up, 180, "the server to come up")
+    wait_up(proc, port, tmp_path)
     assert c.get("/v1/models").json()["data"][0]["context_length"] == 128   # the command's options reached the launcher
     stages = stage_pids(proc.pid)
     assert len(stages) == 2
@@ -209,10 +227,7 @@ def test_serve_drains_on_sigterm(tiny, tmp_path):
     os.kill(stages[1], signal.SIGCONT)
     assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
   finally:
-    for pid in stages:
-      try: os.kill(pid, signal.SIGCONT)
-      except OSError: pass
-    if proc.poll() is None: proc.kill(); proc.wait()
+    release(stages, proc)
     c.close()
     log.close()
   for pid in stages: assert gone(pid), pid
@@ -230,18 +245,10 @@ def gone(pid: int) -> bool:
 def test_sigterm_while_the_server_heals_stops_it_and_leaves_nothing(tiny, tmp_path):
   """A stage dies; the new pipeline's stages are caught (stopped) while they load; SIGTERM then ends the server within
   its grace and a few seconds, with no stage process and no segment left."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-  log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
-  proc = subprocess.Popen([sys.executable, "-m", "pyruntime", "serve", "--model", tiny, "--split", "0:2,2:5", "--max-context", "128",
-                           "--port", str(port), "--shutdown-grace", "2"], stdout=log, stderr=subprocess.STDOUT)
+  proc, port, log = serve_process(tiny, tmp_path, grace=2)
   seen: set[int] = set()
   try:
-    def up() -> bool:
-      assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-      try: return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-      except httpx.TransportError: return False
-    wait_for(up, 180, "the server to come up")
+    wait_up(proc, port, tmp_path)
     first = stage_pids(proc.pid)
     seen.update(first)
     os.kill(first[1], signal.SIGKILL)
@@ -255,10 +262,7 @@ def test_sigterm_while_the_server_heals_stops_it_and_leaves_nothing(tiny, tmp_pa
     proc.wait(60)
     assert time.monotonic() - t0 < 2 + 5 + 10, time.monotonic() - t0  # the issue's bound (grace + 5 s), and room for CI
   finally:
-    for pid in seen:
-      try: os.kill(pid, signal.SIGCONT)
-      except OSError: pass
-    if proc.poll() is None: proc.kill(); proc.wait()
+    release(seen, proc)
     log.close()
   deadline = time.monotonic() + 10
   while not all(gone(p) for p in seen): assert time.monotonic() < deadline, [p for p in seen if not gone(p)]; time.sleep(0.05)

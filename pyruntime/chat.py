@@ -19,30 +19,35 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pyruntime.errors import ContextLengthExceeded, EmptyPrompt, InvalidOption, UnsupportedFeature
 from pyruntime.tokenizer import Tokenizer
+from pyruntime.tools import CallFormat, ToolRequest, check_tool_calls, fallback_messages, format_of
 
 ROLES = ("system", "user", "assistant", "tool")
 _UNSUPPORTED_PARTS = ("image_url", "input_audio", "file", "image", "audio")
 
 
 # --- messages ---------------------------------------------------------------------------------
-def validate_messages(messages: Any) -> list[dict[str, str]]:
-  """OpenAI-style messages as plain {role, content[, name, tool_call_id]} dicts with str content.
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+  """OpenAI-style messages as plain {role, content[, name, tool_call_id, tool_calls]} dicts with str content (an
+  assistant's tool calls with their arguments decoded, as chat templates expect them; its content may then be null).
 
   Errors name the offending field, e.g. InvalidOption('messages[1].content')."""
   if not isinstance(messages, (list, tuple)): raise InvalidOption("messages", "must be a list of messages")
   if not messages: raise InvalidOption("messages", "at least one message is required")
-  out: list[dict[str, str]] = []
+  out: list[dict[str, Any]] = []
   for i, m in enumerate(messages):
     where = f"messages[{i}]"
     if not isinstance(m, Mapping): raise InvalidOption(where, "must be an object with 'role' and 'content'")
     role = m.get("role")
     if role == "developer": role = "system"   # OpenAI's newer name for the system role
     if role not in ROLES: raise InvalidOption(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-    if m.get("tool_calls"): raise UnsupportedFeature(f"{where}.tool_calls")
     for key, value in m.items():
       if key not in ("role", "content", "name", "tool_call_id", "tool_calls") and value is not None:
         raise UnsupportedFeature(f"{where}.{key}")
-    msg = {"role": role, "content": _content(m.get("content"), f"{where}.content")}
+    calls = m.get("tool_calls")
+    if calls and role != "assistant": raise InvalidOption(f"{where}.tool_calls", "only an assistant message carries tool calls")
+    content = m.get("content")
+    msg: dict[str, Any] = {"role": role, "content": "" if content is None and calls else _content(content, f"{where}.content")}
+    if calls: msg["tool_calls"] = check_tool_calls(calls, f"{where}.tool_calls")
     for key in ("name", "tool_call_id"):
       if (v := m.get(key)) is not None:
         if not isinstance(v, str): raise InvalidOption(f"{where}.{key}", "must be a string")
@@ -134,15 +139,30 @@ def chat_format(source: Tokenizer | Mapping[str, Any]) -> str:
                            "no known chat format (ChatML, Llama 3); send a raw prompt instead")
 
 
+def tool_format(source: Tokenizer | Mapping[str, Any], template: str | None = None) -> tuple[CallFormat, bool] | None:
+  """The family this model writes tool calls in, and whether its template renders tools itself (pyruntime/tools.py)."""
+  own, _, _, has = _source_info(source)
+  return format_of(template or own, has)
+
+
 def render_chat(source: Tokenizer | Mapping[str, Any], messages: Sequence[Mapping[str, Any]], *,
-                add_generation_prompt: bool = True, template: str | None = None, **extra: Any) -> str:
+                add_generation_prompt: bool = True, template: str | None = None, tools: ToolRequest | None = None,
+                **extra: Any) -> str:
   """The prompt text for `messages` in the model's chat format.
 
-  `source` is a Tokenizer or the GGUF metadata dict; `template` overrides the GGUF's own; `extra`
-  variables (e.g. tools, date_string) are passed to the template as Hugging Face does."""
+  `source` is a Tokenizer or the GGUF metadata dict; `template` overrides the GGUF's own; `tools` (checked by
+  tools.check_tools) go to a template that renders tools, else into the system turn by the Hermes convention
+  (docs/tools.md); `extra` variables (e.g. date_string) are passed to the template as Hugging Face does."""
   msgs = validate_messages(messages)
   own, bos, eos, _ = _source_info(source)
   template = template or own
+  if tools is not None or any("tool_calls" in m for m in msgs):
+    if (found := tool_format(source, template)) is None:
+      raise UnsupportedFeature("tools", "the model's chat template renders no tools and is not ChatML (for the Hermes "
+                               "convention): this model cannot be given tools")
+    fmt, knows = found
+    if knows: extra["tools"] = list(tools.tools) if tools is not None and tools.calls_allowed else None
+    else: msgs = fallback_messages(msgs, tools, fmt)
   if not template:
     return FALLBACKS[chat_format(source)][1](msgs, add_generation_prompt, bos)
   try: compiled = _compile(template)
@@ -177,7 +197,8 @@ def _context_of(kv: Mapping[str, Any] | None) -> int | None:
 
 def build_prompt_ids(tokenizer: Tokenizer, kv: Mapping[str, Any] | None = None, *, prompt: str | None = None,
                      messages: Sequence[Mapping[str, Any]] | None = None, raw: bool = False,
-                     add_generation_prompt: bool = True, context_length: int | None = None) -> list[int]:
+                     add_generation_prompt: bool = True, context_length: int | None = None,
+                     tools: ToolRequest | None = None) -> list[int]:
   """Token ids of a request's prompt.
 
   messages, or a prompt without raw, go through the chat template (a prompt as one user message);
@@ -190,12 +211,13 @@ def build_prompt_ids(tokenizer: Tokenizer, kv: Mapping[str, Any] | None = None, 
   if context_length is None: context_length = _context_of(kv)
   if raw:
     if messages is not None: raise InvalidOption("raw", "raw applies to a prompt, not to messages")
+    if tools is not None: raise InvalidOption("tools", "tools go into the chat template: not with raw=True")
     assert prompt is not None
     refuse_prompt_that_cannot_fit(tokenizer, prompt, context_length)
     ids = tokenizer.encode(prompt, parse_special=True)
   else:
     if messages is None: messages = [{"role": "user", "content": prompt}]
-    text = render_chat(kv if kv is not None else tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    text = render_chat(kv if kv is not None else tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     if tokenizer.add_bos and bos and text.startswith(bos): text = text[len(bos):]
     refuse_prompt_that_cannot_fit(tokenizer, text, context_length)

@@ -73,12 +73,12 @@ _CHECKED: dict[tuple[int, str], None] = {}  # grammars that passed, per vocabula
 MAX_CHECKED = 256
 
 
-def check(grammar: str, tok: Any) -> None:
-  """InvalidOption naming response_format if llguidance cannot build a matcher of `grammar` over this vocabulary."""
+def check(grammar: str, tok: Any, field: str = "response_format") -> None:
+  """InvalidOption naming `field` if llguidance cannot build a matcher of `grammar` over this vocabulary."""
   if (key := (id(tok), grammar)) in _CHECKED: return
   from llguidance import LLMatcher
   is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, vocabulary(tok)[1])
-  if is_error: raise errors.InvalidOption("response_format", f"the schema cannot be enforced: {messages[0][:300]}")
+  if is_error: raise errors.InvalidOption(field, f"the schema cannot be enforced: {messages[0][:300]}")
   if len(_CHECKED) >= MAX_CHECKED: _CHECKED.pop(next(iter(_CHECKED)))
   _CHECKED[key] = None
 

@@ -55,6 +55,7 @@ from pyruntime.protocol import (
   ring_bytes,
   split_object_id,
 )
+from pyruntime.tools import CallFormat, ToolCall, ToolCallParser, ToolRequest, check_tools
 
 log = logging.getLogger("pyruntime.launcher")
 
@@ -76,6 +77,7 @@ FAIL_GRACE_S = 0.5     # after a failure the survivors get SIGTERM and this long
 class Delta:
   text: str
   token_ids: list[int]
+  tool_calls: list[ToolCall] = field(default_factory=list)  # calls whose closing marker arrived with this token
 
 
 @dataclass
@@ -113,6 +115,7 @@ class Done:
   token_ids: list[int]
   text: str
   stop: str | None = None            # the stop string that ended it, if one did
+  tool_calls: list[ToolCall] = field(default_factory=list)  # every call parsed out of the answer (then `text` is the rest)
 
 
 @dataclass
@@ -197,7 +200,9 @@ class StreamHandle:
     self.stopper, self.want_logits, self.end_ids, self.sink = stopper, want_logits, end_ids, sink
     self.cache_salt, self.prefix_cache = cache_salt, prefix_cache
     self.sink_failed = False  # its callback raised once (logged)
-    self.grammar: str | None = None  # a structured answer's grammar (response_format), enforced at the tail
+    self.grammar: str | None = None  # a structured answer's grammar (response_format, tools), enforced at the tail
+    self.parser: ToolCallParser | None = None  # reads tool calls out of the text, when the request offered tools
+    self.calls: list[ToolCall] = []
     self.cached = 0     # prompt positions copied in from the prefix cache
     self.computed = 0   # positions every stage has computed: the tail answered them
     self.decoder = IncrementalDecoder(launcher.tokenizer)
@@ -234,20 +239,30 @@ class StreamHandle:
     if end: return self.finish("stop", None)
     self.out.append(token)
     safe, stop_hit = self.stopper.push(self.decoder.push(token))
-    if safe: self.text.append(safe)
-    self.emit(Delta(safe, [token]))  # "" while held back (a possible stop string, or half a UTF-8 character)
+    self.emit(self._delta(safe, [token]))  # "" while held back (a possible stop string, half a UTF-8 character or marker)
     if stop_hit is not None: return self.finish("stop", stop_hit)
     if len(self.out) >= self.n_max: return self.finish("length", None)
     return False
 
   def finish(self, reason: str, stop_hit: str | None) -> bool:
     if stop_hit is None:
-      if rest := self.stopper.flush(self.decoder.flush()):
-        self.text.append(rest)
-        self.emit(Delta(rest, []))
+      if rest := self.stopper.flush(self.decoder.flush()): self.emit(self._delta(rest, []))
       if self.stopper.matched is not None: reason, stop_hit = "stop", self.stopper.matched  # the last bytes completed a stop string
+    if self.parser is not None and ((d := self._delta("", [], last=True)).text or d.tool_calls): self.emit(d)
+    if self.calls and reason == "stop": reason = "tool_calls"
     self.emit(self.final(reason, stop_hit))
     return True
+
+  def _delta(self, text: str, token_ids: list[int], last: bool = False) -> Delta:
+    """The Delta of newly final text: with tools offered, the parser takes the calls out of it (`last`: and what it
+    still holds, an unclosed span as text)."""
+    calls: list[ToolCall] = []
+    if self.parser is not None:
+      text, calls = self.parser.feed(text)
+      if last: text, calls = text + (fin := self.parser.finish())[0], calls + fin[1]
+      self.calls += calls
+    if text: self.text.append(text)
+    return Delta(text, token_ids, calls)
 
   def final(self, reason: str, stop_hit: str | None = None) -> Done:
     """The stream's one Done, its timings up to now: the stream has ended."""
@@ -257,7 +272,8 @@ class StreamHandle:
     timings = Timings(round(self.launcher.load_s, 4), round(t_first - t0, 4), round(decode, 3), round(now - t0, 4),
                       round((self.t_admitted or t0) - t0, 4))
     self.ended = True
-    return Done(reason, Usage(len(self.ids), len(out), self.cached), timings, self.ids, list(out), "".join(self.text), stop_hit)
+    return Done(reason, Usage(len(self.ids), len(out), self.cached), timings, self.ids, list(out), "".join(self.text), stop_hit,
+                list(self.calls))
 
   def fail(self, e: BaseException) -> None:
     if not self.ended:
@@ -553,9 +569,11 @@ class Launcher:
     return [s.get("expert_load") for s in self.stage_stats()]
 
   # --- generation --------------------------------------------------------------------------------
-  def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:
+  def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False,
+                 tools: ToolRequest | None = None) -> list[int]:
     from pyruntime.chat import build_prompt_ids
-    return build_prompt_ids(self.tokenizer, self.header.kv, prompt=prompt, messages=messages, raw=raw, context_length=self.context_length)
+    return build_prompt_ids(self.tokenizer, self.header.kv, prompt=prompt, messages=messages, raw=raw, context_length=self.context_length,
+                            tools=tools)
 
   def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *, raw: bool = False,
                max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,
@@ -579,11 +597,14 @@ class Launcher:
   def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, raw: bool = False,
              max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,
              ignore_eos: bool = False, cache_salt: str | None = None, prefix_cache: bool = True,
-             response_format: dict | None = None, on_event: Callable[[Any], None], **sampling: Any) -> StreamHandle:
+             response_format: dict | None = None, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool | None = None, on_event: Callable[[Any], None], **sampling: Any) -> StreamHandle:
     """Start one stream without a thread of its own: `on_event` is called from the launcher's driver thread with each
     `Delta` / `Logits`, then exactly one final `Done` or exception instance (a `PyruntimeError`). It must not block
     (an asyncio caller hands events over with `loop.call_soon_threadsafe`). Validation and tokenisation run here, in
-    the caller's thread, and raise before anything is queued."""
+    the caller's thread, and raise before anything is queued. With `tools` (OpenAI's function tools, `tool_choice`,
+    `parallel_tool_calls`; docs/tools.md) calls are parsed out of the text: `Delta.tool_calls` and `Done.tool_calls`,
+    finish reason "tool_calls"."""
     from pyruntime.params import check_request
     from pyruntime.textstream import StopStream, budget
     if not callable(on_event): raise TypeError(f"submit(): on_event must be callable, got {on_event!r:.80}")
@@ -591,15 +612,18 @@ class Launcher:
     if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 1024):
       raise errors.InvalidOption("cache_salt", f"must be a string of at most 1024 characters, got {cache_salt!r:.80}")
     if not isinstance(prefix_cache, bool): raise errors.InvalidOption("prefix_cache", f"must be true or false, got {prefix_cache!r:.80}")
-    grammar = self._grammar(response_format, logits)
+    offered = check_tools(tools, tool_choice, parallel_tool_calls)
+    calls = offered is not None and offered.calls_allowed
+    grammar = self._tool_grammar(offered, response_format, logits) if calls else self._grammar(response_format, logits)
     if self._closed or self.head is None: raise errors.LauncherClosed("the launcher is not running")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     stopper = StopStream(stops)
-    ids = self.prompt_ids(prompt, messages, raw)
+    ids = self.prompt_ids(prompt, messages, raw, tools=offered)
     n_max = budget(max_tokens if max_tokens is not None else self.context_length, self.context_length, len(ids))
     st = StreamHandle(self, next(self._stream_ids), ids, n_max, params, stopper, logits, frozenset() if ignore_eos else self.tokenizer.end_ids,
                       on_event, cache_salt, prefix_cache)
     st.grammar = grammar
+    if calls: st.parser = ToolCallParser(self._tool_format()[0])
     with self._lock:
       if self._closed: raise errors.LauncherClosed("the launcher is not running")
       self._waiting.append(st)
@@ -614,6 +638,27 @@ class Launcher:
     if (grammar := grammar_for(response_format)) is None: return None
     if logits: raise errors.InvalidOption("response_format", "a structured answer samples its tokens: not with logits=True")
     check(grammar, self.tokenizer)
+    return grammar
+
+  def _tool_format(self) -> tuple[CallFormat, bool]:
+    from pyruntime.chat import tool_format
+    if (found := tool_format(self.header.kv)) is None:
+      raise errors.UnsupportedFeature("tools", "the model's chat template renders no tools and is not ChatML (for the Hermes "
+                                      "convention): this model cannot be given tools")
+    return found
+
+  def _tool_grammar(self, offered: ToolRequest, response_format: dict | None, logits: bool) -> str | None:
+    """The grammar a call is decoded under (pyruntime/tools.py), checked here like a response_format's: None where the
+    family's calls are parsed but not constrained (tool_choice 'auto' only)."""
+    from pyruntime.grammar import MAX_GRAMMAR_BYTES, check, grammar_for
+    if grammar_for(response_format) is not None:
+      raise errors.InvalidOption("response_format", "a structured answer cannot be combined with tools (unless tool_choice is 'none')")
+    if logits: raise errors.InvalidOption("tools", "tool calls are sampled under a grammar: not with logits=True")
+    fmt = self._tool_format()[0]
+    if not fmt.constrained and offered.choice == "auto": return None
+    grammar = fmt.grammar(offered, self.tokenizer)
+    if len(grammar) > MAX_GRAMMAR_BYTES: raise errors.InvalidOption("tools", f"the tools' grammar is over {MAX_GRAMMAR_BYTES} bytes")
+    check(grammar, self.tokenizer, "tools")
     return grammar
 
   def _iterate(self, st: StreamHandle, events: queue.SimpleQueue) -> Iterator[Delta | Logits | Done]:

@@ -30,7 +30,9 @@ SAMPLING_FIELDS = tuple(SAMPLING)
 # response_format: text, json_object or json_schema, enforced by a grammar at the tail (pyruntime/grammar.py)
 _COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "ignore_eos", "cache_salt", "prefix_cache",
            "response_format", *SAMPLING_FIELDS}
-SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens"}, COMPLETION: _COMMON | {"prompt"}}
+# tools, tool_choice, parallel_tool_calls: function tools (pyruntime/tools.py, docs/tools.md); chat only
+SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"},
+             COMPLETION: _COMMON | {"prompt"}}
 
 # OpenAI features we refuse by name. A value that asks for nothing (the field's neutral value) is
 # accepted: a client that spells out a default is not asking for a feature.
@@ -205,6 +207,9 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     from pyruntime.chat import validate_messages
     validate_messages(body["messages"])     # fail fast, naming e.g. messages[1].role; the launcher renders them
     gen["messages"] = body["messages"]
+    from pyruntime.tools import check_tools
+    if check_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")) is not None:
+      gen.update({k: body[k] for k in ("tools", "tool_choice", "parallel_tool_calls") if body.get(k) is not None})
   else:
     gen["max_tokens"] = 16 if max_tokens is None else max_tokens   # OpenAI's default for /v1/completions
     gen["prompt"], gen["raw"] = _prompt(body.get("prompt")), True
@@ -327,6 +332,7 @@ class _Shaper:
 
 class ChatShaper(_Shaper):
   prefix, object_full, object_chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
+  n_calls = 0  # tool calls streamed so far: the next one's index
 
   def first_chunks(self) -> list[dict[str, Any]]:
     return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
@@ -334,13 +340,23 @@ class ChatShaper(_Shaper):
   def delta_chunk(self, text: str) -> dict[str, Any]:
     return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
 
+  def tool_calls_chunk(self, calls: list[Any]) -> dict[str, Any]:
+    """Calls go out whole, each in one delta (id, name and all its arguments): a call is parsed when its closing
+    marker arrives, and OpenAI's clients join a call's deltas by `index` either way."""
+    first, self.n_calls = self.n_calls, self.n_calls + len(calls)
+    return self._chunk({"index": 0, "delta": {"tool_calls": [{"index": first + i, **c.to_openai()} for i, c in enumerate(calls)]},
+                        "logprobs": None, "finish_reason": None})
+
   def final_chunk(self, done: Any) -> dict[str, Any]:
     return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": done.finish_reason})
 
   def response(self, done: Any) -> dict[str, Any]:
     r = self._envelope(self.object_full)
-    r["choices"] = [{"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
-                     "finish_reason": done.finish_reason}]
+    message: dict[str, Any] = {"role": "assistant", "content": done.text}
+    if done.tool_calls:  # OpenAI: content null when the answer is only calls
+      message = {"role": "assistant", "content": done.text if done.text.strip() else None,
+                 "tool_calls": [c.to_openai() for c in done.tool_calls]}
+    r["choices"] = [{"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}]
     r["usage"] = usage_dict(done)
     return r
 

@@ -330,7 +330,9 @@ class SSEResponse:
           await chunk(sse(error_body(ev, self.kind)[1]))
           if kind == "abort": await chunk(SSE_DONE)   # the server ended it: a clean end of the stream, not a cut
           break
-        if isinstance(ev, Delta) and ev.text: await chunk(sse(self.shaper.delta_chunk(ev.text)))
+        if isinstance(ev, Delta):
+          if ev.text: await chunk(sse(self.shaper.delta_chunk(ev.text)))
+          if ev.tool_calls: await chunk(sse(self.shaper.tool_calls_chunk(ev.tool_calls)))
         elif isinstance(ev, Done):
           for c in self.shaper.end_chunks(ev): await chunk(sse(c))
           await chunk(SSE_DONE)

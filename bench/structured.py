@@ -1,10 +1,12 @@
-"""Structured output's cost: the same chat requests free and under a JSON schema (response_format), side by side in one
-run, at C=1 and C=8 concurrent streams; output tokens per second per stream and in all, and the grammar's preparation.
+"""Structured output's cost: the same chat requests free and under a JSON schema (response_format) or as a tool call
+(--tools: tool_choice naming the function, docs/tools.md), side by side in one run, at C=1 and C=8 concurrent streams;
+output tokens per second per stream and in all, and the grammar's preparation.
 
-  python bench/structured.py [--model PATH] [--concurrency 1,8] [--requests 8] [--max-tokens 48] [--json]
+  python bench/structured.py [--model PATH] [--concurrency 1,8] [--requests 8] [--max-tokens 48] [--repeats 3] [--tools] [--json]
 
 Each request asks a question whose answer fits a small schema (a city and a country); the free requests get the same
-budget with ignore_eos, so both sides generate about as many tokens. Per stream: its decode tokens/s (Done.timings);
+prompt tokens (with --tools: the tools' system turn, rendered) and budget with ignore_eos, so both sides generate about
+as many tokens; the prefix cache is off for both. Per stream: its decode tokens/s (Done.timings);
 in all: every output token over the level's wall time.
 """
 from __future__ import annotations
@@ -23,16 +25,30 @@ QUESTIONS = ["What is the capital of France?", "Name a big city in Japan.", "Whi
              "Name a city on the Nile."]
 
 
-def level(lm, c: int, requests: int, max_tokens: int, constrained: bool) -> dict:
+TOOL = {"type": "function", "function": {"name": "record_place", "description": "Record a place", "parameters": SCHEMA}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
+
+
+def level(lm, c: int, requests: int, max_tokens: int, constrained: bool, tools: bool = False) -> dict:
   from pyruntime.launcher import Done
-  kw = {"response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}} if constrained else {"ignore_eos": True}
+  choice = {"type": "function", "function": {"name": "record_place"}}
+  way = {"tools": [TOOL], "tool_choice": choice} if tools else {"response_format": FORMAT}
+  # the same prompt tokens on both sides (the tools' system turn too), none from the prefix cache (the side run second
+  # would find the first's prompts there)
+  kw = {**(way if constrained else {"ignore_eos": True}), "prefix_cache": False}
+
+  def request(msgs: list[dict]) -> dict:
+    if constrained or not tools: return {"messages": msgs}
+    from pyruntime.chat import render_chat
+    from pyruntime.tools import check_tools
+    return {"prompt": render_chat(lm.tokenizer, msgs, tools=check_tools([TOOL], choice)), "raw": True}
   done: list = []
   lock = threading.Lock()
 
   def client(k: int) -> None:
     for i in range(k, requests, c):
       msgs = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + " Answer in JSON."}]
-      d = next(ev for ev in lm.generate(messages=msgs, max_tokens=max_tokens, **kw) if isinstance(ev, Done))
+      d = next(ev for ev in lm.generate(**request(msgs), max_tokens=max_tokens, **kw) if isinstance(ev, Done))
       with lock: done.append(d)
   t0 = time.monotonic()
   threads = [threading.Thread(target=client, args=(k,)) for k in range(c)]
@@ -42,7 +58,7 @@ def level(lm, c: int, requests: int, max_tokens: int, constrained: bool) -> dict
   tokens = sum(len(d.token_ids) for d in done)
   return {"concurrency": c, "constrained": constrained, "requests": len(done), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
           "stream_decode_tokens_per_s": round(statistics.median(d.timings.decode_tokens_per_s for d in done), 2),
-          "valid_json": sum(1 for d in done if _parses(d.text)) if constrained else None}
+          "valid_json": sum(1 for d in done if _parses(d.tool_calls[0].arguments if d.tool_calls else d.text)) if constrained else None}
 
 
 def _parses(text: str) -> bool:
@@ -56,21 +72,35 @@ def main() -> None:
   ap.add_argument("--concurrency", default="1,8")
   ap.add_argument("--requests", type=int, default=8, help="requests per level and side")
   ap.add_argument("--max-tokens", type=int, default=48)
+  ap.add_argument("--tools", action="store_true", help="constrain as a named tool call instead of a response_format")
+  ap.add_argument("--repeats", type=int, default=3, help="free/constrained pairs per level (medians reported)")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
   from pyruntime.grammar import check, grammar_for
   from pyruntime.launcher import Launcher
+  from pyruntime.tools import FORMATS, check_tools
   with Launcher(a.model, stages=2, max_context=1024, warmup=True) as lm:
-    t0 = time.perf_counter(); grammar = grammar_for({"type": "json_schema", "json_schema": {"schema": SCHEMA}}); t1 = time.perf_counter()
-    check(grammar, lm.tokenizer); t2 = time.perf_counter()
-    prep = {"grammar_from_schema_ms": round(1e3 * (t1 - t0), 2), "check_against_vocabulary_ms_first": round(1e3 * (t2 - t1), 1)}
-    level(lm, 1, 2, 8, True); level(lm, 1, 2, 8, False)  # warm: templates, the vocabulary bridge, the mask buffers
+    t0 = time.perf_counter()
+    if a.tools: grammar = FORMATS["hermes"].grammar(check_tools([TOOL], {"type": "function", "function": {"name": "record_place"}}), lm.tokenizer)
+    else: grammar = grammar_for(FORMAT)
+    t1 = time.perf_counter(); check(grammar, lm.tokenizer); t2 = time.perf_counter()
+    prep = {"constraint": "tool call" if a.tools else "response_format", "grammar_from_schema_ms": round(1e3 * (t1 - t0), 2),
+            "check_against_vocabulary_ms_first": round(1e3 * (t2 - t1), 1)}
+    level(lm, 1, 2, 8, True, a.tools); level(lm, 1, 2, 8, False)  # warm: templates, the vocabulary bridge, the mask buffers
     rows = []
     for c in (int(x) for x in a.concurrency.split(",")):
-      free, constrained = level(lm, c, a.requests, a.max_tokens, False), level(lm, c, a.requests, a.max_tokens, True)
-      constrained["vs_free"] = round(constrained["tokens_per_s"] / free["tokens_per_s"], 3)
-      constrained["stream_vs_free"] = round(constrained["stream_decode_tokens_per_s"] / free["stream_decode_tokens_per_s"], 3)
-      rows += [free, constrained]
+      # the two sides alternate, `repeats` times: this machine's noise between two runs of one side is larger than
+      # the difference measured, so the figures are medians over the pairs
+      pairs = [(level(lm, c, a.requests, a.max_tokens, False), level(lm, c, a.requests, a.max_tokens, True, a.tools)) for _ in range(a.repeats)]
+      for side, runs in (("free", [p[0] for p in pairs]), ("constrained", [p[1] for p in pairs])):
+        row = {**runs[0], "side": side, "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 2),
+               "stream_decode_tokens_per_s": round(statistics.median(r["stream_decode_tokens_per_s"] for r in runs), 2)}
+        if side == "constrained":
+          row["vs_free_runs"] = [round(cr["stream_decode_tokens_per_s"] / fr["stream_decode_tokens_per_s"], 3) for fr, cr in pairs]
+          row["stream_vs_free"] = round(statistics.median(row["vs_free_runs"]), 3)
+          row["valid_json"] = sum(r["valid_json"] for r in runs)
+          row["requests"] = sum(r["requests"] for r in runs)
+        rows.append(row)
   out = {"preparation": prep, "levels": rows}
   print(json.dumps(out) if a.json else json.dumps(out, indent=1))
 

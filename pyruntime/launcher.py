@@ -556,6 +556,26 @@ class Launcher:
     states = [self.arena.state(i) for i in range(len(self.split) + 1)]
     return [(st["head"] - st["tail"]) / spec.capacity for st, spec in zip(states, self.arena.specs, strict=True)]
 
+  def stage_view(self) -> list[dict]:
+    """What each stage is and last said of itself, without a round trip: layers, device, memory, alive, and its last
+    Heartbeat (steps, tokens and busy seconds since its start; `beat_age_s` since it came)."""
+    now, out = time.monotonic(), []
+    split, devices = getattr(self, "split", None) or [], getattr(self, "devices", None) or []  # set by start()
+    for i, h in enumerate(self.handles):
+      beat = {k: v for k, v in (h.beat or {}).items() if k != "event"} | ({"t": h.beat_t} if h.beat is not None else {})
+      out.append({"stage": i, "pid": h.proc.pid, "alive": h.proc.poll() is None and h.fatal is None,
+                  "layers": list(split[i]) if i < len(split) else None, "device": devices[i] if i < len(devices) else None,
+                  "resident_bytes": h.info.get("resident_bytes"), "family": h.info.get("family"),
+                  "beat": beat, "beat_age_s": round(now - h.beat_t, 3) if h.beat is not None else None})
+    return out
+
+  def profile_reports(self) -> list[dict]:
+    """Each stage's latest ProfileReport (PYRUNTIME_PROFILE, pyruntime/profiler.py): its hottest lines and CPU over wall."""
+    latest: dict[int, dict] = {}
+    for ev in list(self.events):
+      if ev.get("event") == Event.PROFILE_REPORT: latest[ev.get("stage", -1)] = ev
+    return [latest[k] for k in sorted(latest)]
+
   def stage_stats(self, timeout: float = 10.0) -> list[dict]:
     """Each stage's counters (records, tokens, compute_s, wait_s, wall_s), asked over the control channel."""
     with self._stats_lock:

@@ -19,11 +19,9 @@ uvicorn exit.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
-import re
 import socket
 import sys
 import threading
@@ -42,6 +40,8 @@ from starlette.routing import Route
 from pyruntime import errors
 from pyruntime import openai_api as api
 from pyruntime.launcher import Delta, Done
+from pyruntime.metrics import CONTENT_TYPE, Metrics, Sampler
+from pyruntime.metrics import parse_expert_load as parse_expert_load  # `inspect --server` reads a server's expert load back
 from pyruntime.openai_api import (
   CHAT,
   COMPLETION,
@@ -77,117 +77,6 @@ HEALTH_POLL_S = 0.5             # how often the supervisor looks at the stages w
 STABLE_S = 60.0                 # a pipeline that ran this long resets the count of consecutive restarts
 
 
-# --- metrics (Prometheus text exposition format 0.0.4) -----------------------------------------------
-class Histogram:
-  def __init__(self, buckets: tuple[float, ...]):
-    self.buckets = tuple(sorted(buckets))
-    self.counts = [0] * len(self.buckets)   # cumulative: counts[i] = observations <= buckets[i]
-    self.sum, self.count = 0.0, 0
-
-  def observe(self, v: float) -> None:
-    for i, b in enumerate(self.buckets):
-      if v <= b: self.counts[i] += 1
-    self.sum += v; self.count += 1
-
-  def lines(self, name: str) -> list[str]:
-    out = [f'{name}_bucket{{le="{_fmt(b)}"}} {c}' for b, c in zip(self.buckets, self.counts, strict=True)]
-    out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {_fmt(self.sum)}", f"{name}_count {self.count}"]
-    return out
-
-
-def _fmt(v: float) -> str:
-  f = float(v)
-  return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
-def _label(v: Any) -> str: return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-class Metrics:
-  """Counters and histograms of one server; written from the event loop and the launcher's driver thread."""
-  def __init__(self) -> None:
-    self.lock = threading.Lock()
-    self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
-    self.errors: collections.Counter[str] = collections.Counter()
-    self.cancelled = 0
-    self.prompt_tokens = self.completion_tokens = 0
-    self.ttft = Histogram((0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-    self.decode_rate = Histogram((0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
-
-  def request(self, route: str, status: int) -> None:
-    with self.lock: self.requests[(route, status)] += 1
-
-  def error(self, code: str) -> None:
-    with self.lock: self.errors[code] += 1
-
-  def render(self, *, stats: dict, occupancy: list[float], alive: list[bool], expert_load: list[list[int] | None] = ()) -> str:
-    with self.lock:
-      out: list[str] = []
-      def head(name: str, kind: str, text: str) -> None: out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}"])
-      head("pyruntime_requests_total", "counter", "HTTP requests answered, by route and status (499: the client went away).")
-      for (route, status), n in sorted(self.requests.items()):
-        out.append(f'pyruntime_requests_total{{route="{_label(route)}",status="{status}"}} {n}')
-      head("pyruntime_request_errors_total", "counter", "Generation requests that ended with an error, by error code (mid-stream ones too).")
-      for code, n in sorted(self.errors.items()): out.append(f'pyruntime_request_errors_total{{code="{_label(code)}"}} {n}')
-      head("pyruntime_requests_cancelled_total", "counter", "Generations stopped because their client went away.")
-      out.append(f"pyruntime_requests_cancelled_total {self.cancelled}")
-      head("pyruntime_prompt_tokens_total", "counter", "Prompt tokens of finished generations.")
-      out.append(f"pyruntime_prompt_tokens_total {self.prompt_tokens}")
-      head("pyruntime_completion_tokens_total", "counter", "Tokens generated (cancelled and failed generations included).")
-      out.append(f"pyruntime_completion_tokens_total {self.completion_tokens}")
-      head("pyruntime_time_to_first_token_seconds", "histogram", "From a request's acceptance (queueing included) to its first token.")
-      out += self.ttft.lines("pyruntime_time_to_first_token_seconds")
-      head("pyruntime_decode_tokens_per_second", "histogram", "Decode rate of each finished generation after its first token.")
-      out += self.decode_rate.lines("pyruntime_decode_tokens_per_second")
-      head("pyruntime_queue_depth", "gauge", "Streams waiting for a free stream slot.")
-      out.append(f"pyruntime_queue_depth {stats.get('waiting', 0)}")
-      head("pyruntime_requests_running", "gauge", "Streams running in the pipeline now.")
-      out.append(f"pyruntime_requests_running {stats.get('running', 0)}")
-      head("pyruntime_max_streams", "gauge", "Streams the pipeline runs at once.")
-      out.append(f"pyruntime_max_streams {stats.get('max_streams', 0)}")
-      head("pyruntime_batch_size", "gauge", "Streams in the tail's last step (decode rows computed together).")
-      out.append(f"pyruntime_batch_size {stats.get('last_batch', 0)}")
-      head("pyruntime_batch_size_mean", "gauge", "Mean streams per tail step since the start.")
-      out.append(f"pyruntime_batch_size_mean {_fmt(stats.get('mean_batch', 0.0))}")
-      head("pyruntime_output_tokens_per_second", "gauge", "Tokens generated per second over the last few seconds, all streams.")
-      out.append(f"pyruntime_output_tokens_per_second {_fmt(stats.get('tokens_per_s', 0.0))}")
-      head("pyruntime_ring_occupancy_ratio", "gauge", "Fill fraction of each ring (ring i feeds stage i; the last one carries tokens back).")
-      for i, v in enumerate(occupancy): out.append(f'pyruntime_ring_occupancy_ratio{{ring="{i}"}} {_fmt(v)}')
-      if (pc := stats.get("prefix_cache") or {}).get("enabled"):
-        for name, key, kind, text in PREFIX_METRICS:
-          head(name, kind, text)
-          out.append(f"{name} {pc.get(key, 0)}")
-      head("pyruntime_stage_up", "gauge", "1 while the stage process is alive.")
-      for i, a in enumerate(alive): out.append(f'pyruntime_stage_up{{stage="{i}"}} {int(a)}')
-      if any(expert_load):
-        head(EXPERT_METRIC, "counter",
-             "Tokens a stage's last mixture-of-experts block routed to each expert (the stage's expert load).")
-        for i, load in enumerate(expert_load):
-          for e, n in enumerate(load or []): out.append(f'{EXPERT_METRIC}{{stage="{i}",expert="{e}"}} {int(n)}')
-      return "\n".join(out) + "\n"
-
-
-PREFIX_METRICS = (  # (metric, key of Launcher.prefix_cache_stats, type, help)
-  ("pyruntime_prefix_cache_queries_total", "queries", "counter", "Prompts looked up in the prefix cache."),
-  ("pyruntime_prefix_cache_hits_total", "hits", "counter", "Prompts that found at least one cached block."),
-  ("pyruntime_prefix_cache_hit_tokens_total", "hit_tokens", "counter", "Prompt tokens served from the prefix cache (not computed)."),
-  ("pyruntime_prefix_cache_query_tokens_total", "prompt_tokens", "counter", "Prompt tokens of the prompts looked up."),
-  ("pyruntime_prefix_cache_saved_blocks_total", "saved_blocks", "counter", "Blocks the stages filled from running streams."),
-  ("pyruntime_prefix_cache_evictions_total", "evictions", "counter", "Blocks given up for newer ones (least recently used first)."),
-  ("pyruntime_prefix_cache_blocks", "held_blocks", "gauge", "Blocks holding a cached prefix now."),
-  ("pyruntime_prefix_cache_bytes", "bytes_held", "gauge", "Host memory those blocks hold, all stages together."),
-  ("pyruntime_prefix_cache_budget_bytes", "bytes_budget", "gauge", "Host memory the prefix cache may hold, all stages together."),
-)
-EXPERT_METRIC = "pyruntime_expert_routed_tokens_total"
-_EXPERT_LINE = re.compile(EXPERT_METRIC + r'\{stage="(\d+)",expert="(\d+)"\} (\d+)$')
-
-
-def parse_expert_load(metrics: str) -> dict[int, list[int]]:
-  """The expert load a server's /metrics text shows: per stage that counts one, tokens routed to each expert."""
-  seen: dict[int, dict[int, int]] = {}
-  for line in metrics.splitlines():
-    if m := _EXPERT_LINE.match(line): seen.setdefault(int(m[1]), {})[int(m[2])] = int(m[3])
-  return {stage: [by_expert.get(e, 0) for e in range(max(by_expert) + 1)] for stage, by_expert in sorted(seen.items())}
-
-
 # --- admission and streams ----------------------------------------------------------------------------
 class LauncherLike(Protocol):
   """What the server needs of a launcher (pyruntime.launcher.Launcher; the unit tests' FakeLauncherForUnitTests)."""
@@ -199,6 +88,7 @@ class LauncherLike(Protocol):
   def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, on_event: Callable[[Any], None],
              **options: Any) -> Any: ...
   def scheduler_stats(self) -> dict: ...
+  def stage_view(self) -> list[dict]: ...
   def alive(self) -> list[bool]: ...
   def ring_occupancy(self) -> list[float]: ...
   def expert_load(self) -> list[list[int] | None]: ...
@@ -214,20 +104,20 @@ class Job:
     self.on_finished: Callable[[Job], None] | None = None   # the server's registry of running requests
     self.accepted = time.monotonic()
     self.first = True
+    self.last_token_t = 0.0
     self.ended = False
     self._end_lock = threading.Lock()
 
   def on_event(self, ev: Any) -> None:
     """Called by the launcher (its driver thread): metrics, then the request's queue. Never blocks."""
-    m = self.admission.metrics
+    m, now = self.admission.metrics, time.monotonic()
     if isinstance(ev, Delta) and ev.token_ids:
-      with m.lock:
-        m.completion_tokens += len(ev.token_ids)
-        if self.first: m.ttft.observe(time.monotonic() - self.accepted); self.first = False
+      m.completion_tokens.inc(len(ev.token_ids))
+      if self.first: m.ttft.observe(now - self.accepted); self.first = False
+      else: m.itl.observe(now - self.last_token_t)
+      self.last_token_t = now
     elif isinstance(ev, Done) and ev.finish_reason != "cancelled":  # the server cancelled it: its client has gone
-      with m.lock:
-        m.prompt_tokens += ev.usage.prompt_tokens
-        if ev.timings.decode_tokens_per_s > 0: m.decode_rate.observe(ev.timings.decode_tokens_per_s)
+      m.done(ev, self.accepted, now)
     elif isinstance(ev, BaseException):
       m.error(ev.code if isinstance(ev, errors.PyruntimeError) else type(ev).__name__)
       self.admission.note_error(ev)
@@ -246,7 +136,7 @@ class Job:
   def cancel(self) -> None:
     """The response is over (its handler's `finally`): stop the stream if it still runs, free its place."""
     if not self.ended and self.stream is not None:
-      with self.admission.metrics.lock: self.admission.metrics.cancelled += 1
+      self.admission.metrics.cancelled.inc()
     if self.stream is not None: self.stream.cancel()  # frees the stream's slot in every stage; a no-op once it ended
     self.end()
     if self.on_finished is not None: self.on_finished(self)
@@ -363,6 +253,7 @@ class ServerState:
     if not restart_backoff_s >= 0: raise errors.InvalidOption("restart_backoff_s", f"must be >= 0, got {restart_backoff_s}")
     self.launcher, self.queue_size = launcher, queue_size
     self.metrics = Metrics()
+    self.metrics.expert_load = self.expert_load
     self.last_error: dict[str, Any] | None = None
     self.admission = Admission(launcher, queue_size, self.metrics, on_error=self._note_error)
     self.created = int(time.time())
@@ -379,6 +270,7 @@ class ServerState:
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
     self.starting: Any = None          # a launcher the supervisor is starting now: close() ends it at once
+    self.sampler = Sampler(self.raw_view, self.metrics)  # /stats, /metrics, `pyruntime top` (pyruntime/metrics.py); runs while served
     if restart is not None:
       # This thread starts every later pipeline and lives as long as the server: a stage's parent-death signal
       # follows the thread that spawned it, so a short-lived thread would take its stages down when it ends.
@@ -543,6 +435,14 @@ class ServerState:
     try: return list(self.launcher.expert_load())
     except Exception: return []  # noqa: BLE001 - a closed or failed launcher has no stages to ask
 
+  def raw_view(self) -> dict[str, Any]:
+    """The launcher's figures for the sampler (pyruntime/metrics.py): scheduler, rings, stages, the server's phase."""
+    lm = self.launcher
+    try: stages = list(lm.stage_view())
+    except Exception: stages = [{"stage": i, "alive": a} for i, a in enumerate(self.alive())]  # noqa: BLE001 - closed: none to ask
+    return {**self.scheduler_stats(), "phase": self.phase, "model": lm.model_name, "restarts": self.restarts, "rings": self.occupancy(),
+            "stages": stages}
+
 
 log = logging.getLogger("pyruntime.server")
 
@@ -693,21 +593,27 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   async def health(request: Request) -> JSONResponse: return _health(state)
 
   async def metrics(request: Request) -> Response:
-    text = state.metrics.render(stats=state.scheduler_stats(), occupancy=state.occupancy(), alive=state.alive(),
-                                expert_load=await asyncio.to_thread(state.expert_load))  # a round trip to each stage: off the loop
-    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    # off the event loop: a mixture-of-experts model's expert load is a round trip to each stage
+    return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE)
+
+  async def stats(request: Request) -> JSONResponse:
+    """The pipeline's view and its history (docs/stats.md); `?history=0` for the latest view alone."""
+    return JSONResponse(state.sampler.stats(history=request.query_params.get("history", "1") not in ("0", "false")))
 
   async def internal_error(request: Request, exc: Exception) -> JSONResponse:
     return _error(exc)
 
   routes = [Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])]
+            Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+            Route("/stats", stats, methods=["GET"])]
   known = {r.path for r in routes if "{" not in r.path}
 
   @contextlib.asynccontextmanager
   async def lifespan(app: Starlette) -> Any:
-    yield
+    state.sampler.start()
+    try: yield
+    finally: state.sampler.stop()
 
   app = Starlette(routes=routes, middleware=[Middleware(CountRequests, metrics=state.metrics, known=known),
                                              Middleware(LimitRequestBody, max_bytes=max_body_bytes, timeout=timeout_request_body)],

@@ -491,9 +491,12 @@ class Stage:
     now = time.monotonic()
     if not force and (now - self.beat_t < HEARTBEAT_S or not self.looping): return
     self.beat_t = now
+    # tokens and busy_s (rows computed, seconds computing and emitting, since the start) give the operator's view a
+    # stage's busy fraction and rows per step between two beats (pyruntime/metrics.py)
     self.ch.emit(Event.HEARTBEAT, stage=self.index, steps=self.steps_run, records=self.records_taken, busy=self.has_work(),
                  doing=self.doing if isinstance(self.doing, str) else _step_text(*self.doing), slowest_s=round(self.slowest_step_s, 4),
-                 capturing=capturing)
+                 capturing=capturing, tokens=self.stats["tokens"],
+                 busy_s=round(self.stats["compute_s"] + self.stats["emit_s"], 4))
 
   def on_capture(self, graph: str) -> None:
     """A graph is captured now (not prepared at load: a decode window first used, say): the launcher allows a capture's

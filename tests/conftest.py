@@ -140,3 +140,15 @@ def smollm2_launcher(smollm2_path):
 
 
 SMOLLM2_CONTEXT = 512
+
+
+def scrape(text: str) -> dict[tuple[str, frozenset], float]:
+  """A /metrics text through Prometheus' own text parser (prometheus_client.parser): {(sample name, labels): value}.
+  A malformed exposition raises here."""
+  from prometheus_client.parser import text_string_to_metric_families
+  return {(s.name, frozenset(s.labels.items())): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+  """One sample of a /metrics text (None: absent)."""
+  return scrape(text).get((name, frozenset(labels.items())))

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from conftest import SMOLLM2_CONTEXT as MAX_CONTEXT  # the shared launcher's (tests/conftest.py)
+from conftest import sample
 
 from pyruntime.launcher import Done, Launcher
 from pyruntime.openai_api import model_id
@@ -125,9 +126,8 @@ def test_errors_through_the_client(live):
 
 
 def metric(srv: BackgroundServer, name: str) -> float:
-  for line in httpx.get(f"{srv.url}/metrics").text.splitlines():
-    if line.startswith(name + " "): return float(line.split()[1])
-  raise AssertionError(f"{name} not in /metrics")
+  if (v := sample(httpx.get(f"{srv.url}/metrics").text, name)) is None: raise AssertionError(f"{name} not in /metrics")
+  return v
 
 
 def test_client_disconnect_mid_stream_frees_the_slot(live):
@@ -195,7 +195,31 @@ def test_a_repeated_prompt_reports_cached_tokens_and_metrics_count_them(live):
                                   extra_body={"cache_salt": "metrics-test", "prefix_cache": False})
   assert off.usage.prompt_tokens_details.cached_tokens == 0 and off.choices[0].message.content == first.choices[0].message.content
   metrics = httpx.get(f"{srv.url}/metrics").text
-  hits = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("pyruntime_prefix_cache_hits_total "))
-  assert hits >= 1 and "pyruntime_prefix_cache_bytes " in metrics
+  assert sample(metrics, "pyruntime_prefix_cache_hits_total") >= 1 and sample(metrics, "pyruntime_prefix_cache_bytes") is not None
   with pytest.raises(openai.BadRequestError):
     c.chat.completions.create(model=lm.model_name, messages=messages, max_tokens=1, extra_body={"cache_salt": 7})
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city", "parameters": {
+  "type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_tool_round_trip_on_the_bundled_model(live):
+  """SmolLM2's template knows no tools: the Hermes fallback (docs/tools.md). The call is whole and valid, streamed equals
+  not streamed, and the result goes back for an answer."""
+  import json
+  lm, srv = live
+  c = client_for(srv)
+  msgs = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+  kw = {"model": "default", "messages": msgs, "tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False,
+        "max_tokens": 60}
+  r = c.chat.completions.create(**kw)
+  msg = r.choices[0].message
+  assert r.choices[0].finish_reason == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
+  call = msg.tool_calls[0]
+  assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+  chunks = [tc for ch in c.chat.completions.create(stream=True, **kw) if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+  assert [(t.index, t.function.name, t.function.arguments) for t in chunks] == [(0, "get_weather", call.function.arguments)]
+  follow = [*msgs, msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "celsius": 21}'}]
+  r2 = c.chat.completions.create(model="default", messages=follow, tools=[WEATHER_TOOL], max_tokens=30)
+  assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls") and r2.usage.prompt_tokens > r.usage.prompt_tokens

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import sample, scrape
 
 from pyruntime import errors, params
 from pyruntime import openai_api as api
@@ -81,6 +82,14 @@ class FakeLauncherForUnitTests:
     with self.turns: return {"running": int(self.running.is_set()), "waiting": self.waiting, "max_streams": self.max_streams}
 
   def alive(self) -> list[bool]: return list(self._alive)
+
+  def stage_view(self) -> list[dict]:
+    """Heartbeats as a launcher keeps them: stage 0 busy 0.6 s of every second at 4 rows per step, stage 1 idle."""
+    now = time.monotonic()
+    t = round(now, 1)  # a beat every 0.1 s
+    return [{"stage": i, "pid": 100 + i, "alive": a, "layers": list(self.split[i]), "device": "CPU", "resident_bytes": 1 << 20,
+             "beat": {"t": t, "steps": int(t * 10), "tokens": int(t * 10) * (4 if i == 0 else 0), "busy_s": t * (0.6 if i == 0 else 0.0)}}
+            for i, a in enumerate(self._alive)]
 
   def ring_occupancy(self) -> list[float]:
     if self._closed: raise errors.LauncherClosed("closed")
@@ -419,7 +428,7 @@ def test_queue_full_is_429_and_order_is_kept(make_server, fake):
   assert box_a["result"].json()["choices"][0]["text"] == "first first"
   assert box_b["result"].json()["choices"][0]["text"] == "second second"
   assert fake.started == ["first", "second"]
-  assert 'pyruntime_requests_total{route="/v1/completions",status="429"} 2' in c.get("/metrics").text
+  assert sample(c.get("/metrics").text, "pyruntime_requests_total", route="/v1/completions", status="429") == 2
 
 
 def test_fifo_order(server, fake):
@@ -455,7 +464,7 @@ def test_disconnect_mid_stream_closes_the_generator(server, fake):
   r = c.post("/v1/chat/completions", json=chat("next one", max_tokens=3))   # the slot is free: the next request runs
   assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "next one next"
   wait_for(lambda: 'status="499"' in c.get("/metrics").text)
-  assert "pyruntime_requests_cancelled_total 1" in c.get("/metrics").text
+  assert sample(c.get("/metrics").text, "pyruntime_requests_cancelled_total") == 1
 
 
 def test_disconnect_while_waiting_for_a_non_streamed_answer(server, fake):
@@ -503,7 +512,7 @@ def test_stage_failure_ends_the_request_and_health_reports_it(server, fake):
   r = c.post("/v1/chat/completions", json=chat(max_tokens=5))   # the launcher closed itself: refused, not hung
   assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
   m = c.get("/metrics").text
-  assert 'pyruntime_request_errors_total{code="StageFailed"} 1' in m and 'pyruntime_stage_up{stage="1"} 0' in m
+  assert sample(m, "pyruntime_request_errors_total", code="StageFailed") == 1 and sample(m, "pyruntime_stage_up", stage="1") == 0
 
 
 def test_stage_failure_mid_stream_is_an_sse_error_event(server, fake):
@@ -533,23 +542,45 @@ def test_an_error_in_one_request_ends_that_request_only(server, fake):
 
 # --- metrics -----------------------------------------------------------------------------------------
 def test_metrics(server):
+  """The scrape goes through Prometheus' own text parser (conftest.scrape): counters, the request-phase histograms in
+  seconds, the pipeline's gauges (stages' busy fraction and rows per step from their Heartbeats), the expert load."""
   _, c = server
   for _ in range(2): c.post("/v1/chat/completions", json=chat(max_tokens=4))
   c.post("/v1/chat/completions", json=chat(n=3))
+  time.sleep(1.2)  # a second sample of the stages' Heartbeats
   m = c.get("/metrics")
   assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
   t = m.text
-  assert 'pyruntime_requests_total{route="/v1/chat/completions",status="200"} 2' in t
-  assert 'pyruntime_requests_total{route="/v1/chat/completions",status="400"} 1' in t
-  assert "pyruntime_prompt_tokens_total 6" in t and "pyruntime_completion_tokens_total 8" in t
-  assert "pyruntime_time_to_first_token_seconds_count 2" in t and 'pyruntime_time_to_first_token_seconds_bucket{le="+Inf"} 2' in t
-  assert 'pyruntime_decode_tokens_per_second_bucket{le="50"} 2' in t and 'pyruntime_decode_tokens_per_second_bucket{le="20"} 0' in t
-  assert "pyruntime_queue_depth 0" in t and "pyruntime_requests_running 0" in t
-  assert 'pyruntime_ring_occupancy_ratio{ring="1"} 0.25' in t and 'pyruntime_ring_occupancy_ratio{ring="2"} 0.5' in t
-  assert 'pyruntime_expert_routed_tokens_total{stage="0",expert="2"} 5' in t and 'stage="1",expert' not in t
+  assert sample(t, "pyruntime_requests_total", route="/v1/chat/completions", status="200") == 2
+  assert sample(t, "pyruntime_requests_total", route="/v1/chat/completions", status="400") == 1
+  assert sample(t, "pyruntime_prompt_tokens_total") == 6 and sample(t, "pyruntime_completion_tokens_total") == 8
+  assert sample(t, "pyruntime_time_to_first_token_seconds_count") == 2 == sample(t, "pyruntime_time_to_first_token_seconds_bucket", le="+Inf")
+  assert sample(t, "pyruntime_inter_token_latency_seconds_count") == 6  # 4 tokens each: 3 gaps each
+  for phase in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time"):
+    assert sample(t, f"pyruntime_{phase}_seconds_count") == 2, phase
+  assert sample(t, "pyruntime_queue_depth") == 0 and sample(t, "pyruntime_requests_running") == 0
+  assert sample(t, "pyruntime_ring_occupancy_ratio", ring="1") == 0.25 and sample(t, "pyruntime_ring_occupancy_ratio", ring="2") == 0.5
+  assert sample(t, "pyruntime_stage_busy_ratio", stage="0") == pytest.approx(0.6, abs=0.05)
+  assert sample(t, "pyruntime_stage_busy_ratio", stage="1") == 0 and sample(t, "pyruntime_stage_rows_per_step", stage="0") == 4
+  assert sample(t, "pyruntime_expert_routed_tokens_total", stage="0", expert="2") == 5
+  assert not any(name == "pyruntime_expert_routed_tokens_total" and dict(labels)["stage"] == "1" for name, labels in scrape(t))
   assert parse_expert_load(t) == {0: [3, 0, 5]}   # what `pyruntime inspect --server` reads back
-  for line in t.splitlines():   # every sample line is `name{labels} number`
-    if not line.startswith("#"): assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.]+(e[+-]?[0-9]+)?', line), line
+
+
+def test_stats_is_one_view_with_its_history(server):
+  """/stats (docs/stats.md): the latest view of the pipeline and a history sampled once a second, the numbers /metrics
+  shows."""
+  _, c = server
+  c.post("/v1/chat/completions", json=chat(max_tokens=3))
+  time.sleep(2.2)
+  body = c.get("/stats").json()
+  now, hist = body["now"], body["history"]
+  assert body["version"] == 1 and len(hist) >= 2 and hist[-1]["t"] >= hist[0]["t"] + 1
+  assert now["phase"] == "ok" and now["streams"] == {"running": 0, "waiting": 0, "max": 1} and now["rings"] == [0.0, 0.25, 0.5]
+  assert [s["stage"] for s in now["stages"]] == [0, 1] and now["stages"][0]["layers"] == [0, 15]
+  assert now["stages"][0]["busy"] == pytest.approx(0.6, abs=0.05) and now["stages"][0]["rows_per_step"] == 4
+  assert now["totals"]["completion_tokens"] == 3 and now["totals"]["requests"] >= 1
+  assert "history" not in c.get("/stats?history=0").json()
 
 
 # --- /metrics: a stream that ends normally is a 200 -----------------------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -261,7 +262,19 @@ def cmd_generate(a: argparse.Namespace) -> int:
       Term.stdout_open = False
       sys.stderr.write(f"[{done.finish_reason}] {done.usage.prompt_tokens} prompt + {done.usage.completion_tokens} completion tokens, "
                        f"load {t.load_s:.1f} s, first token {t.ttft_s:.2f} s, {t.decode_tokens_per_s:.1f} tokens/s\n")
+  if os.environ.get("PYRUNTIME_PROFILE"): print_profiles(lm.profile_reports(wait_s=5.0))
   return 0
+
+
+def print_profiles(reports: list[dict], top: int = 10) -> None:
+  """The stages' profiles (PYRUNTIME_PROFILE) on stderr: CPU over wall and the hottest lines of each data loop."""
+  for r in reports:
+    sys.stderr.write(f"profile of stage {r.get('stage')}: {r.get('samples', 0)} samples over {r.get('wall_s', 0)} s, "
+                     f"CPU/wall {r.get('cpu_over_wall', 0)}\n")
+    total = max(1, r.get("samples", 0))
+    for line in r.get("lines", [])[:top]:
+      where = os.path.relpath(line["where"]) if line["where"].startswith("/") else line["where"]
+      sys.stderr.write(f"  {100 * line['samples'] / total:5.1f}%  {where}\n")
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -420,6 +433,13 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     return text + " (default: %(default)s)"
 
 
+def cmd_top(a: argparse.Namespace) -> int:
+  from pyruntime import top
+  try: top.run(a.url, once=a.once, as_json=a.json, every_s=a.every)
+  except KeyboardInterrupt: pass
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   from pyruntime import server
   ap = argparse.ArgumentParser(prog="pyruntime", description="Serve an LLM split across the devices of one host over shared-memory rings.",
@@ -462,6 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--restart-attempts", type=int, default=server.RESTART_ATTEMPTS,
                  help="when a stage dies, restart the pipeline, giving up after this many failed attempts in a row; 0: never restart")
   p.set_defaults(fn=cmd_serve)
+  p = command("top", "a running server's pipeline, live: per stage busy %, rows per step, rings, streams, tokens/s, cache hits")
+  p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the server (`pyruntime serve`)")
+  p.add_argument("--once", action="store_true", help="print one view and exit")
+  p.add_argument("--json", action="store_true", help="print the raw view (/stats, docs/stats.md) instead of text")
+  p.add_argument("--every", type=float, default=1.0, help="seconds between refreshes")
+  p.set_defaults(fn=cmd_top)
   p = command("warmup", "prepare the stages' graphs ahead of time, into the graph cache (what serve, generate and chat use)")
   _add_model_args(p)
   p.add_argument("--clear", action="store_true", help="remove every cached graph instead")

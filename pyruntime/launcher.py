@@ -131,6 +131,7 @@ class StageHandle:
   beat: dict | None = None      # its last Heartbeat, and when it came
   beat_t: float = 0.0
   progress_t: float = 0.0       # when it last made progress, or said it had nothing to do (the stall rule)
+  read_all: threading.Event = field(default_factory=threading.Event)  # its output is read to the end (it exited)
 
   def note_beat(self, ev: dict) -> None:
     now, last = time.monotonic(), self.beat
@@ -186,6 +187,7 @@ def _pump(h: StageHandle, on_event: Callable[[dict], None] | None) -> None:
     if on_event is not None: on_event(ev)
     h.events.put(ev)
   h.proc.wait()
+  h.read_all.set()
   h.events.put(None)  # EOF: the process is gone
 
 
@@ -569,8 +571,11 @@ class Launcher:
                   "beat": beat, "beat_age_s": round(now - h.beat_t, 3) if h.beat is not None else None})
     return out
 
-  def profile_reports(self) -> list[dict]:
-    """Each stage's latest ProfileReport (PYRUNTIME_PROFILE, pyruntime/profiler.py): its hottest lines and CPU over wall."""
+  def profile_reports(self, wait_s: float = 0.0) -> list[dict]:
+    """Each stage's latest ProfileReport (PYRUNTIME_PROFILE, pyruntime/profiler.py): its hottest lines and CPU over wall.
+    After close(), `wait_s` lets each stage's last output (its report at exit) be read first."""
+    deadline = time.monotonic() + wait_s
+    for h in self.handles: h.read_all.wait(max(0.0, deadline - time.monotonic()))
     latest: dict[int, dict] = {}
     for ev in list(self.events):
       if ev.get("event") == Event.PROFILE_REPORT: latest[ev.get("stage", -1)] = ev

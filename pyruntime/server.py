@@ -596,6 +596,11 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
     # off the event loop: a mixture-of-experts model's expert load is a round trip to each stage
     return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE)
 
+  async def profile(request: Request) -> JSONResponse:
+    """Each stage's latest ProfileReport (PYRUNTIME_PROFILE; docs/stats.md), [] when the stages do not profile."""
+    reports = getattr(state.launcher, "profile_reports", None)
+    return JSONResponse({"profiles": list(reports()) if reports is not None else []})
+
   async def stats(request: Request) -> JSONResponse:
     """The pipeline's view and its history (docs/stats.md); `?history=0` for the latest view alone."""
     return JSONResponse(state.sampler.stats(history=request.query_params.get("history", "1") not in ("0", "false")))
@@ -606,7 +611,7 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   routes = [Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-            Route("/stats", stats, methods=["GET"])]
+            Route("/stats", stats, methods=["GET"]), Route("/stats/profile", profile, methods=["GET"])]
   known = {r.path for r in routes if "{" not in r.path}
 
   @contextlib.asynccontextmanager

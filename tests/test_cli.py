@@ -54,7 +54,7 @@ def test_every_option_of_every_command_shows_its_default():
 
   from pyruntime.cli import build_parser
   commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
-  assert set(commands) == {"generate", "chat", "inspect", "serve", "warmup", "bench", "shm"}
+  assert set(commands) == {"generate", "chat", "inspect", "serve", "warmup", "bench", "shm", "top"}
   for name, p in commands.items():
     fmt = p._get_formatter()
     for action in p._actions:

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from pyruntime import errors
+from pyruntime.options import add_cli_args
 from pyruntime.prefix_cache import PREFIX_CACHE_TOKENS
-from pyruntime.protocol import PREFILL_SHARE, STALL_CAPTURE_TIMEOUT_S, STALL_STEPS, STALL_TIMEOUT_S
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -21,28 +21,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                  "--split, its count, and a --stages that differs is refused)")
   p.add_argument("--split", default=None, help="explicit half-open block ranges, e.g. 0:15,15:30 (default: from --stages)")
   p.add_argument("--device", default=None, help="one device for all stages, or one per stage: CUDA:0,CUDA:1 (default: automatic)")
-  p.add_argument("--boundary-dtype", default="float32", choices=["float32", "float16"], help="dtype of activations between stages")
-  p.add_argument("--max-streams", type=int, default=8, help="streams run through the pipeline at once (KV slots per stage); the rest wait")
-  p.add_argument("--decode", choices=("batched", "reference"), default="batched",
-                 help="batched: many streams per step, batch-invariant tokens; reference: tinygrad's own decode kernels, "
-                 "one stream at a time, its exact tokens")
-  p.add_argument("--weights", choices=("auto", "quantized", "float16", "float32"), default="auto",
-                 help="how stages keep the weights: quantized as in the file (least memory, tinygrad's own kernels), or dequantised "
-                 "once at load; auto: float32 on a CPU when the model fits twice over in free memory (several times faster "
-                 "there), quantized on GPUs and with --decode reference")
+  add_cli_args(p)  # --boundary-dtype, --decode, --weights, --max-streams, --prefix-cache, --prefill-share, the stall bounds
   p.add_argument("--max-context", type=int, default=None, help="cap on the context in tokens (default: the model's own)")
-  p.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_TOKENS, metavar="TOKENS",
-                 help="tokens of prompts and replies whose keys and values the stages keep for later requests that begin with "
-                 "them (chat turns, shared system prompts), in host memory (`inspect` shows bytes per token); 0: off")
   p.add_argument("--no-graph-cache", dest="graph_cache", action="store_false",
                  help="capture every graph anew instead of loading the ones kept in $PYRUNTIME_CACHE/graphs (see `pyruntime warmup`)")
-  p.add_argument("--prefill-share", type=float, default=PREFILL_SHARE,
-                 help="beside decoding streams, a new prompt's prefill chunks cost about this share of their step "
-                 "(0: whole 256-token chunks, the fastest first token and the longest stalls for the others)")
-  p.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="S",
-                 help=f"a stage with work and no progress this long (or {STALL_STEPS} of its slowest steps) is ended as stalled")
-  p.add_argument("--stall-capture-timeout", type=float, default=STALL_CAPTURE_TIMEOUT_S, metavar="S",
-                 help="... while it captures a graph that was not prepared at load (no progress is reported meanwhile)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pyruntime import errors
 from pyruntime.devices import available_memory
+from pyruntime.options import check_launch
 from pyruntime.prefix_cache import BLOCK, PREFIX_CACHE_TOKENS, PrefixIndex
 from pyruntime.protocol import (
   ABI_VERSION,
@@ -44,14 +45,12 @@ from pyruntime.protocol import (
   STALL_CAPTURE_TIMEOUT_S,
   STALL_STEPS,
   STALL_TIMEOUT_S,
-  WEIGHT_MODES,
   Command,
   Event,
   OpenInfo,
   decode_json,
   encode_json,
   object_id,
-  prefill_share_problem,
   ring_bytes,
   split_object_id,
 )
@@ -299,19 +298,9 @@ class Launcher:
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0,
                prefix_cache: int = PREFIX_CACHE_TOKENS, graph_cache: bool = True, stall_timeout: float = STALL_TIMEOUT_S,
                stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S):
-    if boundary_dtype not in ("float32", "float16"): raise errors.InvalidOption("boundary_dtype", "float32 or float16")
-    if not isinstance(max_streams, int) or isinstance(max_streams, bool) or not 1 <= max_streams <= 256:
-      raise errors.InvalidOption("max_streams", f"must be an integer in [1, 256], got {max_streams!r}")
-    if decode not in ("batched", "reference"): raise errors.InvalidOption("decode", f"'batched' or 'reference', not {decode!r}")
-    if weights != "auto" and weights not in WEIGHT_MODES:
-      raise errors.InvalidOption("weights", f"'auto' or one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
-    if (problem := prefill_share_problem(prefill_share)) is not None: raise errors.InvalidOption("prefill_share", problem)
-    if not isinstance(prefix_cache, int) or isinstance(prefix_cache, bool) or not 0 <= prefix_cache <= 1 << 28:
-      raise errors.InvalidOption("prefix_cache", f"must be a number of tokens in [0, {1 << 28}] (0: off), got {prefix_cache!r}")
+    check_launch(boundary_dtype=boundary_dtype, max_streams=max_streams, decode=decode, weights=weights, prefill_share=prefill_share,
+                 prefix_cache=prefix_cache, stall_timeout=stall_timeout, stall_capture_timeout=stall_capture_timeout)
     self.prefix_cache_tokens = prefix_cache
-    for name, v in (("stall_timeout", stall_timeout), ("stall_capture_timeout", stall_capture_timeout)):
-      if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.5 <= v <= 86400:
-        raise errors.InvalidOption(name, f"must be seconds in [0.5, 86400], got {v!r}")
     self.stall_timeout, self.stall_capture_timeout = float(stall_timeout), float(stall_capture_timeout)
     if not isinstance(graph_cache, bool): raise errors.InvalidOption("graph_cache", f"must be true or false, got {graph_cache!r}")
     self.graph_cache = graph_cache  # stages load their captured graphs from disk, and keep new ones (pyruntime/graph_cache.py)

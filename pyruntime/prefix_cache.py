@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass
 
 BLOCK = 16  # tokens per block
-PREFIX_CACHE_TOKENS = 8192  # the default budget: tokens whose keys and values every stage keeps (SmolLM2: 46 KB each, all stages)
+from pyruntime.options import PREFIX_CACHE_TOKENS as PREFIX_CACHE_TOKENS  # noqa: E402 - the default budget, with the other launch options
 
 
 @dataclass

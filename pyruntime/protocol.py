@@ -50,29 +50,14 @@ FLAG_CACHE = 1 << 5   # fill prefix-cache blocks from the stream's KV slot (payl
 
 PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: the largest chunk of its prefill (--decode reference)
 MAX_CHUNK = 256       # the most prompt rows one record between stages carries (the rows path's largest chunk)
-# ConfigureRole's "prefill_share": beside decoding streams, a newcomer's prefill chunk is sized to cost about this share
-# of their decode step (0: whole chunks always, the most throughput and the longest stalls); see Stage.prefill_size.
-# 2.0 bounds a step that carries a chunk at about 3 decode steps, the issue's inter-token target; bench/README.md
-# ("Long prompt with prefill chunks sized by load") has the trade measured at 0, 1 and 2.
-PREFILL_SHARE = 2.0
-MAX_PREFILL_SHARE = 16.0
-
-
-def prefill_share_problem(v: object) -> str | None:
-  """What is wrong with `v` as a prefill_share (None: nothing): it must be a number in [0, MAX_PREFILL_SHARE]."""
-  if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_PREFILL_SHARE:  # NaN fails the bound
-    return f"must be a number in [0, {MAX_PREFILL_SHARE:g}], not {v!r}"
-  return None
-
-# ConfigureRole's "weights": how a stage keeps its weights. "quantized": as in the file, dequantised inside every
-# kernel (least memory; tinygrad's default, so `decode="reference"` gives its exact tokens); "float16": dequantised once
-# at load (tinygrad's REALIZE=1); "float32": those float16 values held as float32 (the same products; on x86 CPUs the
-# fastest, as clang's code for float16 loads is several times slower than for float32 ones)
-WEIGHT_MODES = ("quantized", "float16", "float32")
-# ConfigureRole's "decode": "batched" runs a dense stage's rows path (many streams per step, prompt and decode rows with
-# the same bits, pyruntime/rows.py); "reference" runs tinygrad's own prefill and T=1 decode kernels, one stream at a time
-# (tinygrad's exact tokens). Other families always run the latter.
-DECODE_MODES = ("batched", "reference")
+# ConfigureRole's options (prefill_share, weights, decode, the stall bounds) are defined once, in pyruntime/options.py
+# (a prompt chunk beside decoding streams costs about prefill_share of their step: Stage.prefill_size)
+from pyruntime.options import DECODE_MODES as DECODE_MODES  # noqa: E402
+from pyruntime.options import PREFILL_SHARE as PREFILL_SHARE  # noqa: E402
+from pyruntime.options import STALL_CAPTURE_TIMEOUT_S as STALL_CAPTURE_TIMEOUT_S  # noqa: E402
+from pyruntime.options import STALL_STEPS as STALL_STEPS  # noqa: E402
+from pyruntime.options import STALL_TIMEOUT_S as STALL_TIMEOUT_S  # noqa: E402
+from pyruntime.options import WEIGHT_MODES as WEIGHT_MODES  # noqa: E402
 
 POSITION_BITS = 32
 POSITION_MASK = (1 << POSITION_BITS) - 1
@@ -155,12 +140,6 @@ class Command:
   QUERY_STATS = "QueryStats"
   SHUTDOWN_WORKER = "ShutdownWorker"
 
-
-# The stall rule (docs/control-channel.md, "Stalls"): a stage with work and no progress (Heartbeat counters) this long,
-# or STALL_STEPS of its slowest step if longer, is ended as stalled; while it captures a graph, the larger bound.
-STALL_TIMEOUT_S = 20.0
-STALL_STEPS = 20
-STALL_CAPTURE_TIMEOUT_S = 600.0
 
 
 class Event:

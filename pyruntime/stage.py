@@ -28,7 +28,6 @@ from pyruntime.boundary import MLA_POS
 from pyruntime.gc_policy import collect_due, collect_on_this_thread
 from pyruntime.protocol import (
   ABI_VERSION,
-  DECODE_MODES,
   FLAG_CACHE,
   FLAG_CLOSE,
   FLAG_END,
@@ -42,7 +41,6 @@ from pyruntime.protocol import (
   decode_json,
   error_payload,
   object_id,
-  prefill_share_problem,
   split_object_id,
 )
 
@@ -232,13 +230,14 @@ class Stage:
             "weights": arg(cmd, "weights", str, "quantized"), "prefill_share": arg(cmd, "prefill_share", (int, float), PREFILL_SHARE),
             "prefix_blocks": arg_int(cmd, "prefix_blocks", 0, hi=1 << 24), "block_size": arg_int(cmd, "block_size", 16, lo=1, hi=1 << 12),
             "graph_cache": arg(cmd, "graph_cache", bool, True)}
-    if role["boundary_dtype"] not in ("float32", "float16"):
-      raise errors.InvalidCommand(f"boundary_dtype must be float32 or float16, not {show(role['boundary_dtype'])}")
-    if role["decode"] not in DECODE_MODES: raise errors.InvalidCommand(f"decode must be one of {DECODE_MODES}, not {role['decode']!r}")
+    from pyruntime.options import CHOICES, NUMBERS
+    CHOICES["boundary_dtype"].check(role["boundary_dtype"], errors.InvalidCommand)
+    CHOICES["decode"].check(role["decode"], errors.InvalidCommand)
     if role["weights"] not in WEIGHT_MODES: raise errors.InvalidCommand(f"weights must be one of {WEIGHT_MODES}, not {show(role['weights'])}")
     self.decode_mode = role["decode"]
     self.micro_batches = role["micro_batches"]
-    if (problem := prefill_share_problem(role["prefill_share"])) is not None: raise errors.InvalidCommand(f"prefill_share {problem}")
+    try: NUMBERS["prefill_share"].check(role["prefill_share"])
+    except errors.InvalidOption as e: raise errors.InvalidCommand(str(e)) from None
     self.prefill_share = float(role["prefill_share"])
     if role["start"] < 0 or role["end"] <= role["start"]:
       raise errors.LayerRangeInvalid(f"layer range [{role['start']}, {role['end']}) is empty or negative")

@@ -1,0 +1,87 @@
+"""Launch options defined once, as params.py defines a request's: name, values or bounds, default and help of every
+option that chooses how a pipeline runs. The CLI builds its flags from these definitions, `Launcher` checks its
+keywords with them and a stage checks its ConfigureRole with them, so the three cannot drift apart.
+No tinygrad, no numpy: the launcher, the CLI and the server import it.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from pyruntime import errors
+from pyruntime.params import Param
+
+BOUNDARY_DTYPES = ("float32", "float16")
+# How a stage keeps its weights. "quantized": as in the file, dequantised inside every kernel (least memory; tinygrad's
+# default, so `decode="reference"` gives its exact tokens); "float16": dequantised once at load (tinygrad's REALIZE=1);
+# "float32": those float16 values held as float32 (the same products; on x86 CPUs the fastest, as clang's code for
+# float16 loads is several times slower than for float32 ones)
+WEIGHT_MODES = ("quantized", "float16", "float32")
+# "batched" runs a dense stage's rows path (many streams per step, prompt and decode rows with the same bits,
+# pyruntime/rows.py); "reference" runs tinygrad's own prefill and T=1 decode kernels, one stream at a time (tinygrad's
+# exact tokens). Other families always run the latter.
+DECODE_MODES = ("batched", "reference")
+
+
+@dataclass(frozen=True)
+class Choice:
+  name: str
+  values: tuple[str, ...]
+  default: str
+  help: str
+
+  @property
+  def flag(self) -> str: return "--" + self.name.replace("_", "-")
+
+  def check(self, v: Any, error: type[errors.PyruntimeError] = errors.InvalidOption) -> str:
+    """v if it is one of the values, else `error` (InvalidOption naming the option; a stage passes InvalidCommand)."""
+    if isinstance(v, str) and v in self.values: return v
+    text = f"must be one of {', '.join(self.values)}, not {v!r:.80}"
+    raise error(self.name, text) if error is errors.InvalidOption else error(f"{self.name} {text}")
+
+
+CHOICES = {c.name: c for c in (
+  Choice("boundary_dtype", BOUNDARY_DTYPES, "float32", "dtype of activations between stages"),
+  Choice("decode", DECODE_MODES, "batched", "batched: many streams per step, batch-invariant tokens; reference: tinygrad's own decode "
+         "kernels, one stream at a time, its exact tokens"),
+  Choice("weights", ("auto", *WEIGHT_MODES), "auto", "how stages keep the weights: quantized as in the file (least memory, tinygrad's own "
+         "kernels), or dequantised once at load; auto: float32 on a CPU when the model fits twice over in free memory (several times "
+         "faster there), quantized on GPUs and with --decode reference"),
+)}
+
+PREFIX_CACHE_TOKENS = 8192  # the default budget: tokens whose keys and values every stage keeps (SmolLM2: 46 KB each)
+PREFILL_SHARE = 2.0   # bounds a step that carries a chunk at about 3 decode steps (bench/README.md has the trade measured)
+# The stall rule (docs/control-channel.md, "Stalls"): a stage with work and no progress (Heartbeat counters) this long,
+# or STALL_STEPS of its slowest step if longer, is ended as stalled; while it captures a graph, the larger bound.
+STALL_TIMEOUT_S = 20.0
+STALL_CAPTURE_TIMEOUT_S = 600.0
+STALL_STEPS = 20
+
+NUMBERS = {p.name: p for p in (
+  Param("max_streams", int, 8, "streams run through the pipeline at once (KV slots per stage); the rest wait", lo=1, hi=256),
+  Param("prefix_cache", int, PREFIX_CACHE_TOKENS, "tokens of prompts and replies whose keys and values the stages keep for later "
+        "requests that begin with them (chat turns, shared system prompts), in host memory (`inspect` shows bytes per token); 0: off",
+        lo=0, hi=1 << 28),
+  Param("prefill_share", float, PREFILL_SHARE, "beside decoding streams, a new prompt's prefill chunks cost about this share of their "
+        "step (0: whole 256-token chunks, the fastest first token and the longest stalls for the others)", lo=0.0, hi=16.0),
+  Param("stall_timeout", float, STALL_TIMEOUT_S, f"a stage with work and no progress this long (or {STALL_STEPS} of its slowest "
+        "steps) is ended as stalled", lo=0.5, hi=86400.0),
+  Param("stall_capture_timeout", float, STALL_CAPTURE_TIMEOUT_S, "... while it captures a graph that was not prepared at load "
+        "(no progress is reported meanwhile)", lo=0.5, hi=86400.0),
+)}
+
+
+def check_launch(**options: Any) -> None:
+  """InvalidOption naming the first launch option (CHOICES, NUMBERS) whose value is not allowed."""
+  for name, v in options.items():
+    if name in CHOICES: CHOICES[name].check(v)
+    else: NUMBERS[name].check(v)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+  """The launch options as flags, from their definitions."""
+  for c in CHOICES.values(): p.add_argument(c.flag, choices=c.values, default=c.default, help=c.help)
+  for n in NUMBERS.values():
+    metavar = {"prefix_cache": "TOKENS", "stall_timeout": "S", "stall_capture_timeout": "S"}.get(n.name)
+    p.add_argument(n.flag, type=n.kind, default=n.default, help=n.help, metavar=metavar)

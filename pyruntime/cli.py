@@ -217,11 +217,9 @@ def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) 
   if split is not None and a.stages is not None and a.stages != len(split):
     raise errors.InvalidOption("stages", f"--stages {a.stages} and a --split of {len(split)} ranges: give one, or the same count")
   stages = a.stages if a.stages is not None else len(split) if split else 2
-  return Launcher(a.model, stages=stages, split=split, devices=a.device,
-                  boundary_dtype=a.boundary_dtype, max_streams=a.max_streams, decode=a.decode, weights=a.weights,
-                  max_context=a.max_context, prefill_share=a.prefill_share, warmup=warmup, on_event=LoadProgress(quiet),
-                  prefix_cache=a.prefix_cache, graph_cache=a.graph_cache, stall_timeout=a.stall_timeout,
-                  stall_capture_timeout=a.stall_capture_timeout)
+  from pyruntime.options import CHOICES, NUMBERS
+  return Launcher(a.model, stages=stages, split=split, devices=a.device, max_context=a.max_context, warmup=warmup,
+                  on_event=LoadProgress(quiet), graph_cache=a.graph_cache, **{name: getattr(a, name) for name in (*CHOICES, *NUMBERS)})
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

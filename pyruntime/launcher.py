@@ -20,17 +20,14 @@ import os
 import queue
 import signal
 import struct
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pyruntime import errors
 from pyruntime.devices import available_memory
+from pyruntime.events import Delta, Done, Logits, Timings, Usage
 from pyruntime.options import check_launch
 from pyruntime.prefix_cache import BLOCK, PREFIX_CACHE_TOKENS, PrefixIndex
 from pyruntime.protocol import (
@@ -41,6 +38,7 @@ from pyruntime.protocol import (
   FLAG_ERROR,
   FLAG_MORE,
   FLAG_OPEN,
+  MAX_VERIFY_ROWS,
   PREFILL_SHARE,
   STALL_CAPTURE_TIMEOUT_S,
   STALL_STEPS,
@@ -54,12 +52,13 @@ from pyruntime.protocol import (
   ring_bytes,
   split_object_id,
 )
+from pyruntime.speculation import SOLO_STREAMS, DraftLength, ngram_draft
+from pyruntime.stage_pool import StageHandle, first_failure, kill_stages, profile_reports, spawn_stage, stage_view, stalled, stop_stages
 from pyruntime.tools import CallFormat, ToolCall, ToolCallParser, ToolRequest, check_tools
 
 log = logging.getLogger("pyruntime.launcher")
 
 if TYPE_CHECKING:  # the ring hands out arrays; the launcher itself needs no numpy (the ring is imported at start)
-  import numpy as np
 
   from pyruntime.gguf import GGUFHeader
   from pyruntime.ring import Arena, Reader, Writer
@@ -70,124 +69,6 @@ DRIVER_WAKE_S = 0.5    # the driver's backstop: a token, a closed or dead tail r
 STOP_GRACE_S = 5.0     # how long a stage gets to stop in order before it is killed
 RATE_WINDOW_S = 5.0    # tokens/s in scheduler_stats is measured over this window
 FAIL_GRACE_S = 0.5     # after a failure the survivors get SIGTERM and this long before SIGKILL
-
-
-@dataclass
-class Delta:
-  text: str
-  token_ids: list[int]
-  tool_calls: list[ToolCall] = field(default_factory=list)  # calls whose closing marker arrived with this token
-
-
-@dataclass
-class Logits:
-  """With `logits=True` the tail sends its float32 logits instead of a token; the launcher decodes greedily."""
-  position: int
-  values: np.ndarray
-
-
-@dataclass
-class Usage:
-  prompt_tokens: int
-  completion_tokens: int
-  cached_tokens: int = 0
-
-  @property
-  def total_tokens(self) -> int: return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass
-class Timings:
-  load_s: float
-  ttft_s: float                      # from the call, waiting for a slot included
-  decode_tokens_per_s: float
-  elapsed_s: float
-  queue_s: float = 0.0               # waiting for a free stream slot
-
-
-@dataclass
-class Done:
-  finish_reason: str                 # "stop" | "length" | "cancelled" (cancel(), or an iterator closed or dropped)
-  usage: Usage
-  timings: Timings
-  prompt_token_ids: list[int]
-  token_ids: list[int]
-  text: str
-  stop: str | None = None            # the stop string that ended it, if one did
-  tool_calls: list[ToolCall] = field(default_factory=list)  # every call parsed out of the answer (then `text` is the rest)
-
-
-@dataclass
-class StageHandle:
-  """One stage process and its control channel."""
-  index: int
-  proc: subprocess.Popen
-  stderr: Any
-  events: queue.Queue = field(default_factory=queue.Queue)
-  fatal: dict | None = None
-  info: dict = field(default_factory=dict)
-  send_lock: threading.Lock = field(default_factory=threading.Lock)
-  beat: dict | None = None      # its last Heartbeat, and when it came
-  beat_t: float = 0.0
-  progress_t: float = 0.0       # when it last made progress, or said it had nothing to do (the stall rule)
-  read_all: threading.Event = field(default_factory=threading.Event)  # its output is read to the end (it exited)
-
-  def note_beat(self, ev: dict) -> None:
-    now, last = time.monotonic(), self.beat
-    if last is None or not ev.get("busy") or (ev.get("steps"), ev.get("records")) != (last.get("steps"), last.get("records")):
-      self.progress_t = now
-    self.beat, self.beat_t = ev, now
-
-  def send(self, command: str, **args: Any) -> None:
-    line = json.dumps({"command": command, **args}) + "\n"
-    try:
-      with self.send_lock:  # lines from several threads (a stream's grammar, stats) must not interleave
-        self.proc.stdin.write(line)
-        self.proc.stdin.flush()
-    except (BrokenPipeError, ValueError, OSError):
-      pass  # the process is gone; its reader thread reports why
-
-  def stderr_tail(self, n: int = 2000) -> str:
-    try:
-      self.stderr.flush(); self.stderr.seek(0, os.SEEK_END)
-      self.stderr.seek(max(0, self.stderr.tell() - n))
-      return self.stderr.read().decode(errors="replace")
-    except (OSError, ValueError): return ""
-
-  def failure(self) -> errors.StageFailed | None:
-    if self.fatal is not None:
-      return errors.StageFailed(self.index, self.fatal.get("reason", Event.WORKER_FATAL), self.fatal.get("message", ""))
-    if (rc := self.proc.poll()) is not None:
-      how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
-      return errors.StageFailed(self.index, "WorkerExited", f"{how}; stderr tail: {self.stderr_tail(600).strip()}")
-    return None
-
-
-def spawn_stage(index: int, env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None) -> StageHandle:
-  """Start one `python -m pyruntime.stage` process, and the thread that puts its events on `h.events` (None at its
-  end), calling `on_event` with each first. The launcher's way, and the tests' (tests/stageproc.py)."""
-  err = tempfile.TemporaryFile()
-  proc = subprocess.Popen([sys.executable, "-m", "pyruntime.stage"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=err, env=env, text=True, bufsize=1)
-  h = StageHandle(index, proc, err)
-  threading.Thread(target=_pump, args=(h, on_event), name=f"stage-{index}-events", daemon=True).start()
-  return h
-
-
-def _pump(h: StageHandle, on_event: Callable[[dict], None] | None) -> None:
-  for line in h.proc.stdout:
-    try: ev = json.loads(line)
-    except json.JSONDecodeError: continue
-    ev.setdefault("stage", h.index)
-    if ev.get("event") == Event.HEARTBEAT:  # twice a second for the stage's life: kept as state, not as events
-      h.note_beat(ev)
-      continue
-    if ev.get("event") == Event.WORKER_FATAL: h.fatal = ev
-    if on_event is not None: on_event(ev)
-    h.events.put(ev)
-  h.proc.wait()
-  h.read_all.set()
-  h.events.put(None)  # EOF: the process is gone
 
 
 class StreamHandle:
@@ -204,6 +85,9 @@ class StreamHandle:
     self.grammar: str | None = None  # a structured answer's grammar (response_format, tools), enforced at the tail
     self.parser: ToolCallParser | None = None  # reads tool calls out of the text, when the request offered tools
     self.calls: list[ToolCall] = []
+    self.drafts: DraftLength | None = None  # a speculative stream's draft length (pyruntime/speculation.py)
+    self.verify: tuple[int, list[int], dict[int, tuple[int, bool]]] | None = None  # in flight: (position, drafts, answers)
+    self.rounds = self.drafted = self.accepted = 0
     self.cached = 0     # prompt positions copied in from the prefix cache
     self.computed = 0   # positions every stage has computed: the tail answered them
     self.decoder = IncrementalDecoder(launcher.tokenizer)
@@ -271,7 +155,7 @@ class StreamHandle:
     t0, t_first, t_last = self.t_submit, self.t_first or now, self.t_last or now
     decode = (len(out) - 1) / (t_last - t_first) if len(out) > 1 and t_last > t_first else 0.0
     timings = Timings(round(self.launcher.load_s, 4), round(t_first - t0, 4), round(decode, 3), round(now - t0, 4),
-                      round((self.t_admitted or t0) - t0, 4))
+                      round((self.t_admitted or t0) - t0, 4), self.rounds, self.drafted, self.accepted)
     self.ended = True
     return Done(reason, Usage(len(self.ids), len(out), self.cached), timings, self.ids, list(out), "".join(self.text), stop_hit,
                 list(self.calls))
@@ -297,9 +181,13 @@ class Launcher:
                prefill_share: float = PREFILL_SHARE, on_event: Callable[[dict], None] | None = None,
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0,
                prefix_cache: int = PREFIX_CACHE_TOKENS, graph_cache: bool = True, stall_timeout: float = STALL_TIMEOUT_S,
-               stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S):
+               stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S, speculative: str = "off", draft_tokens: int = 8):
     check_launch(boundary_dtype=boundary_dtype, max_streams=max_streams, decode=decode, weights=weights, prefill_share=prefill_share,
-                 prefix_cache=prefix_cache, stall_timeout=stall_timeout, stall_capture_timeout=stall_capture_timeout)
+                 prefix_cache=prefix_cache, stall_timeout=stall_timeout, stall_capture_timeout=stall_capture_timeout,
+                 speculative=speculative, draft_tokens=draft_tokens)
+    self.speculative, self.draft_tokens = speculative, draft_tokens
+    self.rows_everywhere = False  # every stage runs the rows path (start): what speculation needs
+    self.spec = {"rounds": 0, "drafted": 0, "accepted": 0}
     self.prefix_cache_tokens = prefix_cache
     self.stall_timeout, self.stall_capture_timeout = float(stall_timeout), float(stall_capture_timeout)
     if not isinstance(graph_cache, bool): raise errors.InvalidOption("graph_cache", f"must be true or false, got {graph_cache!r}")
@@ -429,6 +317,7 @@ class Launcher:
         h.info = self._expect(h, Event.WEIGHTS_LOADED, self.load_timeout_s)
         h.info["warm_up"] = self._expect(h, Event.WARMED_UP, self.load_timeout_s)
       self._plan_prefix_cache()
+      self.rows_everywhere = all(h.info.get("batched") for h in self.handles)
       for h in self.handles:
         upstream = self.handles[h.index - 1].info["boundary"] if h.index > 0 else None
         h.send(Command.INSTALL_RING, arena=self.arena.name, ingress=h.index, egress=h.index + 1, ingress_boundary=upstream)
@@ -516,19 +405,9 @@ class Launcher:
     own thread and reported in Heartbeats; or a Heartbeat saying it had nothing to do) is older than its bound."""
     with self._lock:
       if not self._active: return None
-    now = time.monotonic()
-    for h in self.handles:
-      quiet = now - h.progress_t
-      if quiet > (bound := self.stall_bound(h)):
-        heard = f"{now - h.beat_t:.1f} s ago: {h.beat.get('doing')}" if h.beat else "never since it started"
-        return errors.StageStalled(h.index, f"no progress for {quiet:.1f} s (bound {bound:.1f} s) while the pipeline had work; "
-                                            f"last heard {heard}")
-    return None
+    return stalled(self.handles, self.stall_bound)
 
-  def _first_failure(self) -> errors.StageFailed | None:
-    # A dead stage makes its neighbours fail too (PeerDead, RingClosed): name the root cause.
-    failures = [f for h in self.handles if (f := h.failure()) is not None]
-    return min(failures, key=lambda f: f.reason in ("PeerDead", "RingClosed"), default=None)
+  def _first_failure(self) -> errors.StageFailed | None: return first_failure(self.handles)
 
   def _fail(self, f: errors.StageFailed) -> errors.StageFailed:
     """A stage failed: end every stage, unlink every segment, and hand back the error to raise."""
@@ -538,8 +417,7 @@ class Launcher:
     return f
 
   # --- health ------------------------------------------------------------------------------------
-  def alive(self) -> list[bool]:
-    return [h.proc.poll() is None and h.fatal is None for h in self.handles]
+  def alive(self) -> list[bool]: return [h.alive for h in self.handles]
 
   def ring_occupancy(self) -> list[float]:
     """Fill fraction of each ring, head ingress first and the tail's egress last."""
@@ -548,27 +426,13 @@ class Launcher:
     return [(st["head"] - st["tail"]) / spec.capacity for st, spec in zip(states, self.arena.specs, strict=True)]
 
   def stage_view(self) -> list[dict]:
-    """What each stage is and last said of itself, without a round trip: layers, device, memory, alive, and its last
-    Heartbeat (steps, tokens and busy seconds since its start; `beat_age_s` since it came)."""
-    now, out = time.monotonic(), []
-    split, devices = getattr(self, "split", None) or [], getattr(self, "devices", None) or []  # set by start()
-    for i, h in enumerate(self.handles):
-      beat = {k: v for k, v in (h.beat or {}).items() if k != "event"} | ({"t": h.beat_t} if h.beat is not None else {})
-      out.append({"stage": i, "pid": h.proc.pid, "alive": h.proc.poll() is None and h.fatal is None,
-                  "layers": list(split[i]) if i < len(split) else None, "device": devices[i] if i < len(devices) else None,
-                  "resident_bytes": h.info.get("resident_bytes"), "family": h.info.get("family"),
-                  "beat": beat, "beat_age_s": round(now - h.beat_t, 3) if h.beat is not None else None})
-    return out
+    """What each stage is and last said of itself, without a round trip (stage_pool.stage_view)."""
+    return stage_view(self.handles, getattr(self, "split", None) or [], getattr(self, "devices", None) or [])  # set by start()
 
   def profile_reports(self, wait_s: float = 0.0) -> list[dict]:
     """Each stage's latest ProfileReport (PYRUNTIME_PROFILE, pyruntime/profiler.py): its hottest lines and CPU over wall.
     After close(), `wait_s` lets each stage's last output (its report at exit) be read first."""
-    deadline = time.monotonic() + wait_s
-    for h in self.handles: h.read_all.wait(max(0.0, deadline - time.monotonic()))
-    latest: dict[int, dict] = {}
-    for ev in list(self.events):
-      if ev.get("event") == Event.PROFILE_REPORT: latest[ev.get("stage", -1)] = ev
-    return [latest[k] for k in sorted(latest)]
+    return profile_reports(self.handles, self.events, wait_s)
 
   def stage_stats(self, timeout: float = 10.0) -> list[dict]:
     """Each stage's counters (records, tokens, compute_s, wait_s, wall_s), asked over the control channel."""
@@ -612,7 +476,8 @@ class Launcher:
              max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,
              ignore_eos: bool = False, cache_salt: str | None = None, prefix_cache: bool = True,
              response_format: dict | None = None, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-             parallel_tool_calls: bool | None = None, on_event: Callable[[Any], None], **sampling: Any) -> StreamHandle:
+             parallel_tool_calls: bool | None = None, speculative: bool = True, on_event: Callable[[Any], None],
+             **sampling: Any) -> StreamHandle:
     """Start one stream without a thread of its own: `on_event` is called from the launcher's driver thread with each
     `Delta` / `Logits`, then exactly one final `Done` or exception instance (a `PyruntimeError`). It must not block
     (an asyncio caller hands events over with `loop.call_soon_threadsafe`). Validation and tokenisation run here, in
@@ -638,6 +503,10 @@ class Launcher:
                       on_event, cache_salt, prefix_cache)
     st.grammar = grammar
     if calls: st.parser = ToolCallParser(self._tool_format()[0])
+    if not isinstance(speculative, bool): raise errors.InvalidOption("speculative", f"must be true or false, got {speculative!r:.80}")
+    # drafts are verified exactly for greedy, free streams on the rows path (docs/speculation.md); others decode plainly
+    if speculative and self.speculative == "ngram" and self.rows_everywhere and params.greedy and grammar is None and not logits:
+      st.drafts = DraftLength(self.draft_tokens)
     with self._lock:
       if self._closed: raise errors.LauncherClosed("the launcher is not running")
       self._waiting.append(st)
@@ -699,7 +568,8 @@ class Launcher:
       blocks = self.prefix.match(st.ids, st.cache_salt) if self.prefix is not None and st.prefix_cache else []
       st.cached = st.computed = len(blocks) * BLOCK
       info = OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
-                      sorted(st.end_ids), st.want_logits, st.cached, [[b, i * BLOCK] for i, b in enumerate(blocks)], st.grammar is not None)
+                      sorted(st.end_ids), st.want_logits, st.cached, [[b, i * BLOCK] for i, b in enumerate(blocks)], st.grammar is not None,
+                      st.drafts is not None)
       st.t_admitted = time.monotonic()
       # the grammar goes to the tail directly, before the OPEN: the tail waits for it when the OPEN says there is one
       if st.grammar is not None: self.handles[-1].send(Command.SET_GRAMMAR, stream=st.id, grammar=st.grammar)
@@ -809,20 +679,55 @@ class Launcher:
       end = token in st.end_ids
     else:
       token, end = int.from_bytes(rec.payload[:4], "little"), bool(rec.flags & FLAG_END)
+    if st.verify is not None: return self._verified(st, pos, token, end, now)
+    if not self._commit(st, pos, token, end, now): self._queue_next(st, token)
+
+  def _commit(self, st: StreamHandle, pos: int, token: int, end: bool, now: float) -> bool:
+    """The token after position `pos` is the stream's: text out; True when that finished it (Done went out)."""
     self.tokens_out += 1
     self._token_times.append(now)
     first = st.computed < len(st.ids)
     st.computed = pos + 1
     if first: self._save_prefix(st, len(st.ids))  # the prompt is in every stage: streams arriving meanwhile can share it
-    if st.push(token, end, now): self._close_stream(st)  # finished: Done went out; free the slot
-    else: self._next.append((st, object_id(st.id, len(st.ids) + len(st.out) - 1), token))
+    if st.push(token, end, now):
+      self._close_stream(st)  # finished: free the slot
+      return True
+    return False
+
+  def _queue_next(self, st: StreamHandle, token: int) -> None:
+    """The stream's next input: its last token, and with speculation a draft after it (pyruntime/speculation.py) when
+    the pipeline is not busy with other streams and the budget and context have room."""
+    q = len(st.ids) + len(st.out) - 1  # the last token's position
+    drafts: list[int] = []
+    if st.drafts is not None and len(self._active) <= SOLO_STREAMS:
+      k = min(st.drafts.next(), st.n_max - len(st.out) - 1, self.context_length - q - 2, MAX_VERIFY_ROWS - 1)
+      drafts = ngram_draft(st.ids + st.out, k) if k > 0 else []
+    if drafts: st.verify = (q, drafts, {})
+    self._next.append((st, object_id(st.id, q), [token, *drafts]))
+
+  def _verified(self, st: StreamHandle, pos: int, token: int, end: bool, now: float) -> None:
+    """One answer to a speculative record; once every row's is in: the tokens up to the first draft the model did not
+    agree with are the stream's, that one included (plain decoding's tokens), and the next input follows them."""
+    q, drafts, got = st.verify
+    got[pos] = (token, end)
+    if len(got) < len(drafts) + 1: return
+    st.verify, accepted = None, 0
+    for i in range(len(drafts) + 1):
+      token, end = got[q + i]
+      if self._commit(st, q + i, token, end, now): break
+      if i < len(drafts) and token == drafts[i]: accepted += 1
+      else: break
+    st.drafts.update(len(drafts), accepted)
+    st.rounds, st.drafted, st.accepted = st.rounds + 1, st.drafted + len(drafts), st.accepted + accepted
+    for key, n in (("rounds", 1), ("drafted", len(drafts)), ("accepted", accepted)): self.spec[key] += n
+    if st.state == "open": self._queue_next(st, token)
 
   def _flush_next(self) -> None:
     """The tail's step is complete: its streams' next tokens go to the head as one group (MORE on all but the last),
     so the head computes them as one batch again instead of waking on the first and taking a batch of one."""
-    nxt = [(st, oid, tok) for st, oid, tok in self._next if st.state == "open"]  # a stream cancelled meanwhile is CLOSEd
+    nxt = [(st, oid, toks) for st, oid, toks in self._next if st.state == "open"]  # a stream cancelled meanwhile is CLOSEd
     self._next.clear()
-    for i, (_, oid, tok) in enumerate(nxt): self._write(oid, struct.pack("<I", tok), FLAG_MORE if i < len(nxt) - 1 else 0)
+    for i, (_, oid, toks) in enumerate(nxt): self._write(oid, struct.pack(f"<{len(toks)}I", *toks), FLAG_MORE if i < len(nxt) - 1 else 0)
 
   def _count_step(self, flags: int) -> None:
     self._group += 1
@@ -850,7 +755,8 @@ class Launcher:
       span = now - recent[0] if len(recent) > 1 else 0.0
       return {"running": len(self._active), "waiting": len(self._waiting), "max_streams": self.max_streams, "tokens": self.tokens_out,
               "steps": self.steps, "last_batch": self.last_batch, "mean_batch": self.step_rows / self.steps if self.steps else 0.0,
-              "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0, "prefix_cache": self._prefix_stats()}
+              "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0, "prefix_cache": self._prefix_stats(),
+              "speculation": {"mode": self.speculative, **self.spec} if self.speculative != "off" else None}
 
   def _write(self, oid: int, payload: Any, flags: int) -> None:
     """Into the head ring, under self._lock. A failed stage raises here; the driver (which learns of failures)
@@ -888,10 +794,7 @@ class Launcher:
 
   def _reap(self) -> None:
     """After the shutdown: end what a start() in another thread made since (a stage spawned, the arena), at once."""
-    for h in self.handles:
-      if h.proc.poll() is None:
-        h.proc.kill()
-        h.proc.wait()
+    kill_stages(self.handles)
     if self.arena is not None: self.arena.close()
 
   def _wake_driver(self) -> None:
@@ -907,20 +810,7 @@ class Launcher:
       if side is not None:
         try: side.close()
         except errors.PyruntimeError: pass
-    failed = grace_s < STOP_GRACE_S
-    for h in self.handles:
-      if not failed: h.send(Command.SHUTDOWN_WORKER)
-      elif h.proc.poll() is None: h.proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for h in self.handles:
-      try: h.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        h.proc.kill()
-        h.proc.wait()
-    for h in self.handles:
-      for f in (h.proc.stdin, h.stderr):
-        try: f.close()
-        except OSError: pass
+    stop_stages(self.handles, grace_s, failed=grace_s < STOP_GRACE_S)
     if self.arena is not None:
       self.arena.close()
     # the streams learn last, so whoever sees their error finds every stage gone and every segment unlinked

@@ -63,6 +63,9 @@ class Metrics:
     self.queue_time = Histogram("pyruntime_request_queue_time_seconds", "Waiting for a free stream slot.", buckets=REQUEST_BUCKETS, registry=r)
     self.prefill_time = Histogram("pyruntime_request_prefill_time_seconds", "From a slot to the first token (the prompt's computation).",
                                   buckets=REQUEST_BUCKETS, registry=r)
+    self.draft_rounds = Counter("pyruntime_speculative_rounds", "Speculative records verified (docs/speculation.md).", registry=r)
+    self.drafted = Counter("pyruntime_speculative_drafted_tokens", "Tokens drafted for verification.", registry=r)
+    self.accepted = Counter("pyruntime_speculative_accepted_tokens", "Drafted tokens the model agreed with.", registry=r)
     self.decode_time = Histogram("pyruntime_request_decode_time_seconds", "From the first token to the last.", buckets=REQUEST_BUCKETS,
                                  registry=r)
     self.pipeline: Callable[[], dict] = lambda: {}           # the sampler's latest view (set by the server)
@@ -81,6 +84,8 @@ class Metrics:
     self.queue_time.observe(t.queue_s)
     self.prefill_time.observe(max(0.0, t.ttft_s - t.queue_s))
     if done.token_ids: self.decode_time.observe(max(0.0, t.elapsed_s - t.ttft_s))
+    if getattr(t, "draft_rounds", 0):
+      self.draft_rounds.inc(t.draft_rounds); self.drafted.inc(t.drafted_tokens); self.accepted.inc(t.accepted_tokens)
 
   def value(self, name: str, labels: dict[str, str] | None = None) -> float:
     return self.registry.get_sample_value(name, labels) or 0.0
@@ -187,7 +192,7 @@ class Sampler:
                        "prompt_tokens": int(m.value("pyruntime_prompt_tokens_total")),
                        "cached_tokens": int(m.value("pyruntime_prompt_cached_tokens_total")),
                        "completion_tokens": int(m.value("pyruntime_completion_tokens_total"))},
-            "speculation": None}
+            "speculation": self._speculation(raw.get("speculation"))}
     if keep:
       with self._lock:
         self.latest = view
@@ -211,6 +216,11 @@ class Sampler:
     if t is not None: self._beats[key] = (pid, beat, busy, rows)
     out.update(steps=beat.get("steps"), doing=beat.get("doing"), busy=busy, rows_per_step=rows)
     return out
+
+  @staticmethod
+  def _speculation(spec: dict | None) -> dict | None:
+    if not spec: return None
+    return {**spec, "acceptance": round(spec["accepted"] / spec["drafted"], 4) if spec.get("drafted") else 0.0}
 
   @staticmethod
   def _prefix(pc: dict) -> dict:

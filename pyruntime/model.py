@@ -451,13 +451,13 @@ class StageModel:
     return out
 
   def forward_mixed(self, slots: list[int], dec_inp: np.ndarray, positions: list[int], slot: int, pre_inp: np.ndarray,
-                    start_pos: int) -> tuple[Tensor, Tensor]:
+                    start_pos: int, every_row: bool = False) -> tuple[Tensor, Tensor]:
     """forward_batch(slots, dec_inp, positions) and prefill_rows(slot, pre_inp, start_pos) (at most rows.MAX_ROWS rows) in
     one pass over the weights: the same results, bit for bit. Returns both, views of one internal buffer."""
     self._check_batch(slots, dec_inp, positions)
     pre_inp = self._validate(slot, pre_inp, start_pos)
     if slot in slots: raise errors.SlotInvalid(f"slot {slot} both decodes and takes prompt rows in one step")
-    dec, pre = self.rows.mixed(slots, dec_inp, positions, slot, pre_inp, start_pos)
+    dec, pre = self.rows.mixed(slots, dec_inp, positions, slot, pre_inp, start_pos, every_row)
     for s, p in zip(slots, positions, strict=True): self._pos[s] = int(p) + 1
     self._pos[slot] = start_pos + len(pre_inp)
     return dec, pre
@@ -466,7 +466,7 @@ class StageModel:
     """The rows of a forward_mixed decode result, in the order of `slots`, each a realized view (no copy)."""
     return self.rows.mixed_rows(batch, slots)
 
-  def prefill_rows(self, slot: int, inp: np.ndarray, start_pos: int) -> Tensor:
+  def prefill_rows(self, slot: int, inp: np.ndarray, start_pos: int, every_row: bool = False) -> Tensor:
     """Prompt rows of the stream in `slot` at positions start_pos... through the rows path, in calls of at most
     rows.MAX_ROWS (where a prompt is cut changes no bit). Returns what `forward` returns: the residual (1, T, dim), or
     on the tail the last row's logits (vocab,); it may alias an internal buffer."""
@@ -474,7 +474,7 @@ class StageModel:
     inp = self._validate(slot, inp, start_pos)
     T = len(inp)
     if T <= MAX_ROWS:
-      out = self.rows.prefill(slot, inp, start_pos)
+      out = self.rows.prefill(slot, inp, start_pos, every_row)
       self._pos[slot] = start_pos + T
       return out
     res = None if self.is_tail else self._empty((1, T, self.dim), self._bdtype)

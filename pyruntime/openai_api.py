@@ -28,8 +28,9 @@ SAMPLING_FIELDS = tuple(SAMPLING)
 # ignore_eos: vLLM's extension (generate through end tokens), which serving benchmarks use for fixed-length outputs
 # cache_salt: vLLM's (requests with different salts share no cached prefix); prefix_cache: false keeps a request out of it
 # response_format: text, json_object or json_schema, enforced by a grammar at the tail (pyruntime/grammar.py)
+# speculative: false keeps a request out of speculative decoding (docs/speculation.md)
 _COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "ignore_eos", "cache_salt", "prefix_cache",
-           "response_format", *SAMPLING_FIELDS}
+           "response_format", "speculative", *SAMPLING_FIELDS}
 # tools, tool_choice, parallel_tool_calls: function tools (pyruntime/tools.py, docs/tools.md); chat only
 SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"},
              COMPLETION: _COMMON | {"prompt"}}
@@ -219,6 +220,7 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     if not isinstance(salt, str) or not salt: raise errors.InvalidOption("cache_salt", f"must be a non-empty string, got {_show(salt)}")
     gen["cache_salt"] = salt
   if _bool(body, "prefix_cache") is False: gen["prefix_cache"] = False
+  if _bool(body, "speculative") is False: gen["speculative"] = False
   if (rf := body.get("response_format")) is not None:
     from pyruntime.grammar import grammar_for
     # its shape and schema checked here, named; the launcher checks the grammar against the vocabulary

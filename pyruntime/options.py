@@ -48,6 +48,8 @@ CHOICES = {c.name: c for c in (
   Choice("weights", ("auto", *WEIGHT_MODES), "auto", "how stages keep the weights: quantized as in the file (least memory, tinygrad's own "
          "kernels), or dequantised once at load; auto: float32 on a CPU when the model fits twice over in free memory (several times "
          "faster there), quantized on GPUs and with --decode reference"),
+  Choice("speculative", ("off", "ngram"), "off", "ngram: draft tokens by looking the stream's last tokens up in its prompt and "
+         "output, verified by the pipeline in one step each (exactly plain decoding's tokens; greedy streams; docs/speculation.md)"),
 )}
 
 PREFIX_CACHE_TOKENS = 8192  # the default budget: tokens whose keys and values every stage keeps (SmolLM2: 46 KB each)
@@ -65,6 +67,8 @@ NUMBERS = {p.name: p for p in (
         lo=0, hi=1 << 28),
   Param("prefill_share", float, PREFILL_SHARE, "beside decoding streams, a new prompt's prefill chunks cost about this share of their "
         "step (0: whole 256-token chunks, the fastest first token and the longest stalls for the others)", lo=0.0, hi=16.0),
+  Param("draft_tokens", int, 8, "the most tokens a speculative draft holds (its length adapts below this to what the model "
+        "accepts)", lo=1, hi=15),
   Param("stall_timeout", float, STALL_TIMEOUT_S, f"a stage with work and no progress this long (or {STALL_STEPS} of its slowest "
         "steps) is ended as stalled", lo=0.5, hi=86400.0),
   Param("stall_capture_timeout", float, STALL_CAPTURE_TIMEOUT_S, "... while it captures a graph that was not prepared at load "

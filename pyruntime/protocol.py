@@ -39,7 +39,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-ABI_VERSION = 3  # 2: chunked prefill between stages, ERROR and MORE records, OpenInfo.prompt_tokens; 3: the prefix cache
+ABI_VERSION = 4  # 2: chunked prefill between stages, ERROR and MORE records, OpenInfo.prompt_tokens; 3: the prefix cache;
+#                 4: speculative records (OpenInfo.speculative)
 
 FLAG_END = 1 << 0     # the tail sampled an end-of-sequence token
 FLAG_OPEN = 1 << 1
@@ -50,6 +51,7 @@ FLAG_CACHE = 1 << 5   # fill prefix-cache blocks from the stream's KV slot (payl
 
 PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: the largest chunk of its prefill (--decode reference)
 MAX_CHUNK = 256       # the most prompt rows one record between stages carries (the rows path's largest chunk)
+MAX_VERIFY_ROWS = 16  # a speculative record: the last token and up to 15 drafted ones (one unit of the rows path)
 # ConfigureRole's options (prefill_share, weights, decode, the stall bounds) are defined once, in pyruntime/options.py
 # (a prompt chunk beside decoding streams costs about prefill_share of their step: Stage.prefill_size)
 from pyruntime.options import DECODE_MODES as DECODE_MODES  # noqa: E402
@@ -95,6 +97,7 @@ class OpenInfo:
   cached: int = 0
   load: list[list[int]] = field(default_factory=list)
   grammar: bool = False                              # a structured answer: its grammar came to the tail first (SetGrammar)
+  speculative: bool = False                          # drafts come as records of up to MAX_VERIFY_ROWS rows, and may rewind
 
   def encode(self, alignment: int) -> bytes: return encode_json(asdict(self), alignment)
 

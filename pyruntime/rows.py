@@ -263,9 +263,10 @@ class RowPath:
     kd, vd = self.key_view(kc)[slot:slot + 1, :, :, start:start + R], self.value_view(vc)[slot:slot + 1, :, start:start + R, :]
     return Tensor(kc.uop.after(kd.uop.store(k.transpose(2, 3).uop))), Tensor(vc.uop.after(vd.uop.store(v.uop)))
 
-  def prefill(self, slot: int, inp: np.ndarray, start: int) -> Tensor:
+  def prefill(self, slot: int, inp: np.ndarray, start: int, every_row: bool = False) -> Tensor:
     """Rows inp (T tokens or (T, dim)) of the stream in `slot` at positions start..start+T-1, T <= MAX_ROWS. Returns,
-    realized: the residual (1, T, dim), or on the tail the logits (vocab,) of the last row. May alias an internal buffer."""
+    realized: the residual (1, T, dim), or on the tail the logits (vocab,) of the last row (`every_row`, T <= ROW_UNIT:
+    a list of every row's logits, which the graph computes anyway). May alias an internal buffer."""
     m = self.m
     T = len(inp)
     if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
@@ -275,9 +276,16 @@ class RowPath:
       ret = self.prefill_graph()(self.prefill_in, self.prefill_pos, self.prefill_rope, self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot),
                              self.v_start.bind(start), self.v_kv.bind(_round(start + R, KV_UNIT) // KV_UNIT))
     buf = ret.uop.buf_uop.buffer
-    if m.is_tail:
-      return m._view(buf, (m.vocab_size,), (T - 1 - (R - ROW_UNIT)) * m.vocab_size)
+    if m.is_tail: return self._tail_rows(buf, T, R, 0, every_row)
     return m._view(buf, (1, T, m.dim))
+
+  def _tail_rows(self, buf: Any, T: int, R: int, at: int, every_row: bool) -> Any:
+    """The tail's logits of a chunk of T rows (padded to R) that start `at` rows into the graph's output, which holds the
+    last ROW_UNIT rows of the chunk: the last row's (vocab,), or with `every_row` (T <= ROW_UNIT) all of them (T, vocab)."""
+    m = self.m
+    if not every_row: return m._view(buf, (m.vocab_size,), (at + T - 1 - (R - ROW_UNIT)) * m.vocab_size)
+    if T > ROW_UNIT: raise errors.ActivationExtentInvalid(f"every row's logits: at most {ROW_UNIT} rows, got {T}")
+    return [m._view(buf, (m.vocab_size,), (at + i) * m.vocab_size) for i in range(T)]
 
   def _stage_prefill(self, inp: np.ndarray, start: int, R: int) -> None:
     pos = np.arange(start, start + R, dtype=np.int32)
@@ -376,7 +384,8 @@ class RowPath:
     if self.m.is_tail: x = _join(self.tail_join, [(x[:, :W], 0, W), (x[:, W + R - ROW_UNIT:W + R], W, ROW_UNIT)])
     return self._egress(x)
 
-  def mixed(self, slots: list[int], dec_inp: np.ndarray, positions: list[int], slot: int, pre_inp: np.ndarray, start: int) -> tuple[Tensor, Tensor]:
+  def mixed(self, slots: list[int], dec_inp: np.ndarray, positions: list[int], slot: int, pre_inp: np.ndarray, start: int,
+            every_row: bool = False) -> tuple[Tensor, Tensor]:
     """decode(slots, dec_inp, positions) and prefill(slot, pre_inp, start) in one pass: the same results (bit for bit: the
     same per-row code and sums), in less time than the two apart. Returns (what decode returns, what prefill returns),
     views of one buffer."""
@@ -406,8 +415,7 @@ class RowPath:
                                 self.v_kv.bind(kv), self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot), self.v_start.bind(start),
                                 self.v_kvp.bind(kvp))
     buf = ret.uop.buf_uop.buffer
-    if m.is_tail:
-      return m._view(buf, (W, m.vocab_size)), m._view(buf, (m.vocab_size,), (W + T - 1 - (R - ROW_UNIT)) * m.vocab_size)
+    if m.is_tail: return m._view(buf, (W, m.vocab_size)), self._tail_rows(buf, T, R, W, every_row)
     return m._view(buf, (W, 1, m.dim)), m._view(buf, (1, T, m.dim), W * m.dim)
 
   def mixed_rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:

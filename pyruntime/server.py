@@ -39,7 +39,7 @@ from starlette.routing import Route
 
 from pyruntime import errors
 from pyruntime import openai_api as api
-from pyruntime.launcher import Delta, Done
+from pyruntime.events import Delta, Done
 from pyruntime.metrics import CONTENT_TYPE, Metrics, Sampler
 from pyruntime.metrics import parse_expert_load as parse_expert_load  # `inspect --server` reads a server's expert load back
 from pyruntime.openai_api import (

@@ -34,6 +34,7 @@ from pyruntime.protocol import (
   FLAG_ERROR,
   FLAG_MORE,
   FLAG_OPEN,
+  MAX_VERIFY_ROWS,
   PREFILL_SHARE,
   WEIGHT_MODES,
   Command,
@@ -156,9 +157,15 @@ class Stream:
   end_ids: frozenset[int] = frozenset()
   logits: bool = False
   constraint: Any = None             # the tail's grammar matcher of a structured answer (pyruntime/grammar.py)
+  speculative: bool = False          # records past the prompt may hold drafted rows, and may go back (docs/speculation.md)
+  history_base: int = 0              # the tail: history entries before the first generated token
 
   def next_is_decode(self) -> bool:
-    return bool(self.pending) and self.prompt_tokens is not None and self.pending[0][0] >= self.prompt_tokens
+    return bool(self.pending) and self.prompt_tokens is not None and self.pending[0][0] >= self.prompt_tokens and len(self.pending[0][1]) == 1
+
+  def is_verify(self, pos: int) -> bool:
+    """A record of drafted rows past the prompt (computed as a chunk, every row answered at the tail)."""
+    return self.speculative and self.prompt_tokens is not None and pos >= self.prompt_tokens
 
 
 class Stage:
@@ -403,10 +410,16 @@ class Stage:
         raise errors.BoundarySchemaMismatch(f"stream {stream_id}: mla_position_state says positions {parts[MLA_POS].reshape(-1)[:4].tolist()}..., "
                                             f"the record stands at {pos}")
       if pos != st.position:
-        raise errors.StreamPositionInvalid(f"stream {stream_id} stands at position {st.position}, record says {pos}")
+        # a speculative stream goes back to after its last accepted token: the rejected rows' keys and values are
+        # overwritten before any row reads them (attention reads positions up to its own only)
+        if not (st.is_verify(pos) and pos < st.position and not st.pending):
+          raise errors.StreamPositionInvalid(f"stream {stream_id} stands at position {st.position}, record says {pos}")
+        st.position = pos
       if st.prompt_tokens is None: st.prompt_tokens = len(x)
-      if pos >= st.prompt_tokens and len(x) != 1:
+      if pos >= st.prompt_tokens and len(x) != 1 and not (st.is_verify(pos) and len(x) <= MAX_VERIFY_ROWS):
         raise errors.ActivationExtentInvalid(f"stream {stream_id}: a decode record carries one token, this one {len(x)}")
+      if st.sampler is not None and pos >= st.prompt_tokens:  # the tail forgets drafted tokens the launcher did not keep
+        del st.history[st.history_base + pos - st.prompt_tokens + 1:]
       if pos < st.prompt_tokens < pos + len(x):
         raise errors.ActivationExtentInvalid(f"stream {stream_id}: a record at {pos} of {len(x)} tokens runs past the prompt's "
                                              f"{st.prompt_tokens}")
@@ -436,7 +449,7 @@ class Stage:
     if prompt_tokens is not None and (not isinstance(prompt_tokens, int) or prompt_tokens < 1):
       raise errors.ActivationExtentInvalid(f"stream {stream_id} opened with prompt_tokens={prompt_tokens!r}")
     self.model.reset_slot(slot)
-    st = Stream(slot, prompt_tokens)
+    st = Stream(slot, prompt_tokens, speculative=bool(info.get("speculative")) and self.model.rows is not None)
     if (cached := info.get("cached", 0)) or info.get("load"):
       if self.blocks is None: raise errors.PrefixBlocksInvalid(f"stream {stream_id} asks for cached blocks; this stage keeps none")
       st.position = self.blocks.load(slot, info.get("load"))
@@ -449,6 +462,7 @@ class Stage:
       if not info.get("identity"): raise errors.ResultIdentityMissing(f"stream {stream_id} opened without a request identity")
       st.sampler = Sampler(SamplingParams.from_dict(info.get("sampling", {})), self.model.vocab_size, self.model.device)
       st.history, st.end_ids, st.logits = list(info.get("history", [])), frozenset(info.get("end_ids", [])), bool(info.get("logits"))
+      st.history_base = len(st.history)
       if info.get("grammar"):
         from pyruntime.grammar import Constraint
         st.constraint = Constraint(self.await_grammar(stream_id), self._tok(), self.model.vocab_size)
@@ -557,7 +571,7 @@ class Stage:
   def next_chunk(self, st: Stream) -> tuple[int, np.ndarray]:
     """The next piece of `st`'s prompt to compute: (its first position, its rows), sized by prefill_size."""
     pos, x = st.pending[0]
-    n = min(len(x), self.prefill_size(st))
+    n = len(x) if st.is_verify(pos) else min(len(x), self.prefill_size(st))  # drafted rows go whole: each needs its answer
     if n == len(x): st.pending.popleft()
     else: st.pending[0] = (pos + n, x[n:])
     return pos, x[:n]
@@ -570,7 +584,9 @@ class Stage:
     items = [(sid, st, *st.pending.popleft()) for sid, st in rows]
     pos, x = self.next_chunk(pst)
     slots = [st.slot for _, st, _, _ in items]
-    dec, pre = self.model.forward_mixed(slots, np.concatenate([r for *_, r in items]), [p for _, _, p, _ in items], pst.slot, x, pos)
+    verify = self.model.is_tail and pst.is_verify(pos)
+    dec, pre = self.model.forward_mixed(slots, np.concatenate([r for *_, r in items]), [p for _, _, p, _ in items], pst.slot, x, pos,
+                                        every_row=verify)
     outs = self.model.mixed_rows(dec, slots)
     self.model.synchronize()
     t1 = time.monotonic()
@@ -578,7 +594,8 @@ class Stage:
     for i, ((sid, st, p, _), out) in enumerate(zip(items, outs, strict=True)):
       self.emit(sid, st, p, 1, out, FLAG_MORE if i < last else 0, publish=i == last)
     n = len(x)
-    if not self.model.is_tail or pos + n == pst.prompt_tokens: self.emit(psid, pst, pos, n, pre, 0)
+    if verify: self.emit_rows(psid, pst, pos, pre)
+    elif not self.model.is_tail or pos + n == pst.prompt_tokens: self.emit(psid, pst, pos, n, pre, 0)
     t2 = time.monotonic()
     # the chunk's share: what the step took beyond a decode step of the same window (every slot), timed at warm-up
     decode_s = self.model.shape_ms.get(self.model.slots, 1e3 * self.step_s) / 1e3
@@ -594,10 +611,12 @@ class Stage:
     t0 = time.monotonic()
     pos, x = self.next_chunk(st)
     n = len(x)
-    out = self.model.forward(st.slot, x, pos, prefill=True)
+    verify = self.model.is_tail and st.is_verify(pos)
+    out = self.model.prefill_rows(st.slot, x, pos, every_row=True) if verify else self.model.forward(st.slot, x, pos, prefill=True)
     self.model.synchronize()  # its kernels are queued, not done: the chunk's cost sizes the next one
     t1 = time.monotonic()
-    if not self.model.is_tail or pos + n == st.prompt_tokens: self.emit(sid, st, pos, n, out, 0)
+    if verify: self.emit_rows(sid, st, pos, out)
+    elif not self.model.is_tail or pos + n == st.prompt_tokens: self.emit(sid, st, pos, n, out, 0)
     t2 = time.monotonic()
     self.note_prefill(n, t1 - t0)
     self.stats.update(records=self.stats["records"] + 1, tokens=self.stats["tokens"] + n, prefill_chunks=self.stats["prefill_chunks"] + 1,
@@ -648,6 +667,17 @@ class Stage:
         try: st.constraint.take(token)
         except errors.StreamFailed as e: return self.fail_stream(sid, st, e)  # a mask lets no such token through: a bug
     self.put(oid, token.to_bytes(4, "little"), flags | (FLAG_END if end else 0), publish)
+
+  def emit_rows(self, sid: int, st: Stream, pos: int, rows: list[Any]) -> None:
+    """The tail's answers to a speculative record: a token for every row, in order, each sampled with the history of
+    the rows before it (which is right exactly when those rows' drafts were, the only case the launcher keeps); one
+    MORE group, published at once."""
+    last = len(rows) - 1
+    for i, logits in enumerate(rows):
+      token = st.sampler.sample(logits, st.history)
+      st.history.append(token)
+      flags = (FLAG_MORE if i < last else 0) | (FLAG_END if token in st.end_ids else 0)
+      self.put(object_id(sid, pos + i), token.to_bytes(4, "little"), flags, publish=i == last)
 
   def put(self, oid: int, payload: Any, flags: int, publish: bool) -> None:
     if publish: return self.writer.write(oid, payload, flags)

@@ -1,0 +1,57 @@
+"""Speculative decoding's drafter and its draft length (docs/speculation.md).
+
+The drafter is prompt lookup (n-grams): the stream's last tokens are looked up earlier in its prompt and output, and
+the tokens that followed there are the draft. No second model. The pipeline verifies a draft as one record of rows
+(the last token and the draft), which every stage computes through the rows path with the bits of decode rows
+(docs/prompt-path.md); the tail samples every row, and the launcher keeps the longest prefix the model agrees with
+plus the model's own next token, so the output is the output of plain decoding, token for token.
+
+The draft length adapts: per stream to how much of its drafts the model accepted (a stream whose drafts fail drafts
+none, and probes again later), and to load (no drafts while the pipeline has more streams than
+`SOLO_STREAMS`: a draft rides in a step as a prompt chunk does, and one chunk per step would hold the others back).
+"""
+from __future__ import annotations
+
+MAX_NGRAM = 4         # the longest suffix looked up
+MIN_NGRAM = 2         # shorter matches draft too often wrongly to pay for their rows
+SOLO_STREAMS = 2      # more streams running than this: no drafts (the batch is the better use of a step)
+PROBE_EVERY = 8       # a stream that drafts nothing tries again after this many tokens
+MIN_ACCEPTED = 1.5    # tokens a round must keep on average beyond its own: a verify round costs about 2.5 plain steps here
+
+
+def ngram_draft(tokens: list[int], k: int, max_n: int = MAX_NGRAM, min_n: int = MIN_NGRAM) -> list[int]:
+  """Up to k tokens that followed an earlier occurrence of the longest suffix of `tokens` (max_n down to min_n tokens
+  long): the latest occurrence with k tokens after it (the most recent context repeats best; one just before the end has
+  too few), else the one with the most; [] when none occurs."""
+  if k <= 0: return []
+  n_tok = len(tokens)
+  for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
+    tail, best = tokens[n_tok - n:], []
+    for start in range(n_tok - n - 1, -1, -1):
+      if tokens[start:start + n] == tail:
+        follow = tokens[start + n:start + n + k]
+        if len(follow) > len(best): best = follow
+        if len(best) == k: break
+    if best: return best
+  return []
+
+
+class DraftLength:
+  """One stream's draft length. A verify record's rows are padded to one unit of the rows path (16), so a longer draft
+  costs about what a short one does: drafts are as long as the limit while they pay, i.e. while the tokens accepted per
+  round (a moving average) cover a round's extra cost over a plain step (MIN_ACCEPTED); below that the stream drafts
+  nothing, and after PROBE_EVERY plain tokens it tries again."""
+
+  def __init__(self, limit: int):
+    self.limit, self.k, self.idle, self.mean = limit, limit, 0, float(limit)
+
+  def next(self) -> int:
+    if self.k > 0 or self.limit == 0: return self.k
+    self.idle += 1
+    if self.idle >= PROBE_EVERY: self.idle, self.k, self.mean = 0, self.limit, MIN_ACCEPTED
+    return self.k
+
+  def update(self, drafted: int, accepted: int) -> None:
+    if drafted == 0: return
+    self.mean = 0.5 * self.mean + 0.5 * accepted
+    self.k = self.limit if self.mean >= MIN_ACCEPTED else 0

@@ -1,0 +1,161 @@
+"""The stage processes of a pipeline: spawning one (`python -m pyruntime.stage`), reading its control channel on a
+thread of its own, and what the launcher watches (its Heartbeats, its fatal event, its exit). The launcher owns the
+rings and the streams; this module owns the processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pyruntime import errors
+from pyruntime.protocol import Command, Event
+
+
+@dataclass
+class StageHandle:
+  """One stage process and its control channel."""
+  index: int
+  proc: subprocess.Popen
+  stderr: Any
+  events: queue.Queue = field(default_factory=queue.Queue)
+  fatal: dict | None = None
+  info: dict = field(default_factory=dict)
+  send_lock: threading.Lock = field(default_factory=threading.Lock)
+  beat: dict | None = None      # its last Heartbeat, and when it came
+  beat_t: float = 0.0
+  progress_t: float = 0.0       # when it last made progress, or said it had nothing to do (the stall rule)
+  read_all: threading.Event = field(default_factory=threading.Event)  # its output is read to the end (it exited)
+
+  @property
+  def alive(self) -> bool: return self.proc.poll() is None and self.fatal is None
+
+  def note_beat(self, ev: dict) -> None:
+    now, last = time.monotonic(), self.beat
+    if last is None or not ev.get("busy") or (ev.get("steps"), ev.get("records")) != (last.get("steps"), last.get("records")):
+      self.progress_t = now
+    self.beat, self.beat_t = ev, now
+
+  def send(self, command: str, **args: Any) -> None:
+    line = json.dumps({"command": command, **args}) + "\n"
+    try:
+      with self.send_lock:  # lines from several threads (a stream's grammar, stats) must not interleave
+        self.proc.stdin.write(line)
+        self.proc.stdin.flush()
+    except (BrokenPipeError, ValueError, OSError):
+      pass  # the process is gone; its reader thread reports why
+
+  def stderr_tail(self, n: int = 2000) -> str:
+    try:
+      self.stderr.flush(); self.stderr.seek(0, os.SEEK_END)
+      self.stderr.seek(max(0, self.stderr.tell() - n))
+      return self.stderr.read().decode(errors="replace")
+    except (OSError, ValueError): return ""
+
+  def failure(self) -> errors.StageFailed | None:
+    if self.fatal is not None:
+      return errors.StageFailed(self.index, self.fatal.get("reason", Event.WORKER_FATAL), self.fatal.get("message", ""))
+    if (rc := self.proc.poll()) is not None:
+      how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+      return errors.StageFailed(self.index, "WorkerExited", f"{how}; stderr tail: {self.stderr_tail(600).strip()}")
+    return None
+
+
+def spawn_stage(index: int, env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None) -> StageHandle:
+  """Start one `python -m pyruntime.stage` process, and the thread that puts its events on `h.events` (None at its
+  end), calling `on_event` with each first. The launcher's way, and the tests' (tests/stageproc.py)."""
+  err = tempfile.TemporaryFile()
+  proc = subprocess.Popen([sys.executable, "-m", "pyruntime.stage"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=err, env=env, text=True, bufsize=1)
+  h = StageHandle(index, proc, err)
+  threading.Thread(target=_pump, args=(h, on_event), name=f"stage-{index}-events", daemon=True).start()
+  return h
+
+
+def _pump(h: StageHandle, on_event: Callable[[dict], None] | None) -> None:
+  for line in h.proc.stdout:
+    try: ev = json.loads(line)
+    except json.JSONDecodeError: continue
+    ev.setdefault("stage", h.index)
+    if ev.get("event") == Event.HEARTBEAT:  # twice a second for the stage's life: kept as state, not as events
+      h.note_beat(ev)
+      continue
+    if ev.get("event") == Event.WORKER_FATAL: h.fatal = ev
+    if on_event is not None: on_event(ev)
+    h.events.put(ev)
+  h.proc.wait()
+  h.read_all.set()
+  h.events.put(None)  # EOF: the process is gone
+
+
+# --- watching and stopping a pipeline's stages ----------------------------------------------------------------------
+def first_failure(handles: list[StageHandle]) -> errors.StageFailed | None:
+  """The failure to report: a dead stage makes its neighbours fail too (PeerDead, RingClosed), so the root cause first."""
+  failures = [f for h in handles if (f := h.failure()) is not None]
+  return min(failures, key=lambda f: f.reason in ("PeerDead", "RingClosed"), default=None)
+
+
+def stalled(handles: list[StageHandle], bound: Callable[[StageHandle], float]) -> errors.StageStalled | None:
+  """The stall rule (docs/control-channel.md, "Stalls"): the first stage whose last progress (a step finished or a record
+  taken, counted by its data loop's own thread and reported in Heartbeats; or a Heartbeat saying it had nothing to do)
+  is older than `bound(h)`. The caller asks only while the pipeline has work."""
+  now = time.monotonic()
+  for h in handles:
+    quiet = now - h.progress_t
+    if quiet > (b := bound(h)):
+      heard = f"{now - h.beat_t:.1f} s ago: {h.beat.get('doing')}" if h.beat else "never since it started"
+      return errors.StageStalled(h.index, f"no progress for {quiet:.1f} s (bound {b:.1f} s) while the pipeline had work; last heard {heard}")
+  return None
+
+
+def stage_view(handles: list[StageHandle], split: list, devices: list) -> list[dict]:
+  """What each stage is and last said of itself, without a round trip: layers, device, memory, alive, and its last
+  Heartbeat (steps, tokens and busy seconds since its start, `t` when it came; `beat_age_s` since)."""
+  now, out = time.monotonic(), []
+  for i, h in enumerate(handles):
+    beat = {k: v for k, v in (h.beat or {}).items() if k != "event"} | ({"t": h.beat_t} if h.beat is not None else {})
+    out.append({"stage": i, "pid": h.proc.pid, "alive": h.alive, "layers": list(split[i]) if i < len(split) else None,
+                "device": devices[i] if i < len(devices) else None, "resident_bytes": h.info.get("resident_bytes"),
+                "family": h.info.get("family"), "beat": beat, "beat_age_s": round(now - h.beat_t, 3) if h.beat is not None else None})
+  return out
+
+
+def profile_reports(handles: list[StageHandle], events: list[dict], wait_s: float = 0.0) -> list[dict]:
+  """Each stage's latest ProfileReport among `events`; `wait_s` lets stages that are exiting finish their output first."""
+  deadline = time.monotonic() + wait_s
+  for h in handles: h.read_all.wait(max(0.0, deadline - time.monotonic()))
+  latest: dict[int, dict] = {}
+  for ev in list(events):
+    if ev.get("event") == Event.PROFILE_REPORT: latest[ev.get("stage", -1)] = ev
+  return [latest[k] for k in sorted(latest)]
+
+
+def stop_stages(handles: list[StageHandle], grace_s: float, failed: bool) -> None:
+  """Ask every stage to shut down (after a failure: SIGTERM), give them `grace_s`, then SIGKILL; close our pipes."""
+  for h in handles:
+    if not failed: h.send(Command.SHUTDOWN_WORKER)
+    elif h.proc.poll() is None: h.proc.terminate()
+  deadline = time.monotonic() + grace_s
+  for h in handles:
+    try: h.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      h.proc.kill()
+      h.proc.wait()
+  for h in handles:
+    for f in (h.proc.stdin, h.stderr):
+      try: f.close()
+      except OSError: pass
+
+
+def kill_stages(handles: list[StageHandle]) -> None:
+  for h in handles:
+    if h.proc.poll() is None:
+      h.proc.kill()
+      h.proc.wait()

@@ -1,0 +1,129 @@
+"""Speculative decoding (pyruntime/speculation.py, docs/speculation.md): the drafter and the draft length alone; then
+through real stage processes on tiny models, every request's tokens with speculation on are plain decoding's — greedy,
+with penalties, stop strings, ignore_eos and a cut budget, alone and beside other streams, over two and three stages
+and several dense families — while drafts are in fact verified and accepted; streams that cannot be verified exactly
+(seeded, constrained) decode plainly; the prefix cache holds no rejected draft; bad options are refused by name."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from tinymodels import TINY_MODELS, write_tiny_gguf
+
+from pyruntime import errors
+from pyruntime.launcher import Done, Launcher
+from pyruntime.speculation import PROBE_EVERY, DraftLength, ngram_draft
+
+REPEATING = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown"
+
+
+def test_ngram_drafts_follow_the_longest_repeated_suffix():
+  seq = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+  assert ngram_draft(seq, 3) == [4, 5, 9]          # "1 2 3" occurred before: what followed it
+  assert ngram_draft(seq, 10) == [4, 5, 9, 9, 1, 2, 3]
+  assert ngram_draft([5, 6, 7, 8], 4) == []         # nothing repeats
+  assert ngram_draft(seq, 0) == []
+  # the latest occurrence with a whole draft after it wins over an older one
+  assert ngram_draft([7, 8, 1, 7, 8, 2, 0, 0, 7, 8], 2) == [2, 0]
+  assert ngram_draft([3, 3, 3, 3, 3], 3) == [3]     # an occurrence near the end: as many as follow it
+
+
+def test_the_draft_length_follows_acceptance():
+  d = DraftLength(8)
+  assert d.next() == 8                              # a long draft costs what a short one does (one padded unit)
+  d.update(8, 5); assert d.next() == 8
+  for _ in range(3): d.update(8, 0)                 # drafts that do not pay: none
+  assert d.next() == 0
+  assert [d.next() for _ in range(PROBE_EVERY)][-1] == 8  # ... until a probe
+  d.update(8, 0); assert d.next() == 0
+
+
+@pytest.mark.parametrize("bad", [{"speculative": "model:x.gguf"}, {"speculative": True}, {"draft_tokens": 0}, {"draft_tokens": 16},
+                                 {"draft_tokens": 2.5}])
+def test_bad_speculation_options_are_refused_by_name(bad):
+  with pytest.raises(errors.InvalidOption) as e: Launcher(None, **bad)
+  assert e.value.field == next(iter(bad))
+
+
+# --- through stage processes ----------------------------------------------------------------------------------------
+def ask(lm: Launcher, prompt: str, **kw) -> Done:
+  kw.setdefault("max_tokens", 48)
+  return next(ev for ev in lm.generate(prompt, raw=True, **kw) if isinstance(ev, Done))
+
+
+CASES = [{}, {"repetition_penalty": 1.2, "presence_penalty": 0.3}, {"stop": ["lazy"]}, {"ignore_eos": True, "max_tokens": 70},
+         {"max_tokens": 7}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  return str(write_tiny_gguf(tmp_path_factory.mktemp("spec") / "tiny.gguf", **TINY_MODELS["llama_tied"]))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+  with Launcher(tiny, split=[(0, 2), (2, 5)], max_context=256) as lm: yield lm
+
+
+@pytest.fixture(scope="module")
+def spec(tiny):
+  with Launcher(tiny, split=[(0, 2), (2, 5)], max_context=256, speculative="ngram") as lm: yield lm
+
+
+@pytest.mark.integration
+def test_speculative_tokens_are_plain_decodings(plain, spec):
+  drafted = 0
+  for prompt in (REPEATING, "Hello world! Hello there, how are you? Hello world! Hello"):
+    for kw in CASES:
+      want, got = ask(plain, prompt, **kw), ask(spec, prompt, **kw)
+      assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), (prompt, kw)
+      assert want.timings.draft_rounds == 0
+      drafted += got.timings.accepted_tokens
+  assert drafted > 20  # the drafts were verified, and the model agreed with many of them
+
+
+@pytest.mark.integration
+def test_a_request_may_opt_out_and_streams_that_cannot_be_verified_exactly_decode_plainly(plain, spec):
+  assert ask(spec, REPEATING, speculative=False).timings.draft_rounds == 0
+  seeded = ask(spec, REPEATING, temperature=0.8, seed=3)
+  assert seeded.timings.draft_rounds == 0 and seeded.token_ids == ask(plain, REPEATING, temperature=0.8, seed=3).token_ids
+  constrained = ask(spec, REPEATING, response_format={"type": "json_object"})
+  assert constrained.timings.draft_rounds == 0
+  with pytest.raises(errors.InvalidOption) as e: spec.submit("x", raw=True, speculative="yes", on_event=print)
+  assert e.value.field == "speculative"
+
+
+@pytest.mark.integration
+def test_speculating_beside_other_streams_changes_no_token(plain, spec):
+  prompts = [REPEATING, "Hello world! Hello world! Hello", "The dog sleeps in the sun, and the dog sleeps", "In the beginning"]
+  want = [ask(plain, p).token_ids for p in prompts]
+  got: dict[int, list[int]] = {}
+  go = threading.Barrier(len(prompts))
+
+  def one(i: int) -> None:
+    go.wait()
+    got[i] = ask(spec, prompts[i]).token_ids
+  threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+  for t in threads: t.start()
+  for t in threads: t.join(300)
+  assert [got[i] for i in range(len(prompts))] == want
+
+
+@pytest.mark.integration
+def test_the_prefix_cache_keeps_no_rejected_draft(plain, spec):
+  """A speculated answer is saved to the prefix cache (decoded positions included); a request that continues it reads
+  those blocks and must see plain decoding's keys and values: its tokens equal a plain launcher's."""
+  first = ask(spec, REPEATING, max_tokens=60)
+  follow = REPEATING + spec.tokenizer.decode(first.token_ids)
+  again = ask(spec, follow, max_tokens=20, speculative=False)
+  assert again.usage.cached_tokens > 0
+  assert again.token_ids == ask(plain, follow, max_tokens=20, prefix_cache=False).token_ids
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family,split", [("qwen2", [(0, 1), (1, 3), (3, 4)]), ("qwen3", [(0, 3), (3, 5)]), ("llama_gqa", [(0, 6)])])
+def test_families_and_splits_speculate_exactly(tmp_path, family, split):
+  path = write_tiny_gguf(tmp_path / f"{family}.gguf", **TINY_MODELS[family])
+  with Launcher(path, split=split, max_context=256) as lm: want = [ask(lm, REPEATING, **kw) for kw in CASES[:3]]
+  with Launcher(path, split=split, max_context=256, speculative="ngram") as lm: got = [ask(lm, REPEATING, **kw) for kw in CASES[:3]]
+  assert [g.token_ids for g in got] == [w.token_ids for w in want]

@@ -447,7 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.set_defaults(fn=cmd_inspect)
   p = command("serve", "an OpenAI-compatible HTTP server")
   _add_model_args(p)
-  p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback there is no authentication)")
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback, use --api-key)")
+  p.add_argument("--api-key", default=None, help="the API, /stats and /metrics need 'Authorization: Bearer KEY' (the page asks for it) "
+                 "(default: none)")
+  p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                 help="a Host name the server answers to besides loopback and --host (repeatable; against DNS rebinding) (default: none)")
   p.add_argument("--port", type=int, default=8000, help="TCP port")
   p.add_argument("--queue-size", type=int, default=16, help="requests waiting beyond this get 429")
   p.add_argument("--max-body-bytes", type=int, default=server.MAX_BODY_BYTES, help="a request body longer than this gets 413")

@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pyruntime import errors
+from pyruntime import errors, page
 from pyruntime import openai_api as api
 from pyruntime.events import Delta, Done
 from pyruntime.metrics import CONTENT_TYPE, Metrics, Sampler
@@ -562,8 +562,12 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX_BODY_BYTES,
                timeout_request_body: float = TIMEOUT_REQUEST_BODY, restart: Callable[[], LauncherLike] | None = None,
                restart_attempts: int = RESTART_ATTEMPTS, restart_backoff_s: float = RESTART_BACKOFF_S,
-               restart_backoff_max_s: float = RESTART_BACKOFF_MAX_S) -> Starlette:
-  """The OpenAI-compatible app over a started launcher (or anything with its interface).
+               restart_backoff_max_s: float = RESTART_BACKOFF_MAX_S, api_key: str | None = None,
+               allowed_hosts: frozenset[str] | None = None) -> Starlette:
+  """The OpenAI-compatible app over a started launcher (or anything with its interface), with its page at `/`.
+
+  `api_key`: the API, /stats and /metrics need `Authorization: Bearer api_key`; `allowed_hosts`: the Host names it
+  answers to (None: any); a request from a foreign Origin is refused either way (pyruntime/page.py, docs/page.md).
 
   A body longer than `max_body_bytes` is answered 413 (request_too_large) without being read past
   the limit; one that takes longer than `timeout_request_body` seconds to arrive, 408.
@@ -612,6 +616,7 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
             Route("/v1/completions", completions, methods=["POST"]), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]), Route("/stats/profile", profile, methods=["GET"])]
+  routes += page.routes()
   known = {r.path for r in routes if "{" not in r.path}
 
   @contextlib.asynccontextmanager
@@ -620,7 +625,9 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
     try: yield
     finally: state.sampler.stop()
 
-  app = Starlette(routes=routes, middleware=[Middleware(CountRequests, metrics=state.metrics, known=known),
+  if api_key is not None and not api_key: raise errors.InvalidOption("api_key", "must not be empty")
+  app = Starlette(routes=routes, middleware=[Middleware(page.Guard, api_key=api_key, hosts=allowed_hosts),
+                                             Middleware(CountRequests, metrics=state.metrics, known=known),
                                              Middleware(LimitRequestBody, max_bytes=max_body_bytes, timeout=timeout_request_body)],
                   exception_handlers={HTTPException: _http_error, Exception: internal_error}, lifespan=lifespan)
   app.state.pyruntime = state
@@ -856,12 +863,14 @@ def serve(args: Any, make_launcher: Callable[[], Any]) -> int:
   state: ServerState | None = None
   try:
     app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body,
-                     restart=make_launcher if attempts > 0 else None, restart_attempts=max(1, attempts))
+                     restart=make_launcher if attempts > 0 else None, restart_attempts=max(1, attempts),
+                     api_key=getattr(args, "api_key", None), allowed_hosts=page.allowed_hosts(args.host, getattr(args, "allowed_host", None)))
     state = app.state.pyruntime
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-      sys.stderr.write(f"pyruntime: serving on {args.host}, beyond this host; there is no authentication\n")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not getattr(args, "api_key", None):
+      sys.stderr.write(f"pyruntime: serving on {args.host}, beyond this host, without --api-key: there is no authentication\n")
     sys.stderr.write(f"pyruntime: {lm.model_name} (model id {state.model_id!r}) on {len(lm.split)} stages "
-                     f"{json.dumps([list(r) for r in lm.split])}, context {lm.context_length}: http://{args.host}:{args.port}/v1\n")
+                     f"{json.dumps([list(r) for r in lm.split])}, context {lm.context_length}: http://{args.host}:{args.port}/v1, the page at "
+                     f"http://{args.host}:{args.port}/\n")
     sys.stderr.flush()
     config = uvicorn_config(app, host=args.host, port=args.port, lifespan="on", timeout_graceful_shutdown=5,
                             timeout_keep_alive=t_keep_alive, timeout_request_head=t_head)

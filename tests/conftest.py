@@ -152,3 +152,39 @@ def scrape(text: str) -> dict[tuple[str, frozenset], float]:
 def sample(text: str, name: str, **labels: str) -> float | None:
   """One sample of a /metrics text (None: absent)."""
   return scrape(text).get((name, frozenset(labels.items())))
+
+
+@pytest.fixture(scope="module")
+def browser():
+  """Headless Chromium driven through Selenium (Debian's chromium and chromium-driver; `.ci/setup --test` installs them).
+  Skips, saying why, where none is installed."""
+  import shutil
+
+  try:
+    from selenium import webdriver
+  except ImportError:
+    pytest.skip("selenium is not installed (the test extra has it)")
+  driver_path = shutil.which("chromedriver")
+  binary = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+  if driver_path is None or binary is None: pytest.skip("no headless browser: apt install chromium chromium-driver (.ci/setup --test)")
+  from selenium.webdriver.chrome.service import Service
+  opts = webdriver.ChromeOptions()
+  opts.binary_location = shutil.which(binary)
+  for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,900"): opts.add_argument(a)
+  drv = webdriver.Chrome(service=Service(driver_path), options=opts)
+  drv.set_page_load_timeout(30)
+  yield drv
+  drv.quit()
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "a condition"):
+  """Poll `predicate` until it returns something truthy (returned), failing after `timeout` seconds."""
+  import time
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      if v := predicate(): return v
+    except Exception:  # noqa: BLE001 - a page element not there yet
+      pass
+    if time.monotonic() > deadline: pytest.fail(f"timed out waiting for {what}")
+    time.sleep(0.1)

@@ -223,3 +223,28 @@ def test_a_tool_round_trip_on_the_bundled_model(live):
   follow = [*msgs, msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "celsius": 21}'}]
   r2 = c.chat.completions.create(model="default", messages=follow, tools=[WEATHER_TOOL], max_tokens=30)
   assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls") and r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_the_page_chats_and_stops_on_the_real_model(live, browser):
+  """The page (docs/page.md) in headless Chromium: a message streams its answer; Stop ends it mid-answer and the server's
+  running count returns to 0; the stage boxes' figures change while the stream runs."""
+  from conftest import wait_for
+  from selenium.webdriver.common.by import By
+  lm, srv = live
+  drv = browser
+  drv.get(srv.url + "/")
+  boxes = wait_for(lambda: drv.find_elements(By.CSS_SELECTOR, "#stages .stage"), what="the stage boxes")
+  assert len(boxes) == 2
+  idle = wait_for(lambda: [b.text for b in drv.find_elements(By.CSS_SELECTOR, "#stages .stage")], what="the figures")
+  for name, value in (("max-tokens", "300"), ("temperature", "0")):
+    field = drv.find_element(By.ID, name); field.clear(); field.send_keys(value)
+  drv.find_element(By.ID, "input").send_keys("Write a long story about a dragon who learns to cook.")
+  drv.find_element(By.ID, "send").click()
+  wait_for(lambda: len(drv.find_elements(By.CSS_SELECTOR, ".msg.assistant .body")[-1].text) > 20, what="the answer to stream")
+  wait_for(lambda: [b.text for b in drv.find_elements(By.CSS_SELECTOR, "#stages .stage")] != idle, what="the stage figures to change")
+  drv.find_element(By.ID, "stop").click()
+  meta = wait_for(lambda: drv.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")[-1].text.startswith("stopped") and
+                  drv.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")[-1].text, what="the answer to say stopped")
+  assert "stopped" in meta
+  wait_for(lambda: httpx.get(srv.url + "/stats?history=0").json()["now"]["streams"]["running"] == 0, what="no stream running")
+  assert len(drv.find_elements(By.CSS_SELECTOR, ".msg.assistant .body")[-1].text) > 20  # what came before Stop stays

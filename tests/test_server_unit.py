@@ -806,3 +806,49 @@ def test_drain_ends_running_streams_with_an_error_and_done(server, fake):
   assert ended == [1]
   events = sse_events(box["result"].text)
   assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+
+
+# --- the page and its guard (pyruntime/page.py, docs/page.md) ------------------------------------------------------------
+def test_the_page_is_served_with_a_content_security_policy(server):
+  _, c = server
+  r = c.get("/")
+  assert r.status_code == 200 and r.headers["content-type"].startswith("text/html") and '<script src="/page.js"' in r.text
+  assert "default-src 'self'" in r.headers["content-security-policy"] and r.headers["x-content-type-options"] == "nosniff"
+  assert c.get("/page.js").headers["content-type"].startswith("text/javascript") and c.get("/page.css").status_code == 200
+  assert "default-src 'self'" in c.get("/v1/models").headers["content-security-policy"]  # every response carries it
+
+
+def test_a_foreign_origin_is_refused_and_the_pages_own_is_not(server):
+  srv, c = server
+  r = c.post("/v1/chat/completions", json=chat(max_tokens=2), headers={"origin": "http://evil.example"})
+  assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin_refused"
+  assert c.post("/v1/chat/completions", json=chat(max_tokens=2), headers={"origin": srv.url}).status_code == 200
+
+
+def test_dns_rebinding_is_refused_by_host(fake):
+  from pyruntime.page import allowed_hosts
+  assert allowed_hosts("0.0.0.0") is None and "example.org" in allowed_hosts("0.0.0.0", ["example.org"])
+  srv = BackgroundServer(create_app(fake, allowed_hosts=allowed_hosts("127.0.0.1"))).start()
+  try:
+    with httpx.Client(base_url=srv.url, timeout=20) as c:
+      r = c.get("/v1/models", headers={"host": "attacker.example"})
+      assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+      assert c.get("/v1/models").status_code == 200 and c.get("/v1/models", headers={"host": "localhost:1"}).status_code == 200
+  finally: srv.stop()
+
+
+def test_an_api_key_guards_the_api_and_the_numbers_but_not_the_pages_shell(fake):
+  srv = BackgroundServer(create_app(fake, api_key="s3cret")).start()
+  try:
+    with httpx.Client(base_url=srv.url, timeout=20) as c:
+      for path in ("/v1/models", "/stats", "/metrics"):
+        r = c.get(path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer", path
+        assert c.get(path, headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert c.get(path, headers={"authorization": "Bearer s3cret"}).status_code == 200
+      assert c.get("/").status_code == 200 and c.get("/health").status_code == 200
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
+    assert client.chat.completions.create(model="default", messages=[{"role": "user", "content": "a b"}], max_tokens=2).choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+      openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
+  finally: srv.stop()

@@ -23,7 +23,7 @@
  * the common case (no arguments but the record) entirely in C and hand anything else -- keyword
  * arguments, a timeout, a status that is not MO_OK -- to a Python function given at bind time,
  * which owns the semantics (timeouts, signals, named errors).  Those hold the Writer/Reader only
- * through a weak reference: no reference cycle, the Python objects die as before.
+ * through a weak reference: no reference cycle, so the Python objects die when their last user drops them.
  *
  * The library (mo_ring.c and mo_ring_extra.c) is compiled into this module (one translation
  * unit: the hot paths inline) with
@@ -44,9 +44,9 @@
 #define FAST_COPY_NOGIL 65536 /* payloads this large are copied with the GIL released */
 #endif
 /* An empty ring is first watched this long with the GIL held (at most the handle's spin_ns):
- * a record that comes within it is taken without the GIL release and re-take (~0.1-0.2 us on
+ * a record that comes within it is taken without releasing and re-taking the GIL (a cost on
  * the critical path of a ping-pong).  Other Python threads of the process wait at most this
- * long; past it the wait continues in C without the GIL, as before. */
+ * long; past it the wait continues in C without the GIL. */
 #ifndef FAST_GIL_SPIN_NS /* -D for experiments */
 #define FAST_GIL_SPIN_NS 5000
 #endif

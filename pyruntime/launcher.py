@@ -323,9 +323,9 @@ class Launcher:
         h.send(Command.INSTALL_RING, arena=self.arena.name, ingress=h.index, egress=h.index + 1, ingress_boundary=upstream)
       for h in self.handles: self._expect(h, Event.RING_INSTALLED, 30)
       self.head, self.tail = self.arena.writer(0), self.arena.reader(len(self.split))
-      # A token comes every step (ms at least): spinning for it only takes a core from the stages. Parked, each liveness
-      # check (kill + /proc read, on cold caches) cost ~100 us of the driver's CPU: every 50 ms that was half of its CPU
-      # per token. A stage that dies closes its rings or is seen by its neighbours, which close theirs, so the driver
+      # A token comes every step (ms at least): spinning for it only takes a core from the stages. Parked, the ring
+      # checks the tail stage's liveness (a kill and a /proc read, costly on cold caches) only every DRIVER_WAKE_S, not
+      # every POLL_S: a stage that dies closes its rings or is seen by its neighbours, which close theirs, so the driver
       # learns at once; this check (with _first_failure at DRIVER_WAKE_S) is only the backstop for a killed tail.
       self.tail.set_wait(spin=0.0, poll=DRIVER_WAKE_S)
       self.template = self.header.kv.get("tokenizer.chat_template") or ""

@@ -557,7 +557,7 @@ class Stage:
       outs = self.model.batch_rows(batch, [st.slot for _, st, _, _ in items])
       t1 = time.monotonic()
       # the step's records become visible together (one publishing store, one wake-up of the reader): the next stage
-      # and the launcher take a MORE group as a whole anyway, and woke once per row when each was published alone
+      # and the launcher take a MORE group as a whole anyway, so publishing each row would only wake them per row
       last = len(items) - 1
       for i, ((sid, st, pos, _), out) in enumerate(zip(items, outs, strict=True)):
         self.emit(sid, st, pos, 1, out, FLAG_MORE if i < last else 0, publish=i == last)

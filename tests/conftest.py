@@ -188,3 +188,18 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "a condition"):
       pass
     if time.monotonic() > deadline: pytest.fail(f"timed out waiting for {what}")
     time.sleep(0.1)
+
+
+def run_together(fn, n: int, timeout: float = 300.0) -> dict:
+  """fn(0) .. fn(n-1) on n threads released at once (so their streams run beside each other): {i: fn(i)}."""
+  import threading
+  out: dict = {}
+  go = threading.Barrier(n)
+
+  def one(i: int) -> None:
+    go.wait()
+    out[i] = fn(i)
+  threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+  for t in threads: t.start()
+  for t in threads: t.join(timeout)
+  return out

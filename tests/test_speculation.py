@@ -5,9 +5,8 @@ and several dense families — while drafts are in fact verified and accepted; s
 (seeded, constrained) decode plainly; the prefix cache holds no rejected draft; bad options are refused by name."""
 from __future__ import annotations
 
-import threading
-
 import pytest
+from conftest import run_together
 from tinymodels import TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
@@ -108,15 +107,7 @@ def test_a_request_may_opt_out_and_streams_that_cannot_be_verified_exactly_decod
 def test_speculating_beside_other_streams_changes_no_token(plain, spec):
   prompts = [REPEATING, "Hello world! Hello world! Hello", "The dog sleeps in the sun, and the dog sleeps", "In the beginning"]
   want = [ask(plain, p).token_ids for p in prompts]
-  got: dict[int, list[int]] = {}
-  go = threading.Barrier(len(prompts))
-
-  def one(i: int) -> None:
-    go.wait()
-    got[i] = ask(spec, prompts[i]).token_ids
-  threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-  for t in threads: t.start()
-  for t in threads: t.join(300)
+  got = run_together(lambda i: ask(spec, prompts[i]).token_ids, len(prompts))
   assert [got[i] for i in range(len(prompts))] == want
 
 

@@ -5,11 +5,11 @@ are the same alone and beside others; bad schemas are refused by name before any
 from __future__ import annotations
 
 import json
-import threading
 
 import jsonschema
 import numpy as np
 import pytest
+from conftest import run_together
 from tinymodels import TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
@@ -130,16 +130,7 @@ def test_a_whole_answer_ends_the_stream_even_with_ignore_eos_and_a_cut_one_says_
 def test_constrained_streams_give_the_same_tokens_alone_and_beside_others(lm):
   kw = {i: dict(**({"temperature": 0.8, "seed": i} if i % 2 else {})) for i in range(8)}
   alone = {i: answer(lm, SCHEMAS[i], **kw[i]).token_ids for i in range(8)}
-  together: dict[int, list[int]] = {}
-  go = threading.Barrier(8)
-
-  def one(i: int) -> None:
-    go.wait()
-    together[i] = answer(lm, SCHEMAS[i], **kw[i]).token_ids
-  threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-  for t in threads: t.start()
-  for t in threads: t.join(300)
-  assert together == alone
+  assert run_together(lambda i: answer(lm, SCHEMAS[i], **kw[i]).token_ids, 8) == alone
 
 
 @pytest.mark.integration

@@ -32,6 +32,8 @@ class Usage:
   prompt_tokens: int
   completion_tokens: int
   cached_tokens: int = 0
+  accepted_prediction_tokens: int = 0   # of a request's `prediction`: tokens the answer kept
+  rejected_prediction_tokens: int = 0   # ... and tokens it drafted that the answer did not
 
   @property
   def total_tokens(self) -> int: return self.prompt_tokens + self.completion_tokens

@@ -52,7 +52,7 @@ from pyruntime.protocol import (
   ring_bytes,
   split_object_id,
 )
-from pyruntime.speculation import SOLO_STREAMS, DraftLength, ngram_draft
+from pyruntime.speculation import POSITIONS, SOLO_STREAMS, DraftLength, ngram_draft, prediction_draft
 from pyruntime.stage_pool import StageHandle, first_failure, kill_stages, profile_reports, spawn_stage, stage_view, stalled, stop_stages
 from pyruntime.tools import CallFormat, ToolCall, ToolCallParser, ToolRequest, check_tools
 
@@ -88,6 +88,9 @@ class StreamHandle:
     self.drafts: DraftLength | None = None  # a speculative stream's draft length (pyruntime/speculation.py)
     self.verify: tuple[int, list[int], dict[int, tuple[int, bool]]] | None = None  # in flight: (position, drafts, answers)
     self.rounds = self.drafted = self.accepted = 0
+    self.predicted: list[int] = []      # OpenAI's `prediction`, tokenized: a drafter of its own
+    self.from_prediction = False        # the draft in flight came from it
+    self.prediction_kept = self.prediction_rejected = 0
     self.cached = 0     # prompt positions copied in from the prefix cache
     self.computed = 0   # positions every stage has computed: the tail answered them
     self.decoder = IncrementalDecoder(launcher.tokenizer)
@@ -157,7 +160,8 @@ class StreamHandle:
     timings = Timings(round(self.launcher.load_s, 4), round(t_first - t0, 4), round(decode, 3), round(now - t0, 4),
                       round((self.t_admitted or t0) - t0, 4), self.rounds, self.drafted, self.accepted)
     self.ended = True
-    return Done(reason, Usage(len(self.ids), len(out), self.cached), timings, self.ids, list(out), "".join(self.text), stop_hit,
+    usage = Usage(len(self.ids), len(out), self.cached, self.prediction_kept, self.prediction_rejected)
+    return Done(reason, usage, timings, self.ids, list(out), "".join(self.text), stop_hit,
                 list(self.calls))
 
   def fail(self, e: BaseException) -> None:
@@ -187,7 +191,7 @@ class Launcher:
                  speculative=speculative, draft_tokens=draft_tokens)
     self.speculative, self.draft_tokens = speculative, draft_tokens
     self.rows_everywhere = False  # every stage runs the rows path (start): what speculation needs
-    self.spec = {"rounds": 0, "drafted": 0, "accepted": 0}
+    self.spec: dict[str, Any] = {"rounds": 0, "drafted": 0, "accepted": 0, "drafted_at": [0] * POSITIONS, "accepted_at": [0] * POSITIONS}
     self.prefix_cache_tokens = prefix_cache
     self.stall_timeout, self.stall_capture_timeout = float(stall_timeout), float(stall_capture_timeout)
     if not isinstance(graph_cache, bool): raise errors.InvalidOption("graph_cache", f"must be true or false, got {graph_cache!r}")
@@ -476,8 +480,8 @@ class Launcher:
              max_tokens: int | None = 256, stop: str | Sequence[str] | None = None, logits: bool = False,
              ignore_eos: bool = False, cache_salt: str | None = None, prefix_cache: bool = True,
              response_format: dict | None = None, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-             parallel_tool_calls: bool | None = None, speculative: bool = True, on_event: Callable[[Any], None],
-             **sampling: Any) -> StreamHandle:
+             parallel_tool_calls: bool | None = None, speculative: bool = True, prediction: str | None = None,
+             on_event: Callable[[Any], None], **sampling: Any) -> StreamHandle:
     """Start one stream without a thread of its own: `on_event` is called from the launcher's driver thread with each
     `Delta` / `Logits`, then exactly one final `Done` or exception instance (a `PyruntimeError`). It must not block
     (an asyncio caller hands events over with `loop.call_soon_threadsafe`). Validation and tokenisation run here, in
@@ -504,8 +508,13 @@ class Launcher:
     st.grammar = grammar
     if calls: st.parser = ToolCallParser(self._tool_format()[0])
     if not isinstance(speculative, bool): raise errors.InvalidOption("speculative", f"must be true or false, got {speculative!r:.80}")
-    # drafts are verified exactly for greedy, free streams on the rows path (docs/speculation.md); others decode plainly
-    if speculative and self.speculative == "ngram" and self.rows_everywhere and params.greedy and grammar is None and not logits:
+    if prediction is not None:
+      if not isinstance(prediction, str): raise errors.InvalidOption("prediction", f"must be the predicted text, got {prediction!r:.80}")
+      st.predicted = self.tokenizer.encode(prediction, parse_special=False)[:self.context_length]
+    # drafts (n-grams, or the caller's prediction) are verified exactly for greedy, free streams on the rows path
+    # (docs/speculation.md); others decode plainly
+    wanted = self.speculative == "ngram" or bool(st.predicted)
+    if speculative and wanted and self.rows_everywhere and params.greedy and grammar is None and not logits:
       st.drafts = DraftLength(self.draft_tokens)
     with self._lock:
       if self._closed: raise errors.LauncherClosed("the launcher is not running")
@@ -701,7 +710,9 @@ class Launcher:
     drafts: list[int] = []
     if st.drafts is not None and len(self._active) <= SOLO_STREAMS:
       k = min(st.drafts.next(), st.n_max - len(st.out) - 1, self.context_length - q - 2, MAX_VERIFY_ROWS - 1)
-      drafts = ngram_draft(st.ids + st.out, k) if k > 0 else []
+      drafts = prediction_draft(st.out, st.predicted, k)
+      st.from_prediction = bool(drafts)
+      if not drafts and self.speculative == "ngram" and k > 0: drafts = ngram_draft(st.ids + st.out, k)
     if drafts: st.verify = (q, drafts, {})
     self._next.append((st, object_id(st.id, q), [token, *drafts]))
 
@@ -719,7 +730,11 @@ class Launcher:
       else: break
     st.drafts.update(len(drafts), accepted)
     st.rounds, st.drafted, st.accepted = st.rounds + 1, st.drafted + len(drafts), st.accepted + accepted
+    if st.from_prediction: st.prediction_kept, st.prediction_rejected = st.prediction_kept + accepted, st.prediction_rejected + len(drafts) - accepted
     for key, n in (("rounds", 1), ("drafted", len(drafts)), ("accepted", accepted)): self.spec[key] += n
+    for j in range(len(drafts)):  # per draft position: how far into a draft the model still agrees
+      self.spec["drafted_at"][j] += 1
+      self.spec["accepted_at"][j] += j < accepted
     if st.state == "open": self._queue_next(st, token)
 
   def _flush_next(self) -> None:
@@ -756,7 +771,7 @@ class Launcher:
       return {"running": len(self._active), "waiting": len(self._waiting), "max_streams": self.max_streams, "tokens": self.tokens_out,
               "steps": self.steps, "last_batch": self.last_batch, "mean_batch": self.step_rows / self.steps if self.steps else 0.0,
               "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0, "prefix_cache": self._prefix_stats(),
-              "speculation": {"mode": self.speculative, **self.spec} if self.speculative != "off" else None}
+              "speculation": {"mode": self.speculative, **self.spec} if self.speculative != "off" or self.spec["rounds"] else None}
 
   def _write(self, oid: int, payload: Any, flags: int) -> None:
     """Into the head ring, under self._lock. A failed stage raises here; the driver (which learns of failures)

@@ -125,6 +125,12 @@ class _PipelineCollector:
     if (pc := view.get("prefix_cache") or {}).get("enabled"):
       for name, key, kind, text in PREFIX_METRICS:
         yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, value=pc.get(key, 0))
+    if (spec := view.get("speculation")) and spec.get("drafted_at"):
+      for key, text in (("drafted_at", "Drafted tokens by their position in the draft (0: first)."),
+                        ("accepted_at", "Accepted tokens by their position in the draft: how far into a draft the model agrees.")):
+        fam = CounterMetricFamily(f"pyruntime_speculative_{key.split('_')[0]}_by_position_tokens", text, labels=["position"])
+        for j, n in enumerate(spec[key]): fam.add_metric([str(j)], n)
+        yield fam
     if any(load := self.metrics.expert_load()):
       fam = CounterMetricFamily(EXPERT_METRIC, "Tokens a stage's last mixture-of-experts block routed to each expert.",
                                 labels=["stage", "expert"])

@@ -30,7 +30,7 @@ SAMPLING_FIELDS = tuple(SAMPLING)
 # response_format: text, json_object or json_schema, enforced by a grammar at the tail (pyruntime/grammar.py)
 # speculative: false keeps a request out of speculative decoding (docs/speculation.md)
 _COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "ignore_eos", "cache_salt", "prefix_cache",
-           "response_format", "speculative", *SAMPLING_FIELDS}
+           "response_format", "speculative", "prediction", *SAMPLING_FIELDS}
 # tools, tool_choice, parallel_tool_calls: function tools (pyruntime/tools.py, docs/tools.md); chat only
 SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"},
              COMPLETION: _COMMON | {"prompt"}}
@@ -40,7 +40,7 @@ SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens", "tools", "too
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
   "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
   "parallel_tool_calls": (), "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "best_of": (1,), "echo": (False,),
-  "suffix": ("",), "store": (False,), "metadata": (), "modalities": (["text"],), "audio": (), "prediction": (),
+  "suffix": ("",), "store": (False,), "metadata": (), "modalities": (["text"],), "audio": (),
   "reasoning_effort": (), "service_tier": ("auto", "default"), "web_search_options": (),
 }
 UNSUPPORTED_VALUE_FIELDS = {"n", "stream_options"}
@@ -221,6 +221,7 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     gen["cache_salt"] = salt
   if _bool(body, "prefix_cache") is False: gen["prefix_cache"] = False
   if _bool(body, "speculative") is False: gen["speculative"] = False
+  if (prediction := body.get("prediction")) is not None: gen["prediction"] = _prediction(prediction)
   if (rf := body.get("response_format")) is not None:
     from pyruntime.grammar import grammar_for
     # its shape and schema checked here, named; the launcher checks the grammar against the vocabulary
@@ -232,6 +233,15 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
   gen.update({k: v for k, v in sampling.items() if v is not None})
   req.generate = gen
   return req
+
+
+def _prediction(p: Any) -> str:
+  """OpenAI's predicted output, `{"type": "content", "content": text or [text parts]}`: its text (a drafter for
+  speculative decoding, docs/speculation.md; it never changes the answer)."""
+  if not isinstance(p, dict) or p.get("type") != "content":
+    raise errors.InvalidOption("prediction", "must be {'type': 'content', 'content': the predicted text}")
+  from pyruntime.chat import _content
+  return _content(p.get("content"), "prediction.content")
 
 
 def _prompt(prompt: Any) -> str:
@@ -284,7 +294,9 @@ def usage_dict(done: Any) -> dict[str, Any]:
   u = done.usage
   return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
           "total_tokens": u.prompt_tokens + u.completion_tokens,
-          "prompt_tokens_details": {"cached_tokens": getattr(u, "cached_tokens", 0)}}
+          "prompt_tokens_details": {"cached_tokens": getattr(u, "cached_tokens", 0)},
+          "completion_tokens_details": {"accepted_prediction_tokens": getattr(u, "accepted_prediction_tokens", 0),
+                                        "rejected_prediction_tokens": getattr(u, "rejected_prediction_tokens", 0)}}
 
 
 def models_list(model_name: str, created: int, context_length: int | None = None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 MAX_NGRAM = 4         # the longest suffix looked up
 MIN_NGRAM = 2         # shorter matches draft too often wrongly to pay for their rows
 SOLO_STREAMS = 2      # more streams running than this: no drafts (the batch is the better use of a step)
+POSITIONS = 15        # draft positions counted apart (a draft is at most MAX_VERIFY_ROWS - 1 long)
 PROBE_EVERY = 8       # a stream that drafts nothing tries again after this many tokens
 MIN_ACCEPTED = 1.5    # tokens a round must keep on average beyond its own: a verify round costs about 2.5 plain steps here
 
@@ -33,6 +34,22 @@ def ngram_draft(tokens: list[int], k: int, max_n: int = MAX_NGRAM, min_n: int = 
         if len(follow) > len(best): best = follow
         if len(best) == k: break
     if best: return best
+  return []
+
+
+def prediction_draft(out: list[int], predicted: list[int], k: int, max_n: int = MAX_NGRAM) -> list[int]:
+  """Up to k tokens of a caller's predicted output (OpenAI's `prediction`) that should come next: its start while the
+  answer is empty, else what follows the longest suffix of the answer (max_n down to 1 token) found in it, at the
+  occurrence nearest to where the answer stands; [] when the answer has left it."""
+  if k <= 0 or not predicted: return []
+  if not out: return predicted[:k]
+  n_out = len(out)
+  for n in range(min(max_n, n_out), 0, -1):
+    tail = out[n_out - n:]
+    starts = [s for s in range(len(predicted) - n) if predicted[s:s + n] == tail]
+    if starts:
+      s = min(starts, key=lambda s: abs(s + n - n_out))
+      if follow := predicted[s + n:s + n + k]: return follow
   return []
 
 

@@ -348,6 +348,8 @@ ERRORS = [  # (route, body, param, code)
   ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}),
    "tool_choice", "invalid_value"),
   ("completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+  ("chat", chat(prediction={"type": "text", "content": "x"}), "prediction", "invalid_value"),
+  ("chat", chat(prediction={"type": "content", "content": 3}), "prediction.content", "invalid_value"),
   ("chat", chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
   ("chat", chat(logprobs=True), "logprobs", "unsupported_parameter"),
   ("chat", chat(top_logprobs=2), "top_logprobs", "unsupported_parameter"),

@@ -133,3 +133,28 @@ def test_families_and_splits_speculate_exactly(tmp_path, family, split):
       assert got.token_ids == want.token_ids, kw
       rounds += got.timings.draft_rounds
     assert rounds > 0
+
+
+def test_a_prediction_drafts_from_the_callers_text():
+  from pyruntime.speculation import prediction_draft
+  pred = [10, 11, 12, 13, 14, 15]
+  assert prediction_draft([], pred, 3) == [10, 11, 12]            # nothing written yet: its start
+  assert prediction_draft([10, 11], pred, 3) == [12, 13, 14]      # on track
+  assert prediction_draft([7, 8, 12, 13], pred, 2) == [14, 15]    # back on it after a detour
+  assert prediction_draft([99], pred, 3) == [] and prediction_draft([1], [], 3) == []
+
+
+@pytest.mark.integration
+def test_a_prediction_speeds_nothing_up_wrongly_and_is_counted(plain, spec):
+  """OpenAI's `prediction`: the caller's expected text drafts; the answer is plain decoding's whatever it predicts, and
+  usage counts its accepted and rejected tokens; per draft position the launcher counts drafts and acceptances."""
+  want = ask(plain, REPEATING, max_tokens=40)
+  right = ask(spec, REPEATING, max_tokens=40, prediction=spec.tokenizer.decode(want.token_ids))
+  wrong = ask(spec, REPEATING, max_tokens=40, prediction="Completely unrelated words about the weather in Paris.")
+  assert right.token_ids == want.token_ids == wrong.token_ids
+  # the text re-tokenized need not be the model's tokens (a random model writes odd bytes): most of it still drafts right
+  assert right.usage.accepted_prediction_tokens > max(10, 3 * wrong.usage.accepted_prediction_tokens)
+  stats = spec.scheduler_stats()["speculation"]
+  assert stats["drafted_at"][0] >= stats["accepted_at"][0] > 0 and stats["drafted_at"][0] >= stats["drafted_at"][-1]
+  with pytest.raises(errors.InvalidOption) as e: spec.submit("x", raw=True, prediction=3, on_event=print)
+  assert e.value.field == "prediction"

@@ -42,7 +42,7 @@ def load(srv: BackgroundServer, seconds: float) -> None:
 
 def test_stats_show_the_stages_working_then_idle(served):
   lm, srv = served
-  for t in load(srv, 4.0): t.join(60)
+  for t in load(srv, 3.0): t.join(60)
   working = [v for v in httpx.get(srv.url + "/stats").json()["history"] if v["streams"]["running"] and v["tokens_per_s"] > 0]
   assert len(working) >= 2, "no sample saw the streams run"
   v = working[-1]

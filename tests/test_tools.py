@@ -229,8 +229,8 @@ def test_a_round_trip_call_then_result_then_answer(lm):
 
 @pytest.mark.integration
 def test_auto_either_answers_or_calls_well_formed(lm):
-  for seed in range(4):
-    _, d = ask(lm, temperature=1.0, seed=seed)
+  for seed in range(2):
+    _, d = ask(lm, temperature=1.0, seed=seed, max_tokens=80)
     assert d.finish_reason in ("stop", "length", "tool_calls")
     for c in d.tool_calls: jsonschema.validate(json.loads(c.arguments), SCHEMA[c.name])
     assert "<tool_call>" not in d.text or d.finish_reason == "length"  # only a call cut by the budget stays as text

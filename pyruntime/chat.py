@@ -125,8 +125,8 @@ def _source_info(source: Tokenizer | Mapping[str, Any]) -> tuple[str | None, str
   def text_of(key: str) -> str:
     i = source.get(f"tokenizer.ggml.{key}_token_id")
     return tokens[i] if i is not None and 0 <= i < len(tokens) else ""
-  vocab = set(tokens)
-  return source.get("tokenizer.chat_template"), text_of("bos"), text_of("eos"), vocab.__contains__
+  # a membership test asked at most for a marker or two: a scan, not a set of the whole vocabulary built per request
+  return source.get("tokenizer.chat_template"), text_of("bos"), text_of("eos"), tokens.__contains__
 
 
 def chat_format(source: Tokenizer | Mapping[str, Any]) -> str:
@@ -145,6 +145,14 @@ def tool_format(source: Tokenizer | Mapping[str, Any], template: str | None = No
   return format_of(template or own, has)
 
 
+def require_tool_format(source: Tokenizer | Mapping[str, Any], template: str | None = None) -> tuple[CallFormat, bool]:
+  """tool_format, or UnsupportedFeature("tools") for a model that cannot be given tools."""
+  if (found := tool_format(source, template)) is None:
+    raise UnsupportedFeature("tools", "the model's chat template renders no tools and is not ChatML (for the Hermes "
+                             "convention): this model cannot be given tools")
+  return found
+
+
 def render_chat(source: Tokenizer | Mapping[str, Any], messages: Sequence[Mapping[str, Any]], *,
                 add_generation_prompt: bool = True, template: str | None = None, tools: ToolRequest | None = None,
                 **extra: Any) -> str:
@@ -157,10 +165,7 @@ def render_chat(source: Tokenizer | Mapping[str, Any], messages: Sequence[Mappin
   own, bos, eos, _ = _source_info(source)
   template = template or own
   if tools is not None or any("tool_calls" in m for m in msgs):
-    if (found := tool_format(source, template)) is None:
-      raise UnsupportedFeature("tools", "the model's chat template renders no tools and is not ChatML (for the Hermes "
-                               "convention): this model cannot be given tools")
-    fmt, knows = found
+    fmt, knows = require_tool_format(source, template)
     if knows: extra["tools"] = list(tools.tools) if tools is not None and tools.calls_allowed else None
     else: msgs = fallback_messages(msgs, tools, fmt)
   if not template:

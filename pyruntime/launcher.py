@@ -191,6 +191,7 @@ class Launcher:
                  speculative=speculative, draft_tokens=draft_tokens)
     self.speculative, self.draft_tokens = speculative, draft_tokens
     self.rows_everywhere = False  # every stage runs the rows path (start): what speculation needs
+    self._tools_format: tuple[CallFormat, bool] | None = None
     self.spec: dict[str, Any] = {"rounds": 0, "drafted": 0, "accepted": 0, "drafted_at": [0] * POSITIONS, "accepted_at": [0] * POSITIONS}
     self.prefix_cache_tokens = prefix_cache
     self.stall_timeout, self.stall_capture_timeout = float(stall_timeout), float(stall_capture_timeout)
@@ -533,11 +534,11 @@ class Launcher:
     return grammar
 
   def _tool_format(self) -> tuple[CallFormat, bool]:
-    from pyruntime.chat import tool_format
-    if (found := tool_format(self.header.kv)) is None:
-      raise errors.UnsupportedFeature("tools", "the model's chat template renders no tools and is not ChatML (for the Hermes "
-                                      "convention): this model cannot be given tools")
-    return found
+    """The model's tool-call family (the same for every request: found once)."""
+    if self._tools_format is None:
+      from pyruntime.chat import require_tool_format
+      self._tools_format = require_tool_format(self.header.kv)
+    return self._tools_format
 
   def _tool_grammar(self, offered: ToolRequest, response_format: dict | None, logits: bool) -> str | None:
     """The grammar a call is decoded under (pyruntime/tools.py), checked here like a response_format's: None where the

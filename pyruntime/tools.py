@@ -10,6 +10,7 @@ it arrives; an opening marker split over two tokens (or two deltas) is held back
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -237,6 +238,7 @@ def format_of(template: str | None, has_token: Any) -> tuple[CallFormat, bool] |
   return None
 
 
+@functools.lru_cache(maxsize=16)
 def _uses_tools(template: str) -> bool:
   import jinja2
   from jinja2 import meta

@@ -10,7 +10,6 @@ never waits on a busy one.
 from __future__ import annotations
 
 import collections
-import re
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -37,7 +36,6 @@ PREFIX_METRICS = (  # (metric, key of Launcher.prefix_cache_stats, type, help)
   ("pyruntime_prefix_cache_budget_bytes", "bytes_budget", "gauge", "Host memory the prefix cache may hold, all stages together."),
 )
 EXPERT_METRIC = "pyruntime_expert_routed_tokens"
-_EXPERT_LINE = re.compile(EXPERT_METRIC + r'_total\{expert="(\d+)",stage="(\d+)"\} ([0-9.e+]+)$')
 
 
 class Metrics:

@@ -83,6 +83,27 @@ class ModelLoadFailed(ModelSourceError): pass
 class AddressInUse(PyruntimeError):
   """`serve` cannot listen on its host and port (another process has it): found before anything loads."""
 
+class ExtraMissing(PyruntimeError):
+  """An option needs an optional extra that is not installed (`pip install 'pyruntime[ray]'`, say)."""
+
+
+# --- hosts and bridges (docs/hosts.md) -------------------------------------------------------------------------
+class BridgeError(PyruntimeError): pass
+class BridgeAuthFailed(BridgeError):
+  """A peer could not prove it holds the pipeline's secret; it was turned away."""
+class BridgeMismatch(BridgeError):
+  """The two ends of a bridge differ in package version, ring ABI, model or link; nothing flowed."""
+class BridgeRefused(BridgeError):
+  """The listener turned this side away (it says why: BridgeAuthFailed, BridgeMismatch) or is not a bridge."""
+class BridgeFrameInvalid(BridgeError):
+  """A bridge peer sent what is not a frame: an absurd length, a bad MO01 header, a sequence out of order."""
+class BridgeLost(BridgeError):
+  """A bridge's peer went away: silent for too long, or its connection ended without the end frame."""
+class HostMismatch(PyruntimeError):
+  """A host of the pipeline runs another pyruntime version or ring ABI, or resolved another model file."""
+class PlacementUnavailable(PyruntimeError):
+  """The cluster cannot place the pipeline's hosts now (too few nodes, or too few resources on them)."""
+
 class ServerUnreachable(PyruntimeError):
   """`pyruntime inspect --server URL`: no pyruntime server answered /metrics there."""
 
@@ -127,6 +148,14 @@ class StageStalled(StageFailed):
     super().__init__(stage, "StageStalled", detail)
 
 class LauncherClosed(GenerationError): pass
+
+class HostLost(StageFailed):
+  """A host of a pipeline placed on several (docs/hosts.md) is gone: its agent died or stopped answering, or a bridge
+  to or from it was lost. `host` is its index; `stage` the first of its stages."""
+  def __init__(self, host: int, stage: int, reason: str, detail: str):
+    super().__init__(stage, reason, detail)
+    self.host = host
+
 
 class StreamFailed(GenerationError):
   """A stage could not compute one stream's record (an ERROR record): that stream alone ends. `reason` is the stage's code."""

@@ -94,6 +94,16 @@ def encode_header(object_id: int, sequence: int, extent: int, flags: int = 0) ->
   return ffi.buffer(buf)[:]
 
 
+def check_header(header, avail: int, max_extent: int, alignment: int, expected_sequence: int) -> tuple[int, int, int, int]:
+  """Judge a 40-byte MO01 header that arrived from elsewhere (a bridge, docs/hosts.md) as the consumer judges one in
+  the ring (C's mo_record_header_check): `avail` is the header and payload bytes its frame holds. Returns
+  (object_id, sequence, extent, flags), or raises the RecordError / SequenceViolation a Reader would."""
+  view = ffi.new("mo_view *")
+  st = lib.mo_record_check(ffi.from_buffer(header), avail, max_extent, alignment, expected_sequence, view)
+  if st: raise _error(st, "a record from a bridge", view)
+  return view.object_id, view.sequence, view.extent, view.flags
+
+
 # --- status -> exception -------------------------------------------------------------------------
 _NAMES = {}
 for _code in range(64):

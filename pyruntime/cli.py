@@ -22,6 +22,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--split", default=None, help="explicit half-open block ranges, e.g. 0:15,15:30 (default: from --stages)")
   p.add_argument("--device", default=None, help="one device for all stages, or one per stage: CUDA:0,CUDA:1 (default: automatic)")
   add_cli_args(p)  # --boundary-dtype, --decode, --weights, --max-streams, --prefix-cache, --prefill-share, the stall bounds
+  p.add_argument("--ray", metavar="ADDRESS", default=None, help="run the stages on the nodes of this Ray cluster ('auto': the one this "
+                 "machine joined; HOST:PORT), one host agent per node, bridges between hosts (docs/hosts.md; needs pyruntime[ray])")
+  p.add_argument("--hosts", type=int, default=None, help="with --ray: how many nodes to spread the stages over (default: as many as "
+                 "there are stages, at most the cluster's nodes)")
   p.add_argument("--max-context", type=int, default=None, help="cap on the context in tokens (default: the model's own)")
   p.add_argument("--no-graph-cache", dest="graph_cache", action="store_false",
                  help="capture every graph anew instead of loading the ones kept in $PYRUNTIME_CACHE/graphs (see `pyruntime warmup`)")
@@ -218,8 +222,10 @@ def _launcher(a: argparse.Namespace, quiet: bool = False, warmup: bool = False) 
     raise errors.InvalidOption("stages", f"--stages {a.stages} and a --split of {len(split)} ranges: give one, or the same count")
   stages = a.stages if a.stages is not None else len(split) if split else 2
   from pyruntime.options import CHOICES, NUMBERS
+  ray = dict(placement="ray", ray_address=a.ray, hosts=a.hosts) if a.ray else {}
+  if a.hosts is not None and not a.ray: raise errors.InvalidOption("hosts", "--hosts needs --ray ADDRESS")
   return Launcher(a.model, stages=stages, split=split, devices=a.device, max_context=a.max_context, warmup=warmup,
-                  on_event=LoadProgress(quiet), graph_cache=a.graph_cache, **{name: getattr(a, name) for name in (*CHOICES, *NUMBERS)})
+                  on_event=LoadProgress(quiet), graph_cache=a.graph_cache, **ray, **{name: getattr(a, name) for name in (*CHOICES, *NUMBERS)})
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -310,7 +316,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           "suggested_split": {f"{n}_stages": {"by_time": suggest_split(h, n, by="time"), "by_time_float32": suggest_split(h, n, by="time-float32"),
                                               "by_memory": suggest_split(h, n, by="memory"), "by_compute": suggest_split(h, n, by="compute")}
                               for n in range(1, a.max_stages + 1) if n <= blocks}}
-  if a.server: info["expert_load"] = _server_expert_load(a.server)
+  if a.server: info["expert_load"], info["stages"] = _server_expert_load(a.server), _server_stages(a.server)
   if a.json: print(json.dumps(info, indent=1))
   else:
     w = max(map(len, info))  # the longest key sets the column
@@ -323,6 +329,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
       if k == "suggested_split":
         for n, s in v.items():
           print(f"{'split ' + n:>{w}}: time {s['by_time']}  time with float32 weights {s['by_time_float32']}  memory {s['by_memory']}")
+        continue
+      if k == "stages":
+        for st in v: print(f"{'stage ' + str(st['stage']):>{w}}: {_where(st)}")
         continue
       if k == "expert_load":
         if not v: print(f"{k:>{w}}: none counted by {a.server} (a dense model, or no token routed yet)")
@@ -343,6 +352,20 @@ def _server_expert_load(url: str) -> dict[int, list[int]]:
   except (urllib.error.URLError, OSError, ValueError) as e: raise errors.ServerUnreachable(f"{url}/metrics: {e}") from None
   if "pyruntime_stage_up" not in text: raise errors.ServerUnreachable(f"{url}/metrics is not a pyruntime server's")
   return parse_expert_load(text)
+
+
+def _server_stages(url: str) -> list[dict]:
+  """Where a running server's stages run: from its /stats (layers, device, pid, and the host when not the server's)."""
+  import urllib.request
+  try:
+    with urllib.request.urlopen(url.rstrip("/") + "/stats?history=0", timeout=30) as r: return json.loads(r.read())["stages"]
+  except (OSError, ValueError, KeyError) as e: raise errors.ServerUnreachable(f"{url}/stats: {e}") from None
+
+
+def _where(st: dict) -> str:
+  h = st.get("host")
+  place = (f"host {h['index']} (Ray node {h['node'][:12]}, {h['ip']}), model file {h['model_path']}" if h else "the server's host")
+  return f"layers {st.get('layers')} on {st.get('device')}, pid {st.get('pid')}, {place}"
 
 
 def _load_summary(load: list[int]) -> str:

@@ -53,7 +53,7 @@ from pyruntime.protocol import (
   split_object_id,
 )
 from pyruntime.speculation import POSITIONS, SOLO_STREAMS, DraftLength, ngram_draft, prediction_draft
-from pyruntime.stage_pool import StageHandle, first_failure, kill_stages, profile_reports, spawn_stage, stage_view, stalled, stop_stages
+from pyruntime.stage_pool import AFTERMATH, LocalPlacement, StageHandle, first_failure, kill_stages, profile_reports, stage_view, stalled, stop_stages
 from pyruntime.tools import CallFormat, ToolCall, ToolCallParser, ToolRequest, check_tools
 
 log = logging.getLogger("pyruntime.launcher")
@@ -61,13 +61,15 @@ log = logging.getLogger("pyruntime.launcher")
 if TYPE_CHECKING:  # the ring hands out arrays; the launcher itself needs no numpy (the ring is imported at start)
 
   from pyruntime.gguf import GGUFHeader
-  from pyruntime.ring import Arena, Reader, Writer
+  from pyruntime.hosts import RayPlacement
+  from pyruntime.ring import Arena, Reader, RingSpec, Writer
   from pyruntime.tokenizer import Tokenizer
 
 POLL_S = 0.05          # how often a waiting launcher looks at its stages' health
 DRIVER_WAKE_S = 0.5    # the driver's backstop: a token, a closed or dead tail ring and close() wake it at once
 STOP_GRACE_S = 5.0     # how long a stage gets to stop in order before it is killed
 RATE_WINDOW_S = 5.0    # tokens/s in scheduler_stats is measured over this window
+SETTLE_S = 0.5         # how long a closed tail ring waits for the failure behind it to be reported
 FAIL_GRACE_S = 0.5     # after a failure the survivors get SIGTERM and this long before SIGKILL
 
 
@@ -185,11 +187,19 @@ class Launcher:
                prefill_share: float = PREFILL_SHARE, on_event: Callable[[dict], None] | None = None,
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0,
                prefix_cache: int = PREFIX_CACHE_TOKENS, graph_cache: bool = True, stall_timeout: float = STALL_TIMEOUT_S,
-               stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S, speculative: str = "off", draft_tokens: int = 8):
+               stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S, speculative: str = "off", draft_tokens: int = 8,
+               placement: str = "local", ray_address: str | None = None, hosts: int | None = None):
     check_launch(boundary_dtype=boundary_dtype, max_streams=max_streams, decode=decode, weights=weights, prefill_share=prefill_share,
                  prefix_cache=prefix_cache, stall_timeout=stall_timeout, stall_capture_timeout=stall_capture_timeout,
                  speculative=speculative, draft_tokens=draft_tokens)
     self.speculative, self.draft_tokens = speculative, draft_tokens
+    if placement not in ("local", "ray"): raise errors.InvalidOption("placement", f"must be local or ray, not {placement!r:.80}")
+    if placement == "ray":
+      from pyruntime.hosts import require_ray
+      require_ray()  # refused now, naming the extra, rather than at start
+    elif ray_address is not None or hosts is not None:
+      raise errors.InvalidOption("placement", "ray_address and hosts need placement='ray'")
+    self.placement_wanted, self.ray_address, self.hosts_wanted = placement, ray_address, hosts
     self.rows_everywhere = False  # every stage runs the rows path (start): what speculation needs
     self._tools_format: tuple[CallFormat, bool] | None = None
     self.spec: dict[str, Any] = {"rounds": 0, "drafted": 0, "accepted": 0, "drafted_at": [0] * POSITIONS, "accepted_at": [0] * POSITIONS}
@@ -208,7 +218,7 @@ class Launcher:
     self.stage_env, self.load_timeout_s = dict(stage_env or {}), load_timeout_s
     self.events: list[dict] = []          # every event seen, in order: the plain way to look at them
     self.handles: list[StageHandle] = []
-    self.arena: Arena | None = None
+    self.placement: LocalPlacement | RayPlacement | None = None  # where the stages run and the rings that join them
     self.head: Writer | None = None       # writer of the head ring
     self.tail: Reader | None = None       # reader of the tail's egress ring
     self._lock = threading.Lock()         # the head ring's producer side, the slots and the queue (see _admit)
@@ -291,7 +301,7 @@ class Launcher:
 
   def start(self) -> "Launcher":
     from pyruntime.boundary import Boundary
-    from pyruntime.ring import Arena, RingSpec
+    from pyruntime.ring import RingSpec
     t0 = time.monotonic()
     self._install_sigterm()
     try:
@@ -305,7 +315,7 @@ class Launcher:
       specs = [RingSpec(capacity=_pow2(rb["head_capacity"]), max_extent=rb["head"], alignment=4)]
       specs += [RingSpec(capacity=_pow2(rb["mid_capacity"]), max_extent=rb["mid"], alignment=itemsize) for _ in self.split[1:]]
       specs.append(RingSpec(capacity=_pow2(rb["tail_capacity"]), max_extent=rb["tail"], alignment=4))
-      self.arena = Arena.create(specs)
+      self.placement = self._place(specs)
       self._event({"event": "ArenaCreated", "name": self.arena.name, "rings": len(specs)})
       for i in range(len(self.split)):  # one at a time: a close() from another thread meanwhile sees each one it must end
         self._check_open()
@@ -317,7 +327,7 @@ class Launcher:
                max_context=self.context_length, decode=self.decode, warmup=self.warmup, weights=w, graph_cache=self.graph_cache,
                micro_batches=self.micro_batches, prefill_share=self.prefill_share, prefix_blocks=self.prefix_cache_tokens // BLOCK,
                block_size=BLOCK)
-        h.send(Command.LOAD_WEIGHTS, model=str(self.path), cache_dir=self.cache_dir)
+        h.send(Command.LOAD_WEIGHTS, model=self.placement.model_path(h) or str(self.path), cache_dir=self.cache_dir)
       for h in self.handles:  # the stages load in parallel; we just collect
         h.info = self._expect(h, Event.WEIGHTS_LOADED, self.load_timeout_s)
         h.info["warm_up"] = self._expect(h, Event.WARMED_UP, self.load_timeout_s)
@@ -325,9 +335,9 @@ class Launcher:
       self.rows_everywhere = all(h.info.get("batched") for h in self.handles)
       for h in self.handles:
         upstream = self.handles[h.index - 1].info["boundary"] if h.index > 0 else None
-        h.send(Command.INSTALL_RING, arena=self.arena.name, ingress=h.index, egress=h.index + 1, ingress_boundary=upstream)
+        h.send(Command.INSTALL_RING, **self.placement.ring_args(h), ingress_boundary=upstream)
       for h in self.handles: self._expect(h, Event.RING_INSTALLED, 30)
-      self.head, self.tail = self.arena.writer(0), self.arena.reader(len(self.split))
+      self.head, self.tail = self.arena.writer(self.placement.head_ring), self.arena.reader(self.placement.tail_ring)
       # A token comes every step (ms at least): spinning for it only takes a core from the stages. Parked, the ring
       # checks the tail stage's liveness (a kill and a /proc read, costly on cold caches) only every DRIVER_WAKE_S, not
       # every POLL_S: a stage that dies closes its rings or is seen by its neighbours, which close theirs, so the driver
@@ -369,8 +379,23 @@ class Launcher:
     return {"enabled": True, **snap, "bytes_held": snap["held_blocks"] * BLOCK * self.prefix_bytes_per_token,
             "bytes_budget": snap["blocks"] * BLOCK * self.prefix_bytes_per_token, "caches_decoded_positions": self.cache_decoded}
 
+  def _place(self, specs: list[RingSpec]) -> LocalPlacement | RayPlacement:
+    """Every stage on this host (one arena), or over Ray nodes (docs/hosts.md: agents, bridges)."""
+    if self.placement_wanted == "ray":
+      from pyruntime.hosts import RayPlacement, model_identity
+      source = None if self.model_source is None else str(self.model_source)
+      return RayPlacement(specs=specs, n_stages=len(self.split), hosts=self.hosts_wanted, address=self.ray_address, source=source,
+                          cache_dir=self.cache_dir, local_model=model_identity(self.path), env=self.stage_env, devices=self.devices,
+                          on_event=self._event, check_open=self._check_open)
+    return LocalPlacement(specs, dict(os.environ, PYTHONUNBUFFERED="1", **self.stage_env), self._event)
+
+  @property
+  def arena(self) -> Arena | None:
+    """The arena of this process's rings: every ring of the pipeline, or (over several hosts) the head and tail rings."""
+    return None if self.placement is None else self.placement.arena
+
   def _spawn(self, index: int) -> StageHandle:
-    h = spawn_stage(index, dict(os.environ, PYTHONUNBUFFERED="1", **self.stage_env), self._event)
+    h = self.placement.spawn(index)
     self._event({"event": "StageSpawned", "stage": index, "pid": h.proc.pid})
     return h
 
@@ -414,6 +439,15 @@ class Launcher:
 
   def _first_failure(self) -> errors.StageFailed | None: return first_failure(self.handles)
 
+  def _root_cause(self) -> errors.StageFailed | None:
+    """The tail ring closed under the driver: the failure that closed it, given up to SETTLE_S to be reported (a
+    stage's fatal event, or a remote host's, can come after the close that it caused has run down the rings)."""
+    deadline = time.monotonic() + SETTLE_S
+    while (f := self._first_failure()) is None or f.reason in AFTERMATH:
+      if time.monotonic() > deadline: return f
+      time.sleep(POLL_S / 5)
+    return f
+
   def _fail(self, f: errors.StageFailed) -> errors.StageFailed:
     """A stage failed: end every stage, unlink every segment, and hand back the error to raise."""
     self._event({"event": "StageFailed", "stage": f.stage, "reason": f.reason, "message": f.detail})
@@ -426,9 +460,8 @@ class Launcher:
 
   def ring_occupancy(self) -> list[float]:
     """Fill fraction of each ring, head ingress first and the tail's egress last."""
-    if self.arena is None or self._closed: return []
-    states = [self.arena.state(i) for i in range(len(self.split) + 1)]
-    return [(st["head"] - st["tail"]) / spec.capacity for st, spec in zip(states, self.arena.specs, strict=True)]
+    if self.placement is None or self._closed: return []
+    return self.placement.ring_occupancy()
 
   def stage_view(self) -> list[dict]:
     """What each stage is and last said of itself, without a round trip (stage_pool.stage_view)."""
@@ -650,7 +683,7 @@ class Launcher:
           self.overhead["seconds"] += time.monotonic() - t_got
     except errors.PyruntimeError as e:
       if not self._closed:
-        f = self._first_failure() or (e if isinstance(e, errors.StageFailed) else errors.StageFailed(len(self.handles) - 1, e.code, str(e)))
+        f = self._root_cause() or (e if isinstance(e, errors.StageFailed) else errors.StageFailed(len(self.handles) - 1, e.code, str(e)))
         self._fail(f)  # the pipeline goes down, then every stream learns which stage failed
     finally:
       if self._closed and not self._shut: pass  # a user's close() is under way: it fails the streams once the stages are gone
@@ -811,7 +844,7 @@ class Launcher:
   def _reap(self) -> None:
     """After the shutdown: end what a start() in another thread made since (a stage spawned, the arena), at once."""
     kill_stages(self.handles)
-    if self.arena is not None: self.arena.close()
+    if self.placement is not None: self.placement.close(0.0)
 
   def _wake_driver(self) -> None:
     """Close our side of the head ring: the stages drain and close theirs in turn, down to the tail ring, whose reader
@@ -827,8 +860,7 @@ class Launcher:
         try: side.close()
         except errors.PyruntimeError: pass
     stop_stages(self.handles, grace_s, failed=grace_s < STOP_GRACE_S)
-    if self.arena is not None:
-      self.arena.close()
+    if self.placement is not None: self.placement.close(grace_s)
     # the streams learn last, so whoever sees their error finds every stage gone and every segment unlinked
     self._fail_all(self._failure or errors.LauncherClosed("the launcher closed while the stream ran"))
     self._event({"event": "LauncherClosed"})

@@ -206,7 +206,7 @@ class Sampler:
   def _stage(self, st: dict) -> dict:
     """A stage's figures; its busy fraction and rows per step between the Heartbeat the last sample saw and this one."""
     beat = st.get("beat") or {}
-    out = {k: st.get(k) for k in ("stage", "alive", "layers", "device", "resident_bytes", "pid")}
+    out = {k: st.get(k) for k in ("stage", "alive", "layers", "device", "resident_bytes", "pid", "host")}
     key, pid, t = st["stage"], st.get("pid"), beat.get("t")
     prev = self._beats.get(key)  # (pid, beat, busy, rows per step)
     busy = rows = None

@@ -1,6 +1,7 @@
 """The stage processes of a pipeline: spawning one (`python -m pyruntime.stage`), reading its control channel on a
-thread of its own, and what the launcher watches (its Heartbeats, its fatal event, its exit). The launcher owns the
-rings and the streams; this module owns the processes.
+thread of its own, and what the launcher watches (its Heartbeats, its fatal event, its exit); and `LocalPlacement`,
+every stage on this host with every ring in one arena (pyruntime/hosts.py has the placement over several hosts).
+The launcher owns the streams; this module owns the processes.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class StageHandle:
   beat_t: float = 0.0
   progress_t: float = 0.0       # when it last made progress, or said it had nothing to do (the stall rule)
   read_all: threading.Event = field(default_factory=threading.Event)  # its output is read to the end (it exited)
+  host: dict | None = None      # where it runs, when not on this host (pyruntime/hosts.py: index, node, ip, model_path)
 
   @property
   def alive(self) -> bool: return self.proc.poll() is None and self.fatal is None
@@ -42,6 +44,15 @@ class StageHandle:
     if last is None or not ev.get("busy") or (ev.get("steps"), ev.get("records")) != (last.get("steps"), last.get("records")):
       self.progress_t = now
     self.beat, self.beat_t = ev, now
+
+  def take_event(self, ev: dict, on_event: Callable[[dict], None] | None) -> None:
+    """One event from the stage's control channel (read here, or relayed by its host's agent, pyruntime/hosts.py)."""
+    if ev.get("event") == Event.HEARTBEAT:  # twice a second for the stage's life: kept as state, not as events
+      self.note_beat(ev)
+      return
+    if ev.get("event") == Event.WORKER_FATAL: self.fatal = ev
+    if on_event is not None: on_event(ev)
+    self.events.put(ev)
 
   def send(self, command: str, **args: Any) -> None:
     line = json.dumps({"command": command, **args}) + "\n"
@@ -61,7 +72,9 @@ class StageHandle:
 
   def failure(self) -> errors.StageFailed | None:
     if self.fatal is not None:
-      return errors.StageFailed(self.index, self.fatal.get("reason", Event.WORKER_FATAL), self.fatal.get("message", ""))
+      reason, message = self.fatal.get("reason", Event.WORKER_FATAL), self.fatal.get("message", "")
+      if "host" in self.fatal: return errors.HostLost(self.fatal["host"], self.index, reason, message)
+      return errors.StageFailed(self.index, reason, message)
     if (rc := self.proc.poll()) is not None:
       how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
       return errors.StageFailed(self.index, "WorkerExited", f"{how}; stderr tail: {self.stderr_tail(600).strip()}")
@@ -84,22 +97,20 @@ def _pump(h: StageHandle, on_event: Callable[[dict], None] | None) -> None:
     try: ev = json.loads(line)
     except json.JSONDecodeError: continue
     ev.setdefault("stage", h.index)
-    if ev.get("event") == Event.HEARTBEAT:  # twice a second for the stage's life: kept as state, not as events
-      h.note_beat(ev)
-      continue
-    if ev.get("event") == Event.WORKER_FATAL: h.fatal = ev
-    if on_event is not None: on_event(ev)
-    h.events.put(ev)
+    h.take_event(ev, on_event)
   h.proc.wait()
   h.read_all.set()
   h.events.put(None)  # EOF: the process is gone
 
 
 # --- watching and stopping a pipeline's stages ----------------------------------------------------------------------
+AFTERMATH = {"PeerDead": 2, "RingClosed": 2, "BridgeLost": 1}  # what a failure elsewhere causes: reported after a root cause
+
+
 def first_failure(handles: list[StageHandle]) -> errors.StageFailed | None:
   """The failure to report: a dead stage makes its neighbours fail too (PeerDead, RingClosed), so the root cause first."""
   failures = [f for h in handles if (f := h.failure()) is not None]
-  return min(failures, key=lambda f: f.reason in ("PeerDead", "RingClosed"), default=None)
+  return min(failures, key=lambda f: AFTERMATH.get(f.reason, 0), default=None)
 
 
 def stalled(handles: list[StageHandle], bound: Callable[[StageHandle], float]) -> errors.StageStalled | None:
@@ -123,7 +134,7 @@ def stage_view(handles: list[StageHandle], split: list, devices: list) -> list[d
     beat = {k: v for k, v in (h.beat or {}).items() if k != "event"} | ({"t": h.beat_t} if h.beat is not None else {})
     out.append({"stage": i, "pid": h.proc.pid, "alive": h.alive, "layers": list(split[i]) if i < len(split) else None,
                 "device": devices[i] if i < len(devices) else None, "resident_bytes": h.info.get("resident_bytes"),
-                "family": h.info.get("family"), "beat": beat, "beat_age_s": round(now - h.beat_t, 3) if h.beat is not None else None})
+                "family": h.info.get("family"), "host": h.host, "beat": beat, "beat_age_s": round(now - h.beat_t, 3) if h.beat is not None else None})
   return out
 
 
@@ -159,3 +170,27 @@ def kill_stages(handles: list[StageHandle]) -> None:
     if h.proc.poll() is None:
       h.proc.kill()
       h.proc.wait()
+
+
+class LocalPlacement:
+  """Every stage a process of this host, every ring in one arena of ours: ring i feeds stage i, the last carries the
+  tail's tokens back. The placement the launcher makes unless asked for Ray (hosts.RayPlacement, the same methods)."""
+
+  def __init__(self, specs: list, env: dict[str, str], on_event: Callable[[dict], None]):
+    from pyruntime.ring import Arena
+    self.arena = Arena.create(specs)
+    self.env, self.on_event = env, on_event
+    self.head_ring, self.tail_ring = 0, len(specs) - 1
+
+  def spawn(self, index: int) -> StageHandle: return spawn_stage(index, self.env, self.on_event)
+
+  def ring_args(self, h: StageHandle) -> dict: return {"arena": self.arena.name, "ingress": h.index, "egress": h.index + 1}
+
+  def model_path(self, h: StageHandle) -> str | None: return None  # the launcher's own
+
+  def ring_occupancy(self) -> list[float]:
+    if self.arena.closed: return []
+    states = [self.arena.state(i) for i in range(self.arena.ring_count)]
+    return [(st["head"] - st["tail"]) / spec.capacity for st, spec in zip(states, self.arena.specs, strict=True)]
+
+  def close(self, grace_s: float = 0.0) -> None: self.arena.close()

@@ -257,7 +257,7 @@ class BridgeSender:
     error: errors.PyruntimeError | None = None
     try: self._pump()
     except errors.RingClosed: self._send_end()
-    except errors.PeerDead as e: error = errors.BridgeLost(f"{self.name}: the process writing the ring died ({e})")
+    except errors.PeerDead as e: error = e  # the stage writing the ring died: its own exit says so, not a lost peer
     except OSError as e:
       if not self._stop: error = errors.BridgeLost(f"{self.name}: the receiver went away ({type(e).__name__}: {e})")
     finally:

@@ -358,7 +358,7 @@ def _server_stages(url: str) -> list[dict]:
   """Where a running server's stages run: from its /stats (layers, device, pid, and the host when not the server's)."""
   import urllib.request
   try:
-    with urllib.request.urlopen(url.rstrip("/") + "/stats?history=0", timeout=30) as r: return json.loads(r.read())["stages"]
+    with urllib.request.urlopen(url.rstrip("/") + "/stats?history=0", timeout=30) as r: return json.loads(r.read())["now"]["stages"]
   except (OSError, ValueError, KeyError) as e: raise errors.ServerUnreachable(f"{url}/stats: {e}") from None
 
 

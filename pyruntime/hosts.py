@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 from pyruntime import errors
 from pyruntime.bridge import BridgeReceiver, BridgeSender, link_hello
 from pyruntime.protocol import ABI_VERSION, Event
-from pyruntime.stage_pool import StageHandle, spawn_stage
+from pyruntime.stage_pool import AFTERMATH, StageHandle, spawn_stage
 
 log = logging.getLogger("pyruntime.hosts")
 
@@ -112,25 +112,28 @@ class HostAgent:
     self.arena = Arena.create([RingSpec(*s) for s in specs])
     self.handles = [spawn_stage(self.first + j, self.env) for j in range(self.count)]
     ring = self.first
+    # a bridge that is lost names its far end: the host (and stage) that went away, or the launcher's side
+    up = (self.host - 1, self.first - 1) if self.host > 0 else (self.host, self.first)
     self.receiver = BridgeReceiver(self.arena.writer(0), self.secret, self._link(ring), bind=self.hello_fields.get("ip", "127.0.0.1"),
-                                   on_end=lambda e: self._bridge_ended(e, self.first, f"the bridge into host {self.host}"),
+                                   on_end=lambda e: self._bridge_ended(e, *up, f"the bridge into host {self.host}"),
                                    name=link_name(ring, self.n_stages))
     return {"arena": self.arena.name, "address": list(self.receiver.address), "pids": [h.proc.pid for h in self.handles]}
 
   def connect(self, address: Sequence) -> None:
     """The sending end of the bridge out of this host's last ring, to the next host (or the launcher) at `address`."""
     ring = self.first + self.count
+    down = (self.host + 1, ring) if ring < self.n_stages else (self.host, ring - 1)
     self.sender = BridgeSender(self.arena.reader(self.count), (str(address[0]), int(address[1])), self.secret, self._link(ring),
-                               on_end=lambda e: self._bridge_ended(e, ring - 1, f"the bridge out of host {self.host}"),
+                               on_end=lambda e: self._bridge_ended(e, *down, f"the bridge out of host {self.host}"),
                                name=link_name(ring, self.n_stages))
 
   def _link(self, ring: int) -> dict:
     f = self.hello_fields
     return link_hello(f.get("version", package_version()), ABI_VERSION, f.get("model", ""), link_name(ring, self.n_stages))
 
-  def _bridge_ended(self, error: errors.PyruntimeError | None, stage: int, what: str) -> None:
-    if error is not None:
-      self.events.put({"event": Event.WORKER_FATAL, "stage": stage, "reason": error.code, "message": f"{what}: {error}"})
+  def _bridge_ended(self, error: errors.PyruntimeError | None, host: int, stage: int, what: str) -> None:
+    if error is not None and not isinstance(error, errors.PeerDead):  # a local stage's death is its exit's to report
+      self.events.put({"event": Event.WORKER_FATAL, "stage": stage, "host": host, "reason": error.code, "message": f"{what}: {error}"})
 
   def send(self, stage: int, line: str) -> None:
     """A control line for one of this host's stages, as the launcher wrote it."""
@@ -173,10 +176,19 @@ class HostAgent:
     """Stop this host's part: the stages (already asked to shut down by the launcher) get `grace_s`, then SIGKILL;
     bridges closed; the arena unlinked. Idempotent."""
     from pyruntime.stage_pool import stop_stages
+    if self.arena is not None: self.arena.unlink()  # first: the launcher kills this actor if closing takes too long
     stop_stages(self.handles, grace_s, failed=True)
     for b in (self.sender, self.receiver):
       if b is not None: b.close()
     if self.arena is not None: self.arena.close()
+
+
+def sweep_segments(agent_pid: int, wait_s: float = AGENT_LOST_S) -> list[str]:
+  """On a lost host's node: once its agent is dead, unlink the segments it created (shm.cleanup_stale's rule)."""
+  from pyruntime.shm import DEFAULT_PREFIX, cleanup_stale, process_alive
+  deadline = time.monotonic() + wait_s
+  while process_alive(agent_pid) and time.monotonic() < deadline: time.sleep(0.05)
+  return cleanup_stale(f"{DEFAULT_PREFIX}-{agent_pid}")
 
 
 # --- on the launcher's side -----------------------------------------------------------------------------------------
@@ -243,6 +255,7 @@ class RayPlacement:
     self.host_rings: list[list[float]] = []
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []
+    self.lost: set[int] = set()  # hosts found gone: their agents are killed, not asked
     if not ray.is_initialized():
       ray.init(address=address or "auto", logging_level=logging.ERROR, log_to_driver=False, configure_logging=False)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -368,8 +381,9 @@ class RayPlacement:
         if not self._stop.is_set(): self._host_lost(k, "HostLost", f"its agent is gone or silent ({type(e).__name__}: {str(e)[:200]})")
         return
       for ev in out["events"]:
-        h = by_index.get(ev.get("stage"))
-        if h is not None: h.take_event(ev, self.on_event)
+        if "host" in ev:  # a bridge to or from another host was lost: that host is gone for this pipeline
+          self._host_lost(ev["host"], ev["reason"], ev.get("message", ""), first=ev["stage"])
+        elif (h := by_index.get(ev.get("stage"))) is not None: h.take_event(ev, self.on_event)
       for i, beat in out["beats"].items():
         h = by_index[int(i)]
         if beat != h.beat: h.note_beat(beat)
@@ -387,28 +401,38 @@ class RayPlacement:
       h.read_all.set()
       h.events.put(None)
 
-  def _host_lost(self, k: int, reason: str, detail: str) -> None:
-    """Every stage of host k fails with `reason`, naming the host (the first of them is the root cause)."""
+  def _named(self, k: int) -> str:
     where = self.hosts[k]
-    for h in self.handles[self.ranges[k][0]:self.ranges[k][1]]:
-      if h.fatal is None:
-        h.fatal = {"event": Event.WORKER_FATAL, "stage": h.index, "reason": reason, "host": k,
-                   "message": f"host {k} (node {where['node'][:12]}, {where['ip']}): {detail}"}
-      self._ended(h, -signal.SIGKILL)
+    return f"host {k} (node {where['node'][:12]}, {where['ip']})"
+
+  def _host_lost(self, k: int, reason: str, detail: str, first: int | None = None) -> None:
+    """Host k is gone for this pipeline: each of its stages fails with `reason`, naming the host (`first`, the stage a
+    lost bridge led to, is the one reported), and counts as ended, so stopping the pipeline does not wait on a host that
+    may never answer; killing its agent takes its stages with it (their parent-death signal)."""
+    self.lost.add(k)
+    a, b = self.ranges[k]
+    for i in ([first] if first is not None else []) + list(range(a, b)):
+      h = self.handles[i]
+      if h.fatal is None or h.fatal.get("reason") in AFTERMATH and reason not in AFTERMATH:
+        h.fatal = {"event": Event.WORKER_FATAL, "stage": h.index, "reason": reason, "host": k, "message": f"{self._named(k)}: {detail}"}
+      if a <= i < b: self._ended(h, -signal.SIGKILL)
 
   def _tail_ended(self, error: errors.PyruntimeError | None) -> None:
-    if error is not None: self._lost_bridge(len(self.ranges) - 1, self.n_stages - 1, f"the bridge to the launcher: {error}", error.code)
+    if error is not None and self.handles:  # (the launcher's sender reads a ring only the launcher writes: no PeerDead)
+      self._host_lost(len(self.ranges) - 1, error.code, f"the bridge to the launcher: {error}", first=self.n_stages - 1)
 
   def _head_ended(self, error: errors.PyruntimeError | None) -> None:
-    if error is not None: self._lost_bridge(0, 0, f"the bridge from the launcher: {error}", error.code)
+    if error is not None and self.handles: self._host_lost(0, error.code, f"the bridge from the launcher: {error}", first=0)
 
-  def _lost_bridge(self, k: int, stage: int, detail: str, reason: str) -> None:
-    h = self.handles[stage] if stage < len(self.handles) else None
-    if h is not None and h.fatal is None:
-      where = self.hosts[k]
-      h.fatal = {"event": Event.WORKER_FATAL, "stage": stage, "reason": reason, "host": k,
-                 "message": f"host {k} (node {where['node'][:12]}, {where['ip']}): {detail}"}
-      h.events.put(h.fatal)
+  def sweep(self) -> None:
+    """A lost host's agent is killed without closing in order, and Ray may kill its stages before they unlink its arena:
+    a task on that node unlinks what the dead agent created. A node that is really gone takes its /dev/shm with it."""
+    if not self.lost: return
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    sweep = self.ray.remote(num_cpus=0, max_retries=0)(sweep_segments)
+    refs = [sweep.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=self.hosts[k]["node"], soft=False)).remote(self.hosts[k]["pid"])
+            for k in sorted(self.lost)]
+    self.ray.wait(refs, num_returns=len(refs), timeout=AGENT_LOST_S + 2)
 
   # --- stopping -------------------------------------------------------------------------------------------------------
   def close(self, grace_s: float = 5.0) -> None:
@@ -418,10 +442,8 @@ class RayPlacement:
     for b in (self.sender, self.receiver):
       if b is not None: b.close()
     if self.agents:
-      refs = [ag.close.remote(grace_s) for ag in self.agents]
-      for ref in refs:
-        try: self.ray.get(ref, timeout=grace_s + 2)
-        except Exception: log.debug("an agent could not close in order", exc_info=True)  # noqa: BLE001 - killed below
+      refs = [ag.close.remote(grace_s) for k, ag in enumerate(self.agents) if k not in self.lost]
+      if refs: self.ray.wait(refs, num_returns=len(refs), timeout=grace_s + 3)  # all at once; the late ones are killed
       for ag in self.agents:
         try: self.ray.kill(ag, no_restart=True)
         except Exception: log.debug("killing an agent", exc_info=True)  # noqa: BLE001 - gone already

@@ -863,6 +863,7 @@ class Launcher:
     if self.placement is not None: self.placement.close(grace_s)
     # the streams learn last, so whoever sees their error finds every stage gone and every segment unlinked
     self._fail_all(self._failure or errors.LauncherClosed("the launcher closed while the stream ran"))
+    if self.placement is not None: self.placement.sweep()  # a lost host's segments: on its node, after the streams know
     self._event({"event": "LauncherClosed"})
     self._restore_sigterm()
 

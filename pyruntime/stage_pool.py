@@ -71,13 +71,14 @@ class StageHandle:
     except (OSError, ValueError): return ""
 
   def failure(self) -> errors.StageFailed | None:
+    where = f"on host {self.host['index']} (node {self.host['node'][:12]}, {self.host['ip']}): " if self.host else ""
     if self.fatal is not None:
       reason, message = self.fatal.get("reason", Event.WORKER_FATAL), self.fatal.get("message", "")
       if "host" in self.fatal: return errors.HostLost(self.fatal["host"], self.index, reason, message)
-      return errors.StageFailed(self.index, reason, message)
+      return errors.StageFailed(self.index, reason, where + message)
     if (rc := self.proc.poll()) is not None:
       how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
-      return errors.StageFailed(self.index, "WorkerExited", f"{how}; stderr tail: {self.stderr_tail(600).strip()}")
+      return errors.StageFailed(self.index, "WorkerExited", f"{where}{how}; stderr tail: {self.stderr_tail(600).strip()}")
     return None
 
 
@@ -194,3 +195,5 @@ class LocalPlacement:
     return [(st["head"] - st["tail"]) / spec.capacity for st, spec in zip(states, self.arena.specs, strict=True)]
 
   def close(self, grace_s: float = 0.0) -> None: self.arena.close()
+
+  def sweep(self) -> None: pass  # every segment is ours, unlinked by close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 
-from pyruntime.launcher import spawn_stage
+from pyruntime.stage_pool import spawn_stage
 
 
 class StageProc:

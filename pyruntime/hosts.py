@@ -162,11 +162,7 @@ class HostAgent:
         if ev is None: exits[h.index] = (h.proc.returncode, h.stderr_tail(2000))
         else: events.append(ev)
     beats = {h.index: h.beat for h in self.handles if h.beat is not None}
-    rings = []
-    if self.arena is not None and not self.arena.closed:
-      for i, spec in enumerate(self.arena.specs):
-        st = self.arena.state(i)
-        rings.append((st["head"] - st["tail"]) / spec.capacity)
+    rings = [] if self.arena is None or self.arena.closed else [self.arena.occupancy(i) for i in range(self.arena.ring_count)]
     return {"events": events, "beats": beats, "exits": exits, "rings": rings}
 
   def bridges(self) -> dict:
@@ -357,9 +353,7 @@ class RayPlacement:
     for k, (a, _) in enumerate(self.ranges):
       for j, v in enumerate(self.host_rings[k]): occ[a + j] = max(occ[a + j], v)
     if self.arena is not None and not self.arena.closed:
-      for i, ring in ((0, 0), (self.n_stages, 1)):
-        st, spec = self.arena.state(ring), self.arena.specs[ring]
-        occ[i] = max(occ[i], (st["head"] - st["tail"]) / spec.capacity)
+      for i, ring in ((0, 0), (self.n_stages, 1)): occ[i] = max(occ[i], self.arena.occupancy(ring))
     return occ
 
   def bridge_stats(self) -> list[dict]:

@@ -295,6 +295,11 @@ class Arena:
                                        "producer_start", "consumer_start", "producer_closed", "consumer_closed",
                                        "reader_sleeping", "writer_sleeping")}
 
+  def occupancy(self, index: int) -> float:
+    """Fill fraction of ring `index` (published bytes not yet released over its capacity), from any process."""
+    st = self.state(index)
+    return (st["head"] - st["tail"]) / self.specs[index].capacity
+
   def data(self, index: int) -> memoryview:
     """Writable view of ring `index`'s data region: for tests and tools that craft raw bytes."""
     r = self._ring(index)

@@ -71,15 +71,17 @@ class StageHandle:
     except (OSError, ValueError): return ""
 
   def failure(self) -> errors.StageFailed | None:
-    where = f"on host {self.host['index']} (node {self.host['node'][:12]}, {self.host['ip']}): " if self.host else ""
     if self.fatal is not None:
       reason, message = self.fatal.get("reason", Event.WORKER_FATAL), self.fatal.get("message", "")
       if "host" in self.fatal: return errors.HostLost(self.fatal["host"], self.index, reason, message)
-      return errors.StageFailed(self.index, reason, where + message)
+      return errors.StageFailed(self.index, reason, self._where() + message)
     if (rc := self.proc.poll()) is not None:
       how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
-      return errors.StageFailed(self.index, "WorkerExited", f"{where}{how}; stderr tail: {self.stderr_tail(600).strip()}")
+      return errors.StageFailed(self.index, "WorkerExited", f"{self._where()}{how}; stderr tail: {self.stderr_tail(600).strip()}")
     return None
+
+  def _where(self) -> str:
+    return f"on host {self.host['index']} (node {self.host['node'][:12]}, {self.host['ip']}): " if self.host else ""
 
 
 def spawn_stage(index: int, env: dict[str, str] | None = None, on_event: Callable[[dict], None] | None = None) -> StageHandle:
@@ -190,9 +192,7 @@ class LocalPlacement:
   def model_path(self, h: StageHandle) -> str | None: return None  # the launcher's own
 
   def ring_occupancy(self) -> list[float]:
-    if self.arena.closed: return []
-    states = [self.arena.state(i) for i in range(self.arena.ring_count)]
-    return [(st["head"] - st["tail"]) / spec.capacity for st, spec in zip(states, self.arena.specs, strict=True)]
+    return [] if self.arena.closed else [self.arena.occupancy(i) for i in range(self.arena.ring_count)]
 
   def close(self, grace_s: float = 0.0) -> None: self.arena.close()
 

@@ -21,7 +21,8 @@ echo); this process only orchestrates and waits.  Measured (see bench/README.md 
                             (rec.readinto(buf): a memcpy, as the C loop's copy-out does)
                 view        per-record, and the consumer reads the payload in place through
                             rec.payload (a memoryview into the ring): its first and last byte
-              The C loop (mo_bench_produce / mo_bench_consume, GIL released, no Python per record)
+              The C loop (mo_bench_produce / mo_bench_consume, GIL released, no Python per record;
+              native/mo_ring_bench.c, built on first use by native/ringbench.py: a checkout only)
               runs per-record (1 record per publish and per release; its consumer touches one byte
               of each payload in place: that is also its "view"), batch (256) and copy-out (memcpy
               of every payload into a scratch buffer).  Its producer copies each payload from the
@@ -66,6 +67,12 @@ from pyruntime import _ring, errors  # noqa: E402
 from pyruntime.ring import Arena, RingSpec, record_size  # noqa: E402
 
 ffi, lib = _ring.ffi, _ring.lib
+# The C loop's extension (not shipped: native/ringbench.py builds it from native/, which only a checkout has)
+if os.path.isfile(os.path.join(ROOT, "native", "ringbench.py")):
+  sys.path.insert(0, os.path.join(ROOT, "native"))
+  import ringbench  # noqa: E402
+else:
+  ringbench = None
 
 SIZES = (8, 1152, 64 << 10, 1 << 20)
 KINDS = 4          # distinct payloads per size; record i carries payload kind (i >> shift) & 3
@@ -258,25 +265,17 @@ def produce_py_batch(name, barrier, P: Payloads, dur: float) -> dict:
 def produce_c(name, barrier, P: Payloads, dur: float, batch: int) -> dict:
   """The C loop's producer: P's payloads copied from their buffers, as Writer.write(bytes) does (or, with
   --c-producer fill, each payload filled in place: stores only, no reads; the ceiling before 2026-12-02)."""
-  with Arena.attach(name) as arena:
-    w = arena.writer(0)
-    p = _handle(w, "_p")
-    done = ffi.new("uint64_t *")
-    keep = [] if C_FILL else [ffi.from_buffer(b) for b in P.bufs]
-    srcs = ffi.new("void *[]", keep) if keep else ffi.NULL
+  with Arena.attach(name) as arena, ringbench.Producer(arena, 0) as w:
+    srcs = None if C_FILL else P.bufs
     ch = chunk_records(P.size, 1 << 16)
-    produce = lambda: lib.mo_bench_produce(p, done[0] + ch, P.size, batch, srcs, len(keep), P.shift, done)  # noqa: E731
     prefault(arena, 0)
     barrier.wait()
     t0 = mono()
     end = t0 + dur
     while True:
-      st = produce()
-      while st == lib.MO_INTERRUPTED: st = produce()
-      if st: raise RuntimeError(f"mo_bench_produce: {ffi.string(lib.mo_status_name(st)).decode()}")
+      w.produce(w.done + ch, P.size, batch, srcs, P.shift)
       if mono() >= end: break
-    w.close()
-  return {"t0": t0, "count": int(done[0]), "sample_sum": None if C_FILL else P.sample_sum(int(done[0]))}
+  return {"t0": t0, "count": w.done, "sample_sum": None if C_FILL else P.sample_sum(w.done)}
 
 
 def send_for(send, P: Payloads, dur: float) -> tuple[float, int]:
@@ -604,19 +603,13 @@ def consume_py_batch(name, barrier, P: Payloads) -> dict:
 
 
 def consume_c(name, barrier, P: Payloads, batch: int, copy: bool) -> dict:
-  with Arena.attach(name) as arena:
-    r = arena.reader(0)
-    c = _handle(r, "_c")
-    done, nbytes = ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    scratch = ffi.new("char[]", max(P.size, 1)) if copy else ffi.NULL
+  with Arena.attach(name) as arena, ringbench.Consumer(arena, 0) as r:
     prefault(arena, 0)
     barrier.wait()
-    st = lib.mo_bench_consume(c, 1 << 62, batch, scratch, done, nbytes)
-    while st == lib.MO_INTERRUPTED: st = lib.mo_bench_consume(c, 1 << 62, batch, scratch, done, nbytes)
+    r.consume(1 << 62, batch, copy)  # until the producer closes the ring
     t1 = mono()
-    if st != lib.MO_CLOSED: raise RuntimeError(f"mo_bench_consume: {ffi.string(lib.mo_status_name(st)).decode()}")
-    count = int(done[0])
-    if nbytes[0] != count * P.size: raise AssertionError(f"C consumer: {nbytes[0]} bytes for {count} records of {P.size}")
+    count = r.done
+    if r.bytes != count * P.size: raise AssertionError(f"C consumer: {r.bytes} bytes for {count} records of {P.size}")
   return {"t1": t1, "count": count, "sample_sum": None}
 
 
@@ -1072,6 +1065,11 @@ def main(argv=None) -> int:
            [(peer, "per-record") for peer in PEERS if peer_available(peer)]
     if not a.quick:
       plan += [(PY_C_SYSTEM, "per-record")] + [(C_PY_SYSTEM, m) for m in ("per-record", "copy-out", "copy-into", "view")]
+    if ringbench is None:
+      log("the C loop's rows are left out: its extension is built from native/, which only a checkout has")
+      plan = [(system, mode) for system, mode in plan if system not in (C_SYSTEM, PY_C_SYSTEM, C_PY_SYSTEM)]
+    else:
+      ringbench.load()  # built (first time only) and loaded here, before the benchmark processes fork
     best: dict = {}
     for rnd in range(rounds):  # rounds interleave the systems: a burst of load elsewhere hits all of them alike
       for size in sizes:

@@ -2,13 +2,16 @@
 
 `pyruntime._ring` (cffi, API mode): the whole API.  The Python-visible declarations are the
 sections of native/mo_ring.h (the ring) and native/mo_ring_extra.h (binding shortcuts, test and
-fuzz entry points, benchmark loops) between the markers `MO_CDEF_BEGIN` and `MO_CDEF_END`, handed
-to cffi verbatim; the library itself is native/mo_ring.c and native/mo_ring_extra.c, compiled
-into the extension.  Nothing in C is pasted into this file.
+fuzz entry points) between the markers `MO_CDEF_BEGIN` and `MO_CDEF_END`, handed to cffi
+verbatim; the library itself is native/mo_ring.c and native/mo_ring_extra.c, compiled into the
+extension.  Nothing in C is pasted into this file.
 
 `pyruntime._ringfast` (CPython, optional): the per-record hot calls over the same handles
 (native/mo_fast.c, which includes mo_ring.c and mo_ring_extra.c).  When it cannot be built, pyruntime.ring runs on
 cffi alone.
+
+The C benchmark loops (native/mo_ring_bench.h) are in neither: native/ringbench.py builds them, with
+make_ffi() below, into a cffi extension of their own for bench/ and the tests.
 
     pip install -e .                  # setup.py names both builders
     python native/build_ring.py       # or build both in place, next to pyruntime/ (for development)
@@ -34,24 +37,33 @@ def cdef_section(header: Path) -> str:
   return m.group(1)
 
 
-def make_builder(relative: bool = True) -> FFI:
-  """setuptools wants source paths relative to the project root (the cwd of setup.py);
-  ffi.compile() changes directory, so the in-place build uses absolute ones."""
+CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wno-unused-function"]
+
+
+def make_ffi(module: str, headers: list[Path], sources: list[Path], relative: bool) -> FFI:
+  """A cffi builder of `module`: the cdef sections of `headers` (the last one is #included; it
+  includes the others), the library compiled from `sources`."""
   def path(p: Path) -> str:
     if not relative: return str(p)
     try: return os.path.relpath(p)
     except ValueError: return str(p)
   ffi = FFI()
-  ffi.cdef("\n".join(cdef_section(h) for h in HEADERS))
+  ffi.cdef("\n".join(cdef_section(h) for h in headers))
   ffi.set_source(
-    "pyruntime._ring",
-    '#include "mo_ring_extra.h"\n',  # includes mo_ring.h
-    sources=[path(s) for s in SOURCES],
+    module,
+    f'#include "{headers[-1].name}"\n',
+    sources=[path(s) for s in sources],
     include_dirs=[path(HERE)],
-    depends=[path(p) for p in HEADERS + SOURCES],
-    extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wno-unused-function"],
+    depends=[path(p) for p in headers + sources],
+    extra_compile_args=CFLAGS,
   )
   return ffi
+
+
+def make_builder(relative: bool = True) -> FFI:
+  """setuptools wants source paths relative to the project root (the cwd of setup.py);
+  ffi.compile() changes directory, so the in-place build uses absolute ones."""
+  return make_ffi("pyruntime._ring", HEADERS, SOURCES, relative)  # mo_ring_extra.h includes mo_ring.h
 
 
 FAST_SOURCE = HERE / "mo_fast.c"
@@ -66,7 +78,7 @@ def fast_extension(relative: bool = True):
     sources=[path(FAST_SOURCE)],
     include_dirs=[path(HERE)],
     depends=[path(p) for p in HEADERS + SOURCES],
-    extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wno-unused-function", "-fvisibility=hidden"],
+    extra_compile_args=[*CFLAGS, "-fvisibility=hidden"],
     optional=True,
   )
 

@@ -1,8 +1,8 @@
 /*
  * mo_ring.c -- implementation of mo_ring.h.  Read the header first: it defines the layout and
  * the ordering protocol this file follows, and holds the record codec (mo_record_header_make,
- * mo_record_header_check) that the producer and consumer below use.  The binding shortcuts,
- * test/fuzz entry points and benchmark loops are in mo_ring_extra.c.
+ * mo_record_header_check) that the producer and consumer below use.  The binding shortcuts and
+ * test/fuzz entry points are in mo_ring_extra.c, the benchmark loops in mo_ring_bench.c.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE

@@ -7,10 +7,10 @@
  * sides, and the C API.  The library never allocates: the caller maps the memory and owns every
  * handle struct.  C11, Linux (futex), little-endian hosts.
  *
- * This is the core (mo_ring.c).  What the library carries for its bindings, tests and benchmarks
- * -- FFI shortcuts (put, take*), raw publish and discard for fuzzing, the record codec as
- * stand-alone calls, C benchmark loops -- is declared in mo_ring_extra.h (mo_ring_extra.c),
- * written on this API.
+ * This is the core (mo_ring.c).  What the library carries for its bindings and tests -- FFI
+ * shortcuts (put, take*), raw publish and discard for fuzzing, the record codec as stand-alone
+ * calls -- is declared in mo_ring_extra.h (mo_ring_extra.c), written on this API; so are the C
+ * benchmark loops, mo_ring_bench.h (mo_ring_bench.c), which no shipped extension carries.
  *
  * ---------------------------------------------------------------------------------------------
  * 1. Arena layout (all offsets from the start of the mapping; all integers little-endian)

@@ -1,6 +1,7 @@
 /*
  * mo_ring_extra.h -- what the MO01 ring library carries besides the ring: the shortcuts its
- * bindings call, the entry points its tests and fuzzers call, and the C benchmark loops.
+ * bindings call and the entry points its tests and fuzzers call.  (The C benchmark loops are not
+ * in the library: mo_ring_bench.h.)
  *
  * None of this is needed to use a ring (mo_ring.h is the whole ring and its contract); every
  * function here is written on mo_ring.h's API, its handle fields and its record codec
@@ -11,7 +12,6 @@
  *   binding shortcuts   every argument an FFI call drops makes it cheaper: put, take*,
  *                       reserved_offset
  *   tests and fuzzing   raw bytes into a ring, skip what a ring holds, the record codec on its own
- *   benchmark loops     the ceiling for the bindings: the same work with no FFI at all
  */
 #ifndef MO_RING_EXTRA_H
 #define MO_RING_EXTRA_H
@@ -53,22 +53,6 @@ void mo_record_encode(void *hdr, uint64_t object_id, uint64_t sequence, uint64_t
  * past rec + avail. */
 mo_status mo_record_check(const void *rec, uint64_t avail, uint64_t max_extent, uint32_t alignment,
                           uint64_t expected_sequence, mo_view *out);
-
-/* --- benchmark loops ---------------------------------------------------------------------- */
-/* Records *done..n-1 (start with *done = 0), object_id = the record number, batch records per
- * publish, waiting without limit.  The payload of record i is a copy of
- * sources[(i >> shift) & (nsources - 1)] (size bytes each; nsources a power of two) -- the work of
- * a producer that sends data it holds, as a binding's write(bytes) does; with sources NULL, every
- * payload byte is set to i & 0xff and the first 8 to i (a fill in place: stores only, no reads).
- * Returns MO_OK, or the status that stopped it with *done updated; on MO_INTERRUPTED run the
- * signal handlers and call again. */
-mo_status mo_bench_produce(mo_producer *p, uint64_t n, uint64_t size, uint32_t batch, const void *const *sources,
-                           uint32_t nsources, uint32_t shift, uint64_t *done);
-/* Read records *done..n-1 in batches of up to batch (max 256) per read_many and per release;
- * copy each payload into copy_to (NULL: touch one byte in place); add payload bytes to *bytes.
- * MO_INVALID_STATE if object ids within a batch are not consecutive. */
-mo_status mo_bench_consume(mo_consumer *c, uint64_t n, uint32_t batch, char *copy_to, uint64_t *done,
-                           uint64_t *bytes);
 
 /* MO_CDEF_END */
 

@@ -530,25 +530,11 @@ class Writer:
     """Process-local counters: records committed, futex waits (parks), futex wakes issued."""
     return {"records": self._p.records, "parks": self._p.parks, "wakes": self._p.wakes}
 
-  # tests and benchmarks
+  # tests and fuzzing
   def _publish_raw(self, data: bytes) -> None:
     """TEST/FUZZ ONLY: publish raw bytes (zero-padded to 8) with no framing."""
     buf = _buffer(data)
     st = lib.mo_producer_publish_raw(self._p, buf, len(buf))
-    if st: raise self._fail(st)
-
-  def bench_produce(self, n: int, size: int, batch: int = 1, sources: Sequence[bytes] | None = None, shift: int = 0) -> None:
-    """C-only loop: n records of `size` bytes (object ids 0..n-1), `batch` per publish, the GIL
-    released throughout: the ceiling the Python API is measured against. Record i's payload is a
-    copy of sources[(i >> shift) % len(sources)] (a power-of-two count of `size`-byte buffers), the
-    work `write(bytes)` does; without sources a fill in place (mo_ring_extra.h)."""
-    keep = [ffi.from_buffer(b) for b in sources or ()]
-    if any(len(b) < size for b in keep): raise _error(lib.MO_INVALID_ARGUMENT, f"every source must hold {size} bytes")
-    srcs = ffi.new("void *[]", keep) if keep else ffi.NULL
-    done = ffi.new("uint64_t *")
-    st = lib.mo_bench_produce(self._p, n, size, batch, srcs, len(keep), shift, done)
-    while st == _INTERRUPTED:  # signal handlers have run; go on
-      st = lib.mo_bench_produce(self._p, n, size, batch, srcs, len(keep), shift, done)
     if st: raise self._fail(st)
 
   # lifetime
@@ -924,19 +910,6 @@ class Reader:
     and fuzzing).  The expected sequence does not change.  Returns the bytes skipped."""
     self._n = 0
     return lib.mo_consumer_discard(self._c)
-
-  def bench_consume(self, n: int, batch: int = 1, copy: bool = False) -> int:
-    """C-only loop: read n records in batches of up to `batch` (max 256) per read and per
-    release (checking that bench_produce's object ids are consecutive), copying each payload out
-    if `copy`, the GIL released throughout.  Returns the payload bytes read."""
-    out, done = ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    scratch = ffi.new("char[]", min(self.spec.max_extent, self.spec.capacity) or 1) if copy else ffi.NULL
-    self._n = 0  # the loop releases what it reads (and anything read before)
-    st = lib.mo_bench_consume(self._c, n, batch, scratch, done, out)
-    while st == _INTERRUPTED:
-      st = lib.mo_bench_consume(self._c, n, batch, scratch, done, out)
-    if st: raise self._fail(st)
-    return out[0]
 
   # lifetime
   def close(self) -> None:

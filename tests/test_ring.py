@@ -910,35 +910,3 @@ def test_unlinked_on_sigterm(chain):
     assert child.returncode == 3 and "chained" in out, err
   else:
     assert child.returncode == -signal.SIGTERM, err
-
-
-# --- the C-only benchmark loops -------------------------------------------------------------------
-@pytest.mark.parametrize("size,batch", [(8, 64), (1 << 20, 64)])
-def test_native_bench_loops(size, batch):
-  """Both loops run in C with the GIL released (so two threads work); with 1 MiB records a batch
-  of 64 is far more than the 4 MiB ring holds: the consumer must not block holding records."""
-  n = 20000 if size == 8 else 40
-  with make(RingSpec(4 << 20, 1 << 20)) as a:
-    w, r = a.writer(0), a.reader(0)
-    got = []
-    t = threading.Thread(target=lambda: got.append(r.bench_consume(n, batch, copy=size > 8)))
-    t.start()
-    w.bench_produce(n, size, batch)
-    t.join(60)
-    assert got == [n * size]
-    assert a.state(0)["tail_seq"] == n
-
-
-def test_native_bench_produce_copies_its_sources_in_turn():
-  """The C loop's copying producer sends what write(bytes) would: record i is a copy of
-  sources[(i >> shift) % len(sources)]; a count that is not a power of two is refused."""
-  srcs = [bytes([k]) * 24 + bytes(range(8)) for k in range(4)]
-  with make(RingSpec(1 << 16, 64)) as a:
-    w, r = a.writer(0), a.reader(0)
-    w.bench_produce(16, 32, 1, srcs, shift=1)
-    got = [(rec.object_id, bytes(rec.payload)) for rec in (r.read() for _ in range(16))]
-    assert got == [(i, srcs[(i >> 1) & 3]) for i in range(16)]
-    with pytest.raises(errors.RingError, match="InvalidArgument"):
-      w.bench_produce(20, 32, 1, srcs[:3])
-    with pytest.raises(errors.RingError, match="InvalidArgument"):
-      w.bench_produce(20, 64, 1, srcs)  # sources shorter than a payload

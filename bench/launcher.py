@@ -5,7 +5,7 @@ host work (incremental decode, stop strings, the Delta) costs with warm caches a
     pyruntime bench launcher
 
 The launcher's driver thread reads each token record from the tail's ring, turns it into text and writes the next
-token to the head's ring (pyruntime/launcher.py, `_drive`); `Launcher.driver_cpu_s()` is that thread's whole CPU time
+token to the head's ring (pyruntime/driver.py, `Driver.run`); `Launcher.driver_cpu_s()` is that thread's whole CPU time
 (reading, text, next tokens, and its health polls and wake-ups between tokens), and `Launcher.overhead` sums the wall
 time from the moment a record is read to the moment its work is done. On a CPU host the driver sleeps between tokens while the
 stages compute, so it wakes with its caches taken by them: the second half of this benchmark times the same work
@@ -41,12 +41,12 @@ def run_streams(lm, concurrency: int, tokens: int) -> dict:
 def token_work_warm_and_cold(lm, n: int = 200) -> dict:
   """StreamHandle.push (what the driver does for each token of a running stream) timed back to back, then each
   call after a 10 ms sleep, as the driver runs between two tokens of a CPU pipeline."""
-  from pyruntime.launcher import StreamHandle
-  from pyruntime.textstream import StopStream
+  from pyruntime.driver import StreamHandle
+  from pyruntime.request import Request
   token = lm.tokenizer.encode("sea")[0]
   out = {}
   for name, pause in (("warm", 0.0), ("after_10ms_sleep", 0.01)):
-    st = StreamHandle(lm, 0, [token], 1 << 30, None, StopStream(["never seen"]), False, frozenset(), queue.SimpleQueue().put)
+    st = StreamHandle(lm.driver, 0, Request([token], 1 << 30, None, ["never seen"]), queue.SimpleQueue().put)
     total = 0
     for _ in range(n):
       if pause: time.sleep(pause)

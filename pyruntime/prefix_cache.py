@@ -123,3 +123,29 @@ class PrefixIndex:
     """Counters for /metrics and scheduler_stats: queries, hits, tokens served from the cache, blocks held and saved,
     evictions."""
     return {**self.stats, "blocks": self.capacity, "held_blocks": self.held_blocks, "block_size": self.block_size}
+
+
+@dataclass
+class PrefixCache:
+  """The pipeline's prefix cache as the launcher runs it: the index (None when off, `why_off` says why), whether decoded
+  positions are cached too, and the host memory a cached token takes over all stages."""
+  index: PrefixIndex | None
+  why_off: str
+  decoded: bool = False
+  bytes_per_token: int = 0
+
+  @classmethod
+  def for_stages(cls, tokens: int, caches: list[dict | None], arch: str) -> PrefixCache:
+    """On when it was asked for and every stage keeps blocks (a model with recurrent blocks has none: its state is not a
+    function of positions alone). A decoded position is cached only if a decode row computes a prompt row's bits: every
+    stage on the rows path."""
+    if not tokens // BLOCK: return cls(None, "off (prefix_cache=0)")
+    if not all(caches): return cls(None, f"off: {arch} has recurrent blocks, whose state cannot be cut at a position")
+    return cls(PrefixIndex(tokens // BLOCK, BLOCK), "", all(c["decoded_positions"] for c in caches), sum(c["bytes_per_token"] for c in caches))
+
+  def stats(self) -> dict:
+    """The index's counters (PrefixIndex.snapshot) and its host memory in all stages; {"enabled": False, "why": ...}."""
+    if self.index is None: return {"enabled": False, "why": self.why_off}
+    snap = self.index.snapshot()
+    return {"enabled": True, **snap, "bytes_held": snap["held_blocks"] * BLOCK * self.bytes_per_token,
+            "bytes_budget": snap["blocks"] * BLOCK * self.bytes_per_token, "caches_decoded_positions": self.decoded}

@@ -12,6 +12,8 @@ none, and probes again later), and to load (no drafts while the pipeline has mor
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 MAX_NGRAM = 4         # the longest suffix looked up
 MIN_NGRAM = 2         # shorter matches draft too often wrongly to pay for their rows
 SOLO_STREAMS = 2      # more streams running than this: no drafts (the batch is the better use of a step)
@@ -72,3 +74,25 @@ class DraftLength:
     if drafted == 0: return
     self.mean = 0.5 * self.mean + 0.5 * accepted
     self.k = self.limit if self.mean >= MIN_ACCEPTED else 0
+
+
+@dataclass
+class Drafting:
+  """One stream's speculation: its draft length (None: it decodes plainly), the caller's prediction, the draft in flight
+  (position, drafts, the answers so far) and what its rounds kept."""
+  length: DraftLength | None = None
+  predicted: list[int] = field(default_factory=list)  # OpenAI's `prediction`, tokenized: a drafter of its own
+  verify: tuple[int, list[int], dict[int, tuple[int, bool]]] | None = None
+  from_prediction: bool = False  # the draft in flight came from the prediction
+  rounds: int = 0
+  drafted: int = 0
+  accepted: int = 0
+  prediction_kept: int = 0
+  prediction_rejected: int = 0
+
+  def kept(self, drafted: int, accepted: int) -> None:
+    """A round is verified: `accepted` of its `drafted` tokens were the model's own."""
+    self.length.update(drafted, accepted)
+    self.rounds, self.drafted, self.accepted = self.rounds + 1, self.drafted + drafted, self.accepted + accepted
+    if self.from_prediction:
+      self.prediction_kept, self.prediction_rejected = self.prediction_kept + accepted, self.prediction_rejected + drafted - accepted

@@ -1,7 +1,7 @@
 """The stage processes of a pipeline: spawning one (`python -m pyruntime.stage`), reading its control channel on a
 thread of its own, and what the launcher watches (its Heartbeats, its fatal event, its exit); and `LocalPlacement`,
 every stage on this host with every ring in one arena (pyruntime/hosts.py has the placement over several hosts).
-The launcher owns the streams; this module owns the processes.
+`StagePool` watches and stops them. The launcher's driver owns the streams; this module owns the processes.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pyruntime import errors
-from pyruntime.protocol import Command, Event
+from pyruntime.protocol import STALL_STEPS, Command, Event
 
 
 @dataclass
@@ -108,47 +108,8 @@ def _pump(h: StageHandle, on_event: Callable[[dict], None] | None) -> None:
 
 # --- watching and stopping a pipeline's stages ----------------------------------------------------------------------
 AFTERMATH = {"PeerDead": 2, "RingClosed": 2, "BridgeLost": 1}  # what a failure elsewhere causes: reported after a root cause
-
-
-def first_failure(handles: list[StageHandle]) -> errors.StageFailed | None:
-  """The failure to report: a dead stage makes its neighbours fail too (PeerDead, RingClosed), so the root cause first."""
-  failures = [f for h in handles if (f := h.failure()) is not None]
-  return min(failures, key=lambda f: AFTERMATH.get(f.reason, 0), default=None)
-
-
-def stalled(handles: list[StageHandle], bound: Callable[[StageHandle], float]) -> errors.StageStalled | None:
-  """The stall rule (docs/control-channel.md, "Stalls"): the first stage whose last progress (a step finished or a record
-  taken, counted by its data loop's own thread and reported in Heartbeats; or a Heartbeat saying it had nothing to do)
-  is older than `bound(h)`. The caller asks only while the pipeline has work."""
-  now = time.monotonic()
-  for h in handles:
-    quiet = now - h.progress_t
-    if quiet > (b := bound(h)):
-      heard = f"{now - h.beat_t:.1f} s ago: {h.beat.get('doing')}" if h.beat else "never since it started"
-      return errors.StageStalled(h.index, f"no progress for {quiet:.1f} s (bound {b:.1f} s) while the pipeline had work; last heard {heard}")
-  return None
-
-
-def stage_view(handles: list[StageHandle], split: list, devices: list) -> list[dict]:
-  """What each stage is and last said of itself, without a round trip: layers, device, memory, alive, and its last
-  Heartbeat (steps, tokens and busy seconds since its start, `t` when it came; `beat_age_s` since)."""
-  now, out = time.monotonic(), []
-  for i, h in enumerate(handles):
-    beat = {k: v for k, v in (h.beat or {}).items() if k != "event"} | ({"t": h.beat_t} if h.beat is not None else {})
-    out.append({"stage": i, "pid": h.proc.pid, "alive": h.alive, "layers": list(split[i]) if i < len(split) else None,
-                "device": devices[i] if i < len(devices) else None, "resident_bytes": h.info.get("resident_bytes"),
-                "family": h.info.get("family"), "host": h.host, "beat": beat, "beat_age_s": round(now - h.beat_t, 3) if h.beat is not None else None})
-  return out
-
-
-def profile_reports(handles: list[StageHandle], events: list[dict], wait_s: float = 0.0) -> list[dict]:
-  """Each stage's latest ProfileReport among `events`; `wait_s` lets stages that are exiting finish their output first."""
-  deadline = time.monotonic() + wait_s
-  for h in handles: h.read_all.wait(max(0.0, deadline - time.monotonic()))
-  latest: dict[int, dict] = {}
-  for ev in list(events):
-    if ev.get("event") == Event.PROFILE_REPORT: latest[ev.get("stage", -1)] = ev
-  return [latest[k] for k in sorted(latest)]
+POLL_S = 0.05   # how often a waiting launcher looks at its stages' health
+SETTLE_S = 0.5  # how long a closed tail ring waits for the failure behind it to be reported
 
 
 def stop_stages(handles: list[StageHandle], grace_s: float, failed: bool) -> None:
@@ -168,11 +129,99 @@ def stop_stages(handles: list[StageHandle], grace_s: float, failed: bool) -> Non
       except OSError: pass
 
 
-def kill_stages(handles: list[StageHandle]) -> None:
-  for h in handles:
-    if h.proc.poll() is None:
-      h.proc.kill()
-      h.proc.wait()
+class StagePool:
+  """The stage processes of one pipeline, wherever `placement` runs them: spawned one at a time, watched (their
+  events, the stall rule, failures) and stopped. The launcher asks; the driver asks while streams run."""
+
+  def __init__(self, placement: Any, on_event: Callable[[dict], None], check_open: Callable[[], None], stall_timeout: float,
+               stall_capture_timeout: float):
+    self.placement, self.on_event, self.check_open = placement, on_event, check_open
+    self.stall_timeout, self.stall_capture_timeout = float(stall_timeout), float(stall_capture_timeout)
+    self.handles: list[StageHandle] = []
+
+  def spawn(self, index: int) -> StageHandle:
+    h = self.placement.spawn(index)
+    self.handles.append(h)
+    self.on_event({"event": "StageSpawned", "stage": index, "pid": h.proc.pid})
+    return h
+
+  def expect(self, h: StageHandle, name: str, timeout: float) -> dict:
+    """Stage h's next event called `name`; the failure (of h or any stage) that comes first raises as StageFailed."""
+    deadline = time.monotonic() + timeout
+    while True:
+      self.check_open()
+      try: ev = h.events.get(timeout=min(POLL_S * 4, max(0.0, deadline - time.monotonic())))
+      except queue.Empty: ev = {}
+      if ev is None or (ev and ev.get("event") == Event.WORKER_FATAL): raise h.failure() or errors.StageFailed(h.index, "WorkerExited")
+      if ev and ev.get("event") == name: return ev
+      if (f := self.first_failure()) is not None: raise f
+      if time.monotonic() > deadline: raise errors.StageFailed(h.index, "Timeout", f"no {name} within {timeout:.0f} s")
+
+  def first_failure(self) -> errors.StageFailed | None:
+    """The failure to report: a dead stage makes its neighbours fail too (PeerDead, RingClosed), so the root cause first."""
+    failures = [f for h in self.handles if (f := h.failure()) is not None]
+    return min(failures, key=lambda f: AFTERMATH.get(f.reason, 0), default=None)
+
+  def root_cause(self) -> errors.StageFailed | None:
+    """The tail ring closed under the driver: the failure that closed it, given up to SETTLE_S to be reported (a
+    stage's fatal event, or a remote host's, can come after the close that it caused has run down the rings)."""
+    deadline = time.monotonic() + SETTLE_S
+    while (f := self.first_failure()) is None or f.reason in AFTERMATH:
+      if time.monotonic() > deadline: return f
+      time.sleep(POLL_S / 5)
+    return f
+
+  def stall_bound(self, h: StageHandle) -> float:
+    """How long stage h may have work and make no progress: `stall_timeout`, or STALL_STEPS of its slowest step if that
+    is longer; `stall_capture_timeout` while it captures a graph (it says so before, and beats again after)."""
+    b = h.beat or {}
+    if b.get("capturing"): return self.stall_capture_timeout
+    return max(self.stall_timeout, STALL_STEPS * float(b.get("slowest_s") or 0.0))
+
+  def stalled(self) -> errors.StageStalled | None:
+    """The stall rule (docs/control-channel.md, "Stalls"): the first stage whose last progress (a step finished or a
+    record taken, counted by its data loop's own thread and reported in Heartbeats; or a Heartbeat saying it had nothing
+    to do) is older than its bound. The caller asks only while the pipeline has work."""
+    now = time.monotonic()
+    for h in self.handles:
+      quiet = now - h.progress_t
+      if quiet > (b := self.stall_bound(h)):
+        heard = f"{now - h.beat_t:.1f} s ago: {h.beat.get('doing')}" if h.beat else "never since it started"
+        return errors.StageStalled(h.index, f"no progress for {quiet:.1f} s (bound {b:.1f} s) while the pipeline had work; last heard {heard}")
+    return None
+
+  def view(self, split: list, devices: list) -> list[dict]:
+    """What each stage is and last said of itself, without a round trip: layers, device, memory, alive, and its last
+    Heartbeat (steps, tokens and busy seconds since its start, `t` when it came; `beat_age_s` since)."""
+    now, out = time.monotonic(), []
+    for i, h in enumerate(self.handles):
+      beat = {k: v for k, v in (h.beat or {}).items() if k != "event"} | ({"t": h.beat_t} if h.beat is not None else {})
+      age = round(now - h.beat_t, 3) if h.beat is not None else None
+      out.append({"stage": i, "pid": h.proc.pid, "alive": h.alive, "layers": list(split[i]) if i < len(split) else None,
+                  "device": devices[i] if i < len(devices) else None, "resident_bytes": h.info.get("resident_bytes"),
+                  "family": h.info.get("family"), "host": h.host, "beat": beat, "beat_age_s": age})
+    return out
+
+  def profile_reports(self, events: list[dict], wait_s: float = 0.0) -> list[dict]:
+    """Each stage's latest ProfileReport among `events`; `wait_s` lets stages that are exiting finish their output first."""
+    deadline = time.monotonic() + wait_s
+    for h in self.handles: h.read_all.wait(max(0.0, deadline - time.monotonic()))
+    latest: dict[int, dict] = {}
+    for ev in list(events):
+      if ev.get("event") == Event.PROFILE_REPORT: latest[ev.get("stage", -1)] = ev
+    return [latest[k] for k in sorted(latest)]
+
+  def stop(self, grace_s: float, failed: bool) -> None:
+    stop_stages(self.handles, grace_s, failed)
+    self.placement.close(grace_s)
+
+  def kill(self) -> None:
+    """End at once whatever is left (a stage spawned after the pool was stopped), and the placement's segments."""
+    for h in self.handles:
+      if h.proc.poll() is None:
+        h.proc.kill()
+        h.proc.wait()
+    self.placement.close(0.0)
 
 
 class LocalPlacement:

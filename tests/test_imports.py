@@ -49,7 +49,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_imports_in_functions():
   g = import_graph()
   assert "pyruntime.server" in g["pyruntime.cli"]          # cmd_serve's lazy import
-  assert "pyruntime.plan" in g["pyruntime.launcher"]       # Launcher.plan's
+  assert "pyruntime.plan" in g["pyruntime.launch_plan"]    # plan_launch's
   assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None and find_cycle({"a": {"b"}, "b": set()}) is None
 
 
@@ -59,6 +59,7 @@ def test_no_import_cycle():
 
 def test_importing_the_launcher_loads_no_tinygrad_or_numpy():
   code = "import sys, pyruntime.launcher; from pyruntime.launcher import Launcher; import pyruntime.plan, pyruntime.params, pyruntime.gguf\n" \
+         "import pyruntime.launch_plan, pyruntime.driver, pyruntime.request, pyruntime.stage_pool\n" \
          "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tinygrad', 'numpy')))"
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PKG.parent), os.environ.get("PYTHONPATH", "")]))
   r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

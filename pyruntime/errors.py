@@ -103,6 +103,9 @@ class HostMismatch(PyruntimeError):
   """A host of the pipeline runs another pyruntime version or ring ABI, or resolved another model file."""
 class PlacementUnavailable(PyruntimeError):
   """The cluster cannot place the pipeline's hosts now (too few nodes, or too few resources on them)."""
+class DrafterVocabMismatch(PyruntimeError):
+  """A draft model's vocabulary is not the target's (another token's bytes, another special id): its tokens would
+  mean other text. Refused at load (docs/speculation.md, "A draft model")."""
 
 class ServerUnreachable(PyruntimeError):
   """`pyruntime inspect --server URL`: no pyruntime server answered /metrics there."""

@@ -30,14 +30,15 @@ class Choice:
   values: tuple[str, ...]
   default: str
   help: str
+  prefixed: tuple[str, ...] = ()  # also allowed: a value of the form PREFIX + something (speculative's "model:PATH")
 
   @property
   def flag(self) -> str: return "--" + self.name.replace("_", "-")
 
   def check(self, v: Any, error: type[errors.PyruntimeError] = errors.InvalidOption) -> str:
     """v if it is one of the values, else `error` (InvalidOption naming the option; a stage passes InvalidCommand)."""
-    if isinstance(v, str) and v in self.values: return v
-    text = f"must be one of {', '.join(self.values)}, not {v!r:.80}"
+    if isinstance(v, str) and (v in self.values or any(v.startswith(p) and len(v) > len(p) for p in self.prefixed)): return v
+    text = f"must be one of {', '.join(self.values + tuple(p + '...' for p in self.prefixed))}, not {v!r:.80}"
     raise error(self.name, text) if error is errors.InvalidOption else error(f"{self.name} {text}")
 
 
@@ -49,7 +50,8 @@ CHOICES = {c.name: c for c in (
          "kernels), or dequantised once at load; auto: float32 on a CPU when the model fits twice over in free memory (several times "
          "faster there), quantized on GPUs and with --decode reference"),
   Choice("speculative", ("off", "ngram"), "off", "ngram: draft tokens by looking the stream's last tokens up in its prompt and "
-         "output, verified by the pipeline in one step each (exactly plain decoding's tokens; greedy streams; docs/speculation.md)"),
+         "output; model:PATH: draft them with a smaller GGUF of the same vocabulary, run as a stage of its own; either way verified by "
+         "the pipeline in one step each (exactly plain decoding's tokens; greedy streams; docs/speculation.md)", prefixed=("model:",)),
 )}
 
 PREFIX_CACHE_TOKENS = 8192  # the default budget: tokens whose keys and values every stage keeps (SmolLM2: 46 KB each)
@@ -85,7 +87,10 @@ def check_launch(**options: Any) -> None:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
   """The launch options as flags, from their definitions."""
-  for c in CHOICES.values(): p.add_argument(c.flag, choices=c.values, default=c.default, help=c.help)
+  for c in CHOICES.values():  # a prefixed choice is checked by the Launcher, naming the option, before anything loads
+    shown = "{" + ",".join(c.values + tuple(x + "PATH" for x in c.prefixed)) + "}"
+    if c.prefixed: p.add_argument(c.flag, default=c.default, help=c.help, metavar=shown)
+    else: p.add_argument(c.flag, choices=c.values, default=c.default, help=c.help)
   for n in NUMBERS.values():
     metavar = {"prefix_cache": "TOKENS", "stall_timeout": "S", "stall_capture_timeout": "S"}.get(n.name)
     p.add_argument(n.flag, type=n.kind, default=n.default, help=n.help, metavar=metavar)

@@ -37,8 +37,8 @@ def test_the_draft_length_follows_acceptance():
   d.update(8, 0); assert d.next() == 0
 
 
-@pytest.mark.parametrize("bad", [{"speculative": "model:x.gguf"}, {"speculative": True}, {"draft_tokens": 0}, {"draft_tokens": 16},
-                                 {"draft_tokens": 2.5}])
+@pytest.mark.parametrize("bad", [{"speculative": "model:"}, {"speculative": "draft"}, {"speculative": True}, {"draft_tokens": 0},
+                                 {"draft_tokens": 16}, {"draft_tokens": 2.5}])
 def test_bad_speculation_options_are_refused_by_name(bad):
   with pytest.raises(errors.InvalidOption) as e: Launcher(None, **bad)
   assert e.value.field == next(iter(bad))

@@ -173,7 +173,7 @@ def test_split_equals_reference(name, ranges, tiny_paths, tiny_refs):
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen3"])
 def test_where_the_prompt_is_cut_changes_no_bit(name, tiny_paths, tiny_refs):
-  """A stage sizes prefill chunks by load (1 to 32 tokens, `Stage.prefill_size`), so the prompt's cut must not matter:
+  """A stage sizes prefill chunks by load (1 to 32 tokens, `StageScheduler.prefill_size`), so the prompt's cut must not matter:
   pieces of 1, 5, 13 and 31 tokens, aligned to nothing, give the reference's tokens and logits bit for bit (every chunk
   runs the same symbolic-T kernels; a row's reductions do not depend on the chunk's length)."""
   want = tiny_refs[name]

@@ -236,6 +236,7 @@ class RayPlacement:
   def __init__(self, *, specs: Sequence[Any], n_stages: int, hosts: int | None, address: str | None, source: str | None,
                cache_dir: str | None, local_model: str, env: dict[str, str], devices: Sequence[str],
                on_event: Callable[[dict], None], check_open: Callable[[], None]):
+    # long (~60 lines) because placing is one transaction: every step either completes or closes what the steps before made
     from pyruntime.ring import Arena
     ray = require_ray()
     from ray.util.placement_group import placement_group, remove_placement_group

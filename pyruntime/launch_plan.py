@@ -7,20 +7,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from pyruntime import errors
 from pyruntime.gguf import GGUFHeader
-from pyruntime.options import PREFILL_SHARE, PREFIX_CACHE_TOKENS
+from pyruntime.options import PREFILL_SHARE, PREFIX_CACHE_TOKENS, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S, check_launch
 from pyruntime.prefix_cache import BLOCK
 from pyruntime.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class LaunchOptions:
-  """What the caller chose (validated by options.check_launch) that the plan depends on; defaults as options.py's."""
+  """Every launch option (the Launcher's keywords), checked when made: InvalidOption naming the first bad one
+  (options.check_launch for those the CLI and the stage share). Defaults as options.py's."""
   stages: int = 2
   split: Sequence[tuple[int, int]] | None = None
   devices: str | Sequence[str] | None = None
@@ -28,11 +29,35 @@ class LaunchOptions:
   max_streams: int = 8
   decode: str = "batched"
   weights: str = "auto"
-  warmup: bool = False
+  warmup: bool = False                  # capture every batch shape's kernels at start (a server's choice), not on first use
   max_context: int | None = None
   prefill_share: float = PREFILL_SHARE
   prefix_cache: int = PREFIX_CACHE_TOKENS
-  graph_cache: bool = True
+  graph_cache: bool = True              # stages load their captured graphs from disk and keep new ones (graph_cache.py)
+  stall_timeout: float = STALL_TIMEOUT_S
+  stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S
+  speculative: str = "off"              # off | ngram | model:PATH (docs/speculation.md)
+  draft_tokens: int = 8
+  placement: str = "local"              # local | ray (docs/hosts.md)
+  ray_address: str | None = None
+  hosts: int | None = None
+  cache_dir: str | None = None          # where downloaded models go (source.py)
+  stage_env: dict[str, str] = field(default_factory=dict)  # added to every stage process's environment
+  load_timeout_s: float = 900.0
+
+  def __post_init__(self) -> None:
+    check_launch(boundary_dtype=self.boundary_dtype, max_streams=self.max_streams, decode=self.decode, weights=self.weights,
+                 prefill_share=self.prefill_share, prefix_cache=self.prefix_cache, stall_timeout=self.stall_timeout,
+                 stall_capture_timeout=self.stall_capture_timeout, speculative=self.speculative, draft_tokens=self.draft_tokens)
+    if not isinstance(self.graph_cache, bool): raise errors.InvalidOption("graph_cache", f"must be true or false, got {self.graph_cache!r}")
+    if self.placement not in ("local", "ray"): raise errors.InvalidOption("placement", f"must be local or ray, not {self.placement!r:.80}")
+    if self.placement == "local" and (self.ray_address is not None or self.hosts is not None):
+      raise errors.InvalidOption("placement", "ray_address and hosts need placement='ray'")
+
+  @property
+  def draft_model(self) -> str | None:
+    """The draft model's source, with speculative="model:PATH"."""
+    return self.speculative.removeprefix("model:") if self.speculative.startswith("model:") else None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ from pyruntime.devices import available_memory
 from pyruntime.driver import Driver, StreamHandle
 from pyruntime.events import Delta, Done, Logits, Timings, Usage
 from pyruntime.launch_plan import LaunchOptions, LaunchPlan, plan_launch
-from pyruntime.options import check_launch
 from pyruntime.prefix_cache import PREFIX_CACHE_TOKENS, PrefixCache
 from pyruntime.protocol import ABI_VERSION, PREFILL_SHARE, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S, Command, Event, ring_bytes
 from pyruntime.request import RequestBuilder
@@ -71,33 +70,20 @@ class Launcher:
                prefix_cache: int = PREFIX_CACHE_TOKENS, graph_cache: bool = True, stall_timeout: float = STALL_TIMEOUT_S,
                stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S, speculative: str = "off", draft_tokens: int = 8,
                placement: str = "local", ray_address: str | None = None, hosts: int | None = None):
-    check_launch(boundary_dtype=boundary_dtype, max_streams=max_streams, decode=decode, weights=weights, prefill_share=prefill_share,
-                 prefix_cache=prefix_cache, stall_timeout=stall_timeout, stall_capture_timeout=stall_capture_timeout,
-                 speculative=speculative, draft_tokens=draft_tokens)
-    if placement not in ("local", "ray"): raise errors.InvalidOption("placement", f"must be local or ray, not {placement!r:.80}")
     if placement == "ray":
       from pyruntime.hosts import require_ray
       require_ray()  # refused now, naming the extra, rather than at start
-    elif ray_address is not None or hosts is not None:
-      raise errors.InvalidOption("placement", "ray_address and hosts need placement='ray'")
-    if not isinstance(graph_cache, bool): raise errors.InvalidOption("graph_cache", f"must be true or false, got {graph_cache!r}")
-    # graph_cache: stages load their captured graphs from disk, and keep new ones (pyruntime/graph_cache.py); warmup: capture
-    # every batch shape's kernels at start (a server's choice) rather than on first use
     self.options = LaunchOptions(stages, split, devices, boundary_dtype, max_streams, decode, weights, warmup, max_context, prefill_share,
-                                 prefix_cache, graph_cache)
-    self.speculative, self.draft_tokens = speculative, draft_tokens
-    self.placement_wanted, self.ray_address, self.hosts_wanted = placement, ray_address, hosts
-    self.stall_timeout, self.stall_capture_timeout = float(stall_timeout), float(stall_capture_timeout)
-    self.model_source, self.on_event, self.cache_dir = model, on_event, cache_dir
-    self.stage_env, self.load_timeout_s = dict(stage_env or {}), load_timeout_s
-    self.max_streams, self.boundary_dtype = max_streams, boundary_dtype
+                                 prefix_cache, graph_cache, float(stall_timeout), float(stall_capture_timeout), speculative, draft_tokens,
+                                 placement, ray_address, hosts, cache_dir, dict(stage_env or {}), load_timeout_s)
+    self.model_source, self.on_event = model, on_event
     self.planned: LaunchPlan | None = None
     self.pool: StagePool | None = None    # the stage processes, and where they run
     self.driver: Driver | None = None     # the streams, once started
     self.requests: RequestBuilder | None = None
     self.prefix = PrefixCache(None, "not started")
     self.drafter: ModelDrafter | None = None  # with speculative="model:PATH"
-    self._draft_path, self._draft_lm = "", None
+    self._draft_lm: Launcher | None = None      # its pipeline, closed with this one even while it starts
     self.events: list[dict] = []          # every event seen, in order: the plain way to look at them
     self.load_s = 0.0
     self._closed = False                  # no new streams, the driver stops
@@ -140,10 +126,10 @@ class Launcher:
     only, so the launcher process never imports tinygrad."""
     from pyruntime.gguf import read_header
     from pyruntime.source import resolve_model
-    path = resolve_model(None if self.model_source is None else str(self.model_source), cache_dir=self.cache_dir,
+    path = resolve_model(None if self.model_source is None else str(self.model_source), cache_dir=self.options.cache_dir,
                          on_progress=lambda done, total: self._event({"event": Event.DOWNLOAD_PROGRESS, "bytes": done, "total": total}))
     p = self.planned = plan_launch(path, read_header(path), self.options, available_memory())
-    self.requests = RequestBuilder(p.tokenizer, p.header.kv, p.context_length, self.speculative)
+    self.requests = RequestBuilder(p.tokenizer, p.header.kv, p.context_length, self.options.speculative)
     return p
 
   def start(self) -> Launcher:
@@ -151,8 +137,9 @@ class Launcher:
     self._install_sigterm()
     try:
       p = self.plan()
-      if self.speculative.startswith("model:"): self._draft_path = self._check_drafter(p)
-      self.pool = StagePool(self._place(self._ring_specs(p)), self._event, self._check_open, self.stall_timeout, self.stall_capture_timeout)
+      draft_path = self._check_drafter(p) if self.options.draft_model else None
+      o = self.options
+      self.pool = StagePool(self._place(self._ring_specs(p)), self._event, self._check_open, o.stall_timeout, o.stall_capture_timeout)
       self._event({"event": "ArenaCreated", "name": self.arena.name, "rings": len(p.split) + 1})
       for i in range(len(p.split)):  # one at a time: a close() from another thread meanwhile sees each one it must end
         self._check_open()
@@ -161,7 +148,7 @@ class Launcher:
       self._load(p)
       self.prefix = PrefixCache.for_stages(self.options.prefix_cache, [h.info.get("prefix_cache") for h in self.handles], p.header.arch)
       self.requests.rows_everywhere = all(h.info.get("batched") for h in self.handles)
-      if self.speculative.startswith("model:"): self.drafter = self._start_drafter(p)
+      if draft_path is not None: self.drafter = self._start_drafter(p, draft_path)
       for h in self.handles:
         upstream = self.handles[h.index - 1].info["boundary"] if h.index > 0 else None
         h.send(Command.INSTALL_RING, **self.pool.placement.ring_args(h), ingress_boundary=upstream)
@@ -169,8 +156,8 @@ class Launcher:
       self.load_s = time.monotonic() - t0
       placement = self.pool.placement
       self.driver = Driver(self.arena.writer(placement.head_ring), self.arena.reader(placement.tail_ring), self.pool, tokenizer=p.tokenizer,
-                           max_streams=self.max_streams, recipe=p.recipe, context_length=p.context_length, prefix=self.prefix.index,
-                           cache_decoded=self.prefix.decoded, speculative=self.speculative, draft_tokens=self.draft_tokens,
+                           max_streams=self.options.max_streams, recipe=p.recipe, context_length=p.context_length, prefix=self.prefix.index,
+                           cache_decoded=self.prefix.decoded, speculative=self.options.speculative, draft_tokens=self.options.draft_tokens,
                            load_s=self.load_s, on_failure=self._fail, drafter=self.drafter)
       for h in self.handles: h.progress_t = time.monotonic()
       self.driver.thread.start()
@@ -185,18 +172,18 @@ class Launcher:
     from pyruntime.drafter import check_vocab
     from pyruntime.gguf import read_header
     from pyruntime.source import resolve_model
-    path = resolve_model(self.speculative.removeprefix("model:"), cache_dir=self.cache_dir)
+    path = resolve_model(self.options.draft_model, cache_dir=self.options.cache_dir)
     check_vocab(p.header.kv, read_header(path).kv)
     return str(path)
 
-  def _start_drafter(self, p: LaunchPlan) -> ModelDrafter:
+  def _start_drafter(self, p: LaunchPlan, path: str) -> ModelDrafter:
     """The draft model as a one-stage pipeline of its own (pyruntime/drafter.py): on the first stage's device, slots for
     the streams that speculate, a prefix cache so each round recomputes only what is new."""
     from pyruntime.drafter import ModelDrafter
-    lm = Launcher(self._draft_path, stages=1, devices=p.devices[0], max_streams=SOLO_STREAMS, max_context=p.context_length,
-                  warmup=self.options.warmup, graph_cache=self.options.graph_cache, cache_dir=self.cache_dir, stage_env=self.stage_env,
-                  load_timeout_s=self.load_timeout_s)
-    self._draft_lm = lm  # closed with this launcher, even while it starts
+    o = self.options
+    lm = Launcher(path, stages=1, devices=p.devices[0], max_streams=SOLO_STREAMS, max_context=p.context_length, warmup=o.warmup,
+                  graph_cache=o.graph_cache, cache_dir=o.cache_dir, stage_env=o.stage_env, load_timeout_s=o.load_timeout_s)
+    self._draft_lm = lm
     lm.start()
     self._event({"event": "DrafterReady", "model": lm.model_name, "load_s": round(lm.load_s, 3)})
     return ModelDrafter(lm, self._event)
@@ -206,9 +193,9 @@ class Launcher:
     hidden_states and what else the family's boundary carries (router logits, positions), in boundary-dtype units."""
     from pyruntime.boundary import Boundary
     from pyruntime.ring import RingSpec
-    itemsize = 2 if self.boundary_dtype == "float16" else 4
-    row = Boundary.residual(p.header.arch, 1, p.dim, self.boundary_dtype, int(p.header.get("expert_count", 0))).token_bytes
-    rb = ring_bytes(p.context_length, row // itemsize, itemsize, p.vocab_size, self.max_streams)
+    itemsize = 2 if self.options.boundary_dtype == "float16" else 4
+    row = Boundary.residual(p.header.arch, 1, p.dim, self.options.boundary_dtype, int(p.header.get("expert_count", 0))).token_bytes
+    rb = ring_bytes(p.context_length, row // itemsize, itemsize, p.vocab_size, self.options.max_streams)
     specs = [RingSpec(capacity=_pow2(rb["head_capacity"]), max_extent=rb["head"], alignment=4)]
     specs += [RingSpec(capacity=_pow2(rb["mid_capacity"]), max_extent=rb["mid"], alignment=itemsize) for _ in p.split[1:]]
     return specs + [RingSpec(capacity=_pow2(rb["tail_capacity"]), max_extent=rb["tail"], alignment=4)]
@@ -218,20 +205,20 @@ class Launcher:
     for h in self.handles:
       h.send(Command.INITIALIZE_WORKER, device=p.devices[h.index], abi_version=ABI_VERSION)
       h.send(Command.CONFIGURE_ROLE, **p.role(h.index))
-      h.send(Command.LOAD_WEIGHTS, model=self.pool.placement.model_path(h) or str(p.path), cache_dir=self.cache_dir)
+      h.send(Command.LOAD_WEIGHTS, model=self.pool.placement.model_path(h) or str(p.path), cache_dir=self.options.cache_dir)
     for h in self.handles:
-      h.info = self._expect(h, Event.WEIGHTS_LOADED, self.load_timeout_s)
-      h.info["warm_up"] = self._expect(h, Event.WARMED_UP, self.load_timeout_s)
+      h.info = self._expect(h, Event.WEIGHTS_LOADED, self.options.load_timeout_s)
+      h.info["warm_up"] = self._expect(h, Event.WARMED_UP, self.options.load_timeout_s)
 
   def _place(self, specs: list[RingSpec]) -> LocalPlacement | RayPlacement:
     """Every stage on this host (one arena), or over Ray nodes (docs/hosts.md: agents, bridges)."""
-    if self.placement_wanted == "ray":
+    if self.options.placement == "ray":
       from pyruntime.hosts import RayPlacement, model_identity
       source = None if self.model_source is None else str(self.model_source)
-      return RayPlacement(specs=specs, n_stages=len(self.split), hosts=self.hosts_wanted, address=self.ray_address, source=source,
-                          cache_dir=self.cache_dir, local_model=model_identity(self.path), env=self.stage_env, devices=self.devices,
+      return RayPlacement(specs=specs, n_stages=len(self.split), hosts=self.options.hosts, address=self.options.ray_address, source=source,
+                          cache_dir=self.options.cache_dir, local_model=model_identity(self.path), env=self.options.stage_env, devices=self.devices,
                           on_event=self._event, check_open=self._check_open)
-    return LocalPlacement(specs, dict(os.environ, PYTHONUNBUFFERED="1", **self.stage_env), self._event)
+    return LocalPlacement(specs, dict(os.environ, PYTHONUNBUFFERED="1", **self.options.stage_env), self._event)
 
   def _event(self, ev: dict) -> None:
     self.events.append(ev)
@@ -299,7 +286,7 @@ class Launcher:
     """Streams running (in the pipeline) and waiting (for a slot); tokens out; the tail's steps (a group of records
     chained by MORE is one step) and their sizes; output tokens per second over the last few seconds (Driver.stats)."""
     if self.driver is None:
-      return {"running": 0, "waiting": 0, "max_streams": self.max_streams, "tokens": 0, "steps": 0, "last_batch": 0, "mean_batch": 0.0,
+      return {"running": 0, "waiting": 0, "max_streams": self.options.max_streams, "tokens": 0, "steps": 0, "last_batch": 0, "mean_batch": 0.0,
               "tokens_per_s": 0.0, "prefix_cache": self.prefix.stats(), "speculation": None}
     with self.driver.lock: return {**self.driver.stats(), "prefix_cache": self.prefix.stats()}
 

@@ -152,7 +152,11 @@ def _no_random_init():
 
 # --- the stage ----------------------------------------------------------------------------------
 class StageModel:
-  """Blocks [start, end) of a GGUF model on one device, with `slots` independent KV caches."""
+  """Blocks [start, end) of a GGUF model on one device, with `slots` independent KV caches.
+
+  Its length (~600 lines, ~50 attributes) is one tinygrad model instance: its weights, caches and the captured graphs
+  that close over those buffers, for every family's path (the dense rows path is RowPath, rows.py; the reference T=1
+  decode, MoE, MLA and hybrid paths are here). Cutting it by family would scatter buffers the graphs share."""
 
   @classmethod
   def load(cls, path: str | os.PathLike, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
@@ -169,6 +173,7 @@ class StageModel:
                slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None, decode: str = "batched",
                graph_cache: GraphCache | None = None):
     check_architecture(header)
+    # long (~60 lines): the config read from the header, field by field, in the order tinygrad's Transformer takes it
     L = num_blocks(header)
     if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool) or isinstance(end, bool) \
        or not 0 <= start < end <= L:
@@ -237,6 +242,7 @@ class StageModel:
     return t
 
   def _load_weights(self) -> None:
+    # long (~60 lines): one pass over the stage's tensors, each kept in the form its weights mode asks, with the checks
     cfg, header = self.config, self.header
     names = list(dict.fromkeys(stage_tensor_names(header, self.start, self.end)))
     if missing := [n for n in names if n not in header.tensors]: raise errors.ModelLoadFailed(f"{self.path}: missing tensors {missing}")

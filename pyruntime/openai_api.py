@@ -177,6 +177,7 @@ def _check_unsupported(body: dict, kind: str) -> None:
 
 def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
   """Validate an OpenAI request body; raise InvalidOption / UnsupportedFeature naming the field."""
+  # long (~55 lines): one check per OpenAI field, in the reference's order
   _check_unsupported(body, kind)
   req = ParsedRequest(kind)
   model = body.get("model")

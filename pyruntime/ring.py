@@ -451,6 +451,7 @@ class Writer:
     (n, ...) whose rows are the payloads.  `object_ids` / `flags`: an int for all records, or
     one per record.  On an error after k records, those k are published and the exception has
     `written = k`."""
+    # long (~55 lines): the hot path of both payload forms and the C call's retry loop, kept flat (no calls per record)
     lengths = None
     if isinstance(payloads, np.ndarray) and record_size is None:
       if payloads.ndim == 0: raise ValueError("payloads must have a leading record dimension")

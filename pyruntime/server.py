@@ -564,6 +564,7 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
                restart_attempts: int = RESTART_ATTEMPTS, restart_backoff_s: float = RESTART_BACKOFF_S,
                restart_backoff_max_s: float = RESTART_BACKOFF_MAX_S, api_key: str | None = None,
                allowed_hosts: frozenset[str] | None = None) -> Starlette:
+  # long (~70 lines): the routes, a few lines each, closing over one ServerState; a table more than logic
   """The OpenAI-compatible app over a started launcher (or anything with its interface), with its page at `/`.
 
   `api_key`: the API, /stats and /metrics need `Authorization: Bearer api_key`; `allowed_hosts`: the Host names it

@@ -52,16 +52,19 @@ def plain(models):
     yield {p: ask(lm, p) for p in PROMPTS}
 
 
+def drafted(lm: Launcher, plain: dict[str, Done]) -> list[Done]:
+  """Every prompt through `lm`: plain decoding's tokens and text, whatever the draft model proposed."""
+  got = [ask(lm, p) for p in PROMPTS]
+  for p, d in zip(PROMPTS, got, strict=True): assert (d.token_ids, d.text) == (plain[p].token_ids, plain[p].text), p
+  return got
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("draft", ["target", "other"])
-def test_drafted_tokens_are_plain_decodings(models, plain, draft):
-  with Launcher(models["target"], split=[(0, 2), (2, 5)], max_context=256, speculative=f"model:{models[draft]}") as lm:
-    got = {p: ask(lm, p) for p in PROMPTS}
+def test_another_models_drafts_change_no_token(models, plain):
+  with Launcher(models["target"], split=[(0, 2), (2, 5)], max_context=256, speculative=f"model:{models['other']}") as lm:
+    drafted(lm, plain)
     stats = lm.scheduler_stats()["speculation"]
-  for p in PROMPTS: assert (got[p].token_ids, got[p].text) == (plain[p].token_ids, plain[p].text), p
-  accepted = sum(d.timings.accepted_tokens for d in got.values())
-  assert stats["draft_model"]["rounds"] > 0 and stats["draft_model"]["failed"] is None
-  if draft == "target": assert accepted >= 0.8 * sum(d.timings.drafted_tokens for d in got.values()) > 0  # its own tokens
+  assert stats["draft_model"]["rounds"] > 0 and stats["draft_model"]["failed"] is None and stats["drafted"] > 0
 
 
 @pytest.mark.integration
@@ -81,14 +84,17 @@ def test_a_missing_or_corrupt_draft_model_is_named(models, tmp_path):
 
 
 @pytest.mark.integration
-def test_a_draft_stage_that_dies_leaves_every_stream_decoding_plainly(models, plain):
+def test_own_drafts_are_accepted_and_a_draft_stage_that_dies_leaves_every_stream_decoding_plainly(models, plain):
+  """The target as its own draft model: its drafts are its own tokens, so nearly all are accepted; then its draft stage
+  is killed, and every stream goes on with plain decoding's tokens, the target's stages untouched."""
   seen: list[dict] = []
   with Launcher(models["target"], split=[(0, 2), (2, 5)], max_context=256, speculative=f"model:{models['target']}", on_event=seen.append) as lm:
-    assert ask(lm, PROMPTS[0]).token_ids == plain[PROMPTS[0]].token_ids
+    got = drafted(lm, plain)
+    assert sum(d.timings.accepted_tokens for d in got) >= 0.8 * sum(d.timings.drafted_tokens for d in got) > 0
     draft = lm.drafter.lm.handles[0].proc
     os.kill(draft.pid, signal.SIGKILL)
     draft.wait(10)
-    for p in PROMPTS: assert ask(lm, p).token_ids == plain[p].token_ids, p
+    drafted(lm, plain)
     assert any(ev.get("event") == "DrafterFailed" for ev in seen)
     assert lm.scheduler_stats()["speculation"]["draft_model"]["failed"]
     assert all(lm.alive())  # the target's own stages run on

@@ -50,7 +50,8 @@ def test_a_host_with_another_version_or_model_is_refused_by_name():
 def cluster():
   from ray.cluster_utils import Cluster
   term = signal.getsignal(signal.SIGTERM)  # ray.init installs its own and leaves it: this worker runs other files next
-  c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20})
+  # no dashboard: its processes would take CPU from the stages (and from the other test worker) on these 2 cores
+  c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20, "include_dashboard": False})
   c.add_node(num_cpus=1, object_store_memory=80 << 20)
   ray.init(address=c.address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
   c.wait_for_nodes()

@@ -11,7 +11,7 @@ and native/mo_ring.h say, which a small Python model of the consumer (`expect`) 
     expected sequence) unmoved, and raise the same error again on the next read;
   - a valid padding record: skip it (and then read what follows it at offset 0).
 
-PYRUNTIME_FUZZ_N inputs (default 100000) with seed PYRUNTIME_FUZZ_SEED (default 20241129); run more
+PYRUNTIME_FUZZ_N inputs (default 60000) with seed PYRUNTIME_FUZZ_SEED (default 20241129); run more
 offline, e.g. `PYRUNTIME_FUZZ_N=10000000 python -m pytest tests/test_ring_fuzz.py -k random`.
 Hypothesis drives two more tests (raw bytes; header fields).
 """
@@ -39,7 +39,7 @@ MAGIC = 0x31304F4D                # "MO01"
 PAD = 0x44504F4D                  # "MOPD"
 U64 = 2**64 - 1
 SPECS = [RingSpec(1024, 256, alignment=4), RingSpec(4096, 1000, alignment=8), RingSpec(512, 64, alignment=1)]
-N = int(os.environ.get("PYRUNTIME_FUZZ_N", "100000"))
+N = int(os.environ.get("PYRUNTIME_FUZZ_N", "60000"))
 SEED = int(os.environ.get("PYRUNTIME_FUZZ_SEED", "20241129"))
 
 EOF, BAD_MAGIC, BAD_HEADER = "EofBeforeFullHeader", "InvalidObjectMagic", "InvalidObjectHeader"
@@ -282,7 +282,7 @@ def test_fuzz_hypothesis_raw_bytes():
   with Arena.create(SPECS[:1], prefix=PREFIX) as arena:
     fr = FuzzRing(arena, 0)
 
-    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(raw=st.binary(min_size=1, max_size=320), room=st.integers(1, 129).map(lambda x: x * 8), many=st.booleans())
     def check(raw, room, many):
       fr.steer(room)
@@ -296,7 +296,7 @@ def test_fuzz_hypothesis_header_fields():
     fr = FuzzRing(arena, 0)
     spec = fr.spec
 
-    @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=350, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(magic=st.sampled_from([MAGIC, MAGIC, PAD]) | u32,
            version=st.sampled_from([1, 1, 0, 2]) | u16,
            header_len=st.sampled_from([40, 40, 0, 39, 41]) | u16,

@@ -4,6 +4,7 @@ C=1 and C=8 concurrent streams, on two prompt sets: answers that repeat spans of
 code, quote: REPEAT) and free-form chat (CHAT). Greedy, so the two sides must give the same text, which is checked.
 
   python bench/speculative.py [--model PATH] [--concurrency 1,8] [--max-tokens 128] [--draft-tokens 8] [--json]
+  python bench/speculative.py --speculative model:DRAFT.gguf      # a draft model instead (bench/draft_model.py makes one)
 
 Per level and side: completion tokens per second of wall time (request to last token, summed over requests, over
 their summed time), and the drafts' acceptance.
@@ -69,12 +70,13 @@ def main() -> None:
   ap.add_argument("--concurrency", default="1,8")
   ap.add_argument("--max-tokens", type=int, default=128)
   ap.add_argument("--draft-tokens", type=int, default=8)
+  ap.add_argument("--speculative", default="ngram", help="ngram, or model:PATH (a draft model)")
   ap.add_argument("--repeats", type=int, default=2, help="on/off pairs per level (medians reported)")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
   from pyruntime.launcher import Launcher
   rows = []
-  with Launcher(a.model, stages=2, max_context=2048, warmup=True, speculative="ngram", draft_tokens=a.draft_tokens) as lm:
+  with Launcher(a.model, stages=2, max_context=2048, warmup=True, speculative=a.speculative, draft_tokens=a.draft_tokens) as lm:
     run(lm, REPEAT[:2], 1, 16, True); run(lm, REPEAT[:2], 1, 16, False)  # warm: every graph a verify record takes
     for name, prompts in (("repeat", REPEAT), ("chat", CHAT)):
       for c in (int(x) for x in a.concurrency.split(",")):

@@ -35,7 +35,7 @@ from pyruntime.protocol import (
   object_id,
   split_object_id,
 )
-from pyruntime.speculation import POSITIONS, SOLO_STREAMS, Drafting, DraftLength, ngram_draft, prediction_draft
+from pyruntime.speculation import MIN_ACCEPTED, POSITIONS, PROBE_EVERY, SOLO_STREAMS, Drafting, DraftLength, ngram_draft, prediction_draft
 from pyruntime.tools import ToolCallParser
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class StreamHandle:
     self.stopper, self.decoder = StopStream(req.stops), IncrementalDecoder(driver.tokenizer)
     self.parser = ToolCallParser(req.calls) if req.calls is not None else None  # reads tool calls out of the text
     self.calls: list[ToolCall] = []
-    self.spec = Drafting(DraftLength(driver.draft_tokens) if req.speculate else None, req.predicted)
+    self.spec = Drafting(driver.draft_length() if req.speculate else None, req.predicted)
     self.sink_failed = False  # its callback raised once (logged)
     self.cached = 0     # prompt positions copied in from the prefix cache
     self.computed = 0   # positions every stage has computed: the tail answered them
@@ -162,6 +162,8 @@ class Tally:
   overhead: dict = field(default_factory=lambda: {"tokens": 0, "seconds": 0.0})
   spec: dict = field(default_factory=lambda: {"rounds": 0, "drafted": 0, "accepted": 0, "drafted_at": [0] * POSITIONS,
                                                "accepted_at": [0] * POSITIONS})
+  recent_accepted: float = 2 * MIN_ACCEPTED  # tokens kept per round, a moving average over every stream's rounds
+  probe_wait: int = PROBE_EVERY             # the wait before a probe, as the latest stream's rounds left it
 
   def step_record(self, flags: int) -> None:
     self.group += 1
@@ -169,6 +171,7 @@ class Tally:
       self.steps, self.step_rows, self.last_batch, self.group = self.steps + 1, self.step_rows + self.group, self.group, 0
 
   def round(self, drafted: int, accepted: int) -> None:
+    self.recent_accepted = 0.75 * self.recent_accepted + 0.25 * accepted
     for key, n in (("rounds", 1), ("drafted", drafted), ("accepted", accepted)): self.spec[key] += n
     for j in range(drafted):  # per draft position: how far into a draft the model still agrees
       self.spec["drafted_at"][j] += 1
@@ -210,6 +213,13 @@ class Driver:
     # this check (with the pool's first_failure at each DRIVER_WAKE_S timeout) is only the backstop for a killed tail.
     tail.set_wait(spin=0.0, poll=DRIVER_WAKE_S)
     self.thread = threading.Thread(target=self.run, name="launcher-driver", daemon=True)
+
+  def draft_length(self) -> DraftLength:
+    """A new stream's draft length. With prompt lookup it drafts from its start (a draft costs nothing until one is
+    found); with a draft model (whose drafts cost steps of their own) it starts where the drafter's recent rounds over
+    every stream left off: drafting while they paid, else probing after the wait the last stream's probes grew to."""
+    if self.drafter is None: return DraftLength(self.draft_tokens)
+    return DraftLength(self.draft_tokens, self.tally.recent_accepted >= MIN_ACCEPTED, self.tally.probe_wait)
 
   # --- streams in --------------------------------------------------------------------------------
   def enqueue(self, st: StreamHandle) -> None:
@@ -393,6 +403,7 @@ class Driver:
       if i < len(drafts) and token == drafts[i]: accepted += 1
       else: break
     sp.kept(len(drafts), accepted)
+    self.tally.probe_wait = sp.length.wait
     self.tally.round(len(drafts), accepted)
     if st.state == "open": self._queue_next(st, token)
 

@@ -19,6 +19,7 @@ MIN_NGRAM = 2         # shorter matches draft too often wrongly to pay for their
 SOLO_STREAMS = 2      # more streams running than this: no drafts (the batch is the better use of a step)
 POSITIONS = 15        # draft positions counted apart (a draft is at most MAX_VERIFY_ROWS - 1 long)
 PROBE_EVERY = 8       # a stream that drafts nothing tries again after this many tokens
+PROBE_MAX = 128       # ... twice as many after each try that did not pay, up to this many
 MIN_ACCEPTED = 1.5    # tokens a round must keep on average beyond its own: a verify round costs about 2.5 plain steps here
 
 
@@ -59,21 +60,27 @@ class DraftLength:
   """One stream's draft length. A verify record's rows are padded to one unit of the rows path (16), so a longer draft
   costs about what a short one does: drafts are as long as the limit while they pay, i.e. while the tokens accepted per
   round (a moving average) cover a round's extra cost over a plain step (MIN_ACCEPTED); below that the stream drafts
-  nothing, and after PROBE_EVERY plain tokens it tries again."""
+  nothing, and after PROBE_EVERY plain tokens it tries again, waiting twice as long after each probe that did not pay
+  (up to PROBE_MAX): a drafter that never agrees with the model costs a round every PROBE_MAX tokens at most.
+  `paying`, `wait`: whether it starts drafting at once, or waits `wait` tokens for a first probe (a draft model whose
+  recent rounds did not pay, over every stream: its drafts cost steps of their own, unlike a prompt lookup's)."""
 
-  def __init__(self, limit: int):
-    self.limit, self.k, self.idle, self.mean = limit, limit, 0, float(limit)
+  def __init__(self, limit: int, paying: bool = True, wait: int = PROBE_EVERY):
+    self.limit, self.idle, self.wait, self.probing = limit, 0, wait, False
+    self.k, self.mean = (limit, float(limit)) if paying else (0, 0.0)
 
   def next(self) -> int:
     if self.k > 0 or self.limit == 0: return self.k
     self.idle += 1
-    if self.idle >= PROBE_EVERY: self.idle, self.k, self.mean = 0, self.limit, MIN_ACCEPTED
+    if self.idle >= self.wait: self.idle, self.k, self.mean, self.probing = 0, self.limit, MIN_ACCEPTED, True
     return self.k
 
   def update(self, drafted: int, accepted: int) -> None:
     if drafted == 0: return
     self.mean = 0.5 * self.mean + 0.5 * accepted
-    self.k = self.limit if self.mean >= MIN_ACCEPTED else 0
+    if self.mean >= MIN_ACCEPTED: self.k, self.wait = self.limit, PROBE_EVERY
+    else: self.k, self.wait = 0, min(2 * self.wait, PROBE_MAX) if self.probing else PROBE_EVERY
+    self.probing = False
 
 
 @dataclass

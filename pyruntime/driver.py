@@ -219,7 +219,7 @@ class Driver:
     found); with a draft model (whose drafts cost steps of their own) it starts where the drafter's recent rounds over
     every stream left off: drafting while they paid, else probing after the wait the last stream's probes grew to."""
     if self.drafter is None: return DraftLength(self.draft_tokens)
-    return DraftLength(self.draft_tokens, self.tally.recent_accepted >= MIN_ACCEPTED, self.tally.probe_wait)
+    return DraftLength(self.draft_tokens, self.tally.recent_accepted >= MIN_ACCEPTED, self.tally.probe_wait, backoff=True)
 
   # --- streams in --------------------------------------------------------------------------------
   def enqueue(self, st: StreamHandle) -> None:

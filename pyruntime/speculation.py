@@ -60,13 +60,14 @@ class DraftLength:
   """One stream's draft length. A verify record's rows are padded to one unit of the rows path (16), so a longer draft
   costs about what a short one does: drafts are as long as the limit while they pay, i.e. while the tokens accepted per
   round (a moving average) cover a round's extra cost over a plain step (MIN_ACCEPTED); below that the stream drafts
-  nothing, and after PROBE_EVERY plain tokens it tries again, waiting twice as long after each probe that did not pay
-  (up to PROBE_MAX): a drafter that never agrees with the model costs a round every PROBE_MAX tokens at most.
-  `paying`, `wait`: whether it starts drafting at once, or waits `wait` tokens for a first probe (a draft model whose
-  recent rounds did not pay, over every stream: its drafts cost steps of their own, unlike a prompt lookup's)."""
+  nothing, and after PROBE_EVERY plain tokens it tries again. A draft model's drafts cost steps of their own, unlike a
+  prompt lookup's, so with `backoff` the wait doubles after each probe that did not pay (up to PROBE_MAX: a draft model
+  that never agrees costs a round every PROBE_MAX tokens at most), and `paying`, `wait` start a stream where the draft
+  model's recent rounds over every stream left off. (Prompt lookup keeps probing every PROBE_EVERY tokens: a stream's
+  own output often starts repeating late, and a lookup that finds nothing costs nothing.)"""
 
-  def __init__(self, limit: int, paying: bool = True, wait: int = PROBE_EVERY):
-    self.limit, self.idle, self.wait, self.probing = limit, 0, wait, False
+  def __init__(self, limit: int, paying: bool = True, wait: int = PROBE_EVERY, backoff: bool = False):
+    self.limit, self.idle, self.wait, self.probing, self.backoff = limit, 0, wait, False, backoff
     self.k, self.mean = (limit, float(limit)) if paying else (0, 0.0)
 
   def next(self) -> int:
@@ -79,7 +80,7 @@ class DraftLength:
     if drafted == 0: return
     self.mean = 0.5 * self.mean + 0.5 * accepted
     if self.mean >= MIN_ACCEPTED: self.k, self.wait = self.limit, PROBE_EVERY
-    else: self.k, self.wait = 0, min(2 * self.wait, PROBE_MAX) if self.probing else PROBE_EVERY
+    else: self.k, self.wait = 0, min(2 * self.wait, PROBE_MAX) if self.probing and self.backoff else PROBE_EVERY
     self.probing = False
 
 

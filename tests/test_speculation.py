@@ -34,17 +34,20 @@ def test_the_draft_length_follows_acceptance():
   for _ in range(3): d.update(8, 0)                 # drafts that do not pay: none
   assert d.next() == 0
   assert [d.next() for _ in range(PROBE_EVERY)][-1] == 8  # ... until a probe
-  d.update(8, 0); assert d.k == 0
+  d.update(8, 0); assert d.next() == 0
+  assert [d.next() for _ in range(PROBE_EVERY)][-1] == 8  # prompt lookup probes every PROBE_EVERY tokens, however often it failed
+  d = DraftLength(8, backoff=True)  # a draft model's drafts cost steps of their own: its waits grow
+  for _ in range(3): d.update(8, 0)
   waits = []
   for _ in range(6):  # each probe that does not pay doubles the wait for the next, up to PROBE_MAX
     n = 1
     while d.next() == 0: n += 1
     waits.append(n)
     d.update(8, 0)
-  assert waits == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, PROBE_MAX, PROBE_MAX, PROBE_MAX]
+  assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, PROBE_MAX, PROBE_MAX]
   while d.next() == 0: pass
   d.update(8, 8); assert d.next() == 8 and d.wait == PROBE_EVERY  # a probe that pays: drafting again, short waits
-  cold = DraftLength(8, paying=False)  # a draft model whose recent rounds did not pay: a new stream probes first
+  cold = DraftLength(8, paying=False, backoff=True)  # a draft model whose recent rounds did not pay: a new stream probes first
   assert [cold.next() for _ in range(PROBE_EVERY)] == [0] * (PROBE_EVERY - 1) + [8]
 
 

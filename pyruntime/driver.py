@@ -17,24 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from pyruntime import errors
+from pyruntime import errors, protocol
 from pyruntime.events import Delta, Done, Logits, Timings, Usage
 from pyruntime.prefix_cache import BLOCK, PrefixIndex
-from pyruntime.protocol import (
-  FLAG_CACHE,
-  FLAG_CLOSE,
-  FLAG_END,
-  FLAG_ERROR,
-  FLAG_MORE,
-  FLAG_OPEN,
-  MAX_VERIFY_ROWS,
-  Command,
-  OpenInfo,
-  decode_json,
-  encode_json,
-  object_id,
-  split_object_id,
-)
+from pyruntime.protocol import FLAG_CACHE, FLAG_CLOSE, FLAG_END, FLAG_ERROR, FLAG_MORE, FLAG_OPEN, MAX_VERIFY_ROWS, object_id, split_object_id
 from pyruntime.speculation import MIN_ACCEPTED, POSITIONS, PROBE_EVERY, SOLO_STREAMS, Drafting, DraftLength, ngram_draft, prediction_draft
 from pyruntime.tools import ToolCallParser
 
@@ -236,12 +222,12 @@ class Driver:
       self.active[st.id] = st
       blocks = self.prefix.match(st.ids, st.req.cache_salt) if self.prefix is not None and st.req.prefix_cache else []
       st.cached = st.computed = len(blocks) * BLOCK
-      info = OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
+      info = protocol.OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
                       sorted(st.end_ids), st.want_logits, st.cached, [[b, i * BLOCK] for i, b in enumerate(blocks)], st.req.grammar is not None,
                       st.spec.length is not None)
       st.t_admitted = time.monotonic()
       # the grammar goes to the tail directly, before the OPEN: the tail waits for it when the OPEN says there is one
-      if st.req.grammar is not None: self.pool.handles[-1].send(Command.SET_GRAMMAR, stream=st.id, grammar=st.req.grammar)
+      if st.req.grammar is not None: self.pool.handles[-1].send(protocol.Command.SET_GRAMMAR, stream=st.id, grammar=st.req.grammar)
       self._write(object_id(st.id, 0), info.encode(4), FLAG_OPEN)
       rest = st.ids[st.cached:]
       self._write(object_id(st.id, st.cached), struct.pack(f"<{len(rest)}I", *rest), 0)
@@ -273,7 +259,7 @@ class Driver:
     if self.prefix is None or not st.req.prefix_cache or n < BLOCK: return
     tokens = (st.ids + st.out)[:n]  # the token at position len(ids) + k is out[k], which was fed back
     if pairs := self.prefix.insert(tokens, st.req.cache_salt):
-      self._write(object_id(st.id, 0), encode_json({"save": [list(p) for p in pairs]}, 4), FLAG_CACHE)
+      self._write(object_id(st.id, 0), protocol.encode_json({"save": [list(p) for p in pairs]}, 4), FLAG_CACHE)
 
   # --- the loop ----------------------------------------------------------------------------------
   def run(self) -> None:
@@ -338,7 +324,7 @@ class Driver:
       st.closed()
     elif flags & (FLAG_OPEN | FLAG_CACHE): pass  # echoes: the tail bound the stream, or filled its blocks
     elif flags & FLAG_ERROR:
-      info = decode_json(rec.payload)
+      info = protocol.decode_json(rec.payload)
       if st.state == "open":
         st.fail(errors.StreamFailed(info.get("stage"), str(info.get("reason")), str(info.get("message"))))
         self._close_stream(st, save=False)

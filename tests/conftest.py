@@ -38,17 +38,7 @@ INTEGRATION_FILES = {"test_embedding_api.py", "test_families.py", "test_graph_ca
                      "test_stage.py", "test_stall.py", "test_stats.py", "test_streams.py"}
 
 
-# The heaviest files first (seconds on 2 cores, 2026-12-03): xdist hands out whole files (--dist loadfile) in the order
-# collected, so a heavy file picked up last would leave one worker running alone at the end; longest first packs them.
-HEAVIEST_FIRST = ["test_graph_cache.py", "test_hosts.py", "test_families.py", "test_launcher.py", "test_prefix_cache.py",
-                  "test_model_families.py", "test_rows.py", "test_model.py", "test_streams.py", "test_stage.py",
-                  "test_model_smollm2.py", "test_speculation.py", "test_server_lifecycle.py", "test_stall.py", "test_drafter.py",
-                  "test_structured.py", "test_kernel_opts.py", "test_tools.py", "test_server.py", "test_stats.py"]
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-  rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file, and among the rest, as collected
   for item in items:
     if item.path.name in INTEGRATION_FILES: item.add_marker(pytest.mark.integration)
   if config.getoption("--long"): return

@@ -416,14 +416,7 @@ class Driver:
   def stats(self) -> dict:
     """Under self.lock: streams running (in the pipeline) and waiting (for a slot); tokens out; the tail's steps and
     their sizes; output tokens per second over the last RATE_WINDOW_S; speculation's counters."""
-    t, now = self.tally, time.monotonic()
-    recent = [x for x in t.token_times if now - x <= RATE_WINDOW_S]
-    span = now - recent[0] if len(recent) > 1 else 0.0
-    return {"running": len(self.active), "waiting": len(self.waiting), "max_streams": self.max_streams, "tokens": t.tokens,
-            "steps": t.steps, "last_batch": t.last_batch, "mean_batch": t.step_rows / t.steps if t.steps else 0.0,
-            "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0,
-            "speculation": {"mode": self.speculative, **t.spec, **({"draft_model": self.drafter.stats()} if self.drafter else {})}
-            if self.speculative != "off" or t.spec["rounds"] else None}
+    return stream_stats(self.tally, len(self.active), len(self.waiting), self.max_streams, self.speculative, self.drafter)
 
   def _write(self, oid: int, payload: Any, flags: int) -> None:
     """Into the head ring, under self.lock. A failed stage raises here; the driver thread (which learns of failures)
@@ -444,3 +437,15 @@ class Driver:
     try: self.head.close()
     except errors.PyruntimeError: pass
     finally: self.lock.release()
+
+
+def stream_stats(t: Tally, running: int, waiting: int, max_streams: int, speculative: str, drafter: Any = None) -> dict:
+  """Driver.stats' figures from a tally (a fresh one: a launcher not started yet)."""
+  now = time.monotonic()
+  recent = [x for x in t.token_times if now - x <= RATE_WINDOW_S]
+  span = now - recent[0] if len(recent) > 1 else 0.0
+  spec = {"mode": speculative, **t.spec, **({"draft_model": drafter.stats()} if drafter else {})}
+  return {"running": running, "waiting": waiting, "max_streams": max_streams, "tokens": t.tokens, "steps": t.steps,
+          "last_batch": t.last_batch, "mean_batch": t.step_rows / t.steps if t.steps else 0.0,
+          "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0,
+          "speculation": spec if speculative != "off" or t.spec["rounds"] else None}

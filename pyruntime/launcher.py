@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pyruntime import errors
 from pyruntime.devices import available_memory
-from pyruntime.driver import Driver, StreamHandle
+from pyruntime.driver import Driver, StreamHandle, Tally, stream_stats
 from pyruntime.events import Delta, Done, Logits, Timings, Usage
 from pyruntime.launch_plan import LaunchOptions, LaunchPlan, plan_launch
 from pyruntime.prefix_cache import PREFIX_CACHE_TOKENS, PrefixCache
@@ -245,10 +245,6 @@ class Launcher:
   # --- health ------------------------------------------------------------------------------------
   def alive(self) -> list[bool]: return [h.alive for h in self.handles]
 
-  def stall_bound(self, h: StageHandle) -> float:
-    """How long stage h may have work and make no progress (StagePool.stall_bound)."""
-    return self.pool.stall_bound(h)
-
   def ring_occupancy(self) -> list[float]:
     """Fill fraction of each ring, head ingress first and the tail's egress last."""
     if self.pool is None or self._closed: return []
@@ -286,8 +282,7 @@ class Launcher:
     """Streams running (in the pipeline) and waiting (for a slot); tokens out; the tail's steps (a group of records
     chained by MORE is one step) and their sizes; output tokens per second over the last few seconds (Driver.stats)."""
     if self.driver is None:
-      return {"running": 0, "waiting": 0, "max_streams": self.options.max_streams, "tokens": 0, "steps": 0, "last_batch": 0, "mean_batch": 0.0,
-              "tokens_per_s": 0.0, "prefix_cache": self.prefix.stats(), "speculation": None}
+      return {**stream_stats(Tally(), 0, 0, self.options.max_streams, self.options.speculative), "prefix_cache": self.prefix.stats()}
     with self.driver.lock: return {**self.driver.stats(), "prefix_cache": self.prefix.stats()}
 
   def driver_cpu_s(self) -> float:

@@ -148,7 +148,9 @@ class Launcher:
       self._load(p)
       self.prefix = PrefixCache.for_stages(self.options.prefix_cache, [h.info.get("prefix_cache") for h in self.handles], p.header.arch)
       self.requests.rows_everywhere = all(h.info.get("batched") for h in self.handles)
-      if draft_path is not None: self.drafter = self._start_drafter(p, draft_path)
+      if draft_path is not None:
+        self._check_open()  # a close() meanwhile found no drafter to end: start none
+        self.drafter = self._start_drafter(p, draft_path)
       for h in self.handles:
         upstream = self.handles[h.index - 1].info["boundary"] if h.index > 0 else None
         h.send(Command.INSTALL_RING, **self.pool.placement.ring_args(h), ingress_boundary=upstream)
@@ -367,8 +369,9 @@ class Launcher:
         d.wake(STOP_GRACE_S)
         d.thread.join(STOP_GRACE_S)  # the bound is for a driver stuck in a consumer's callback: closing goes on regardless
     with self._close_lock:
-      if self._shut:  # after the shutdown: end what a start() in another thread made since (a stage spawned, the arena)
+      if self._shut:  # after the shutdown: end what a start() in another thread made since (a stage, the arena, a drafter)
         if self.pool is not None: self.pool.kill()
+        if self._draft_lm is not None: self._draft_lm.close(0.0)
         return
       self._shut = True
       self._shutdown(grace_s)

@@ -6,6 +6,7 @@ import os
 import pathlib
 import re
 import tempfile
+import time
 
 import pytest
 
@@ -54,14 +55,20 @@ def _alive(pid: int) -> bool:
   return True
 
 
-def leaked_segments(before: set[str] = frozenset()) -> list[str]:
-  """Segments of ours that nobody alive owns, or that this very process created."""
-  out = []
-  for p in SHM.glob("pyruntime-*"):
-    if p.name in before or not (m := OURS.match(p.name)): continue
-    pid = int(m.group(1))
-    if pid == os.getpid() or not _alive(pid): out.append(p.name)
-  return out
+def leaked_segments(before: set[str] = frozenset(), settle_s: float = 10.0) -> list[str]:
+  """Segments of ours that nobody alive owns, or that this very process created, and that are still there after
+  `settle_s`. The wait is not lenience: a launcher killed -9 (in this test or in another worker's) is cleaned up by its
+  orphaned stages a moment later, and a scan in that moment would blame whichever test looked."""
+  def scan() -> list[str]:
+    out = []
+    for p in SHM.glob("pyruntime-*"):
+      if p.name in before or not (m := OURS.match(p.name)): continue
+      pid = int(m.group(1))
+      if pid == os.getpid() or not _alive(pid): out.append(p.name)
+    return out
+  deadline = time.monotonic() + settle_s
+  while (left := scan()) and time.monotonic() < deadline: time.sleep(0.1)
+  return left
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -142,7 +142,7 @@ def test_families_and_splits_speculate_exactly(tmp_path, family, split):
   path = write_tiny_gguf(tmp_path / f"{family}.gguf", **TINY_MODELS[family])
   with Launcher(path, split=split, max_context=256, speculative="ngram") as lm:
     rounds = 0
-    for kw in CASES[:3]:
+    for kw in CASES[:2]:  # greedy and penalised; stops and budgets do not depend on the family (all CASES above)
       want, got = ask(lm, REPEATING, speculative=False, **kw), ask(lm, REPEATING, **kw)
       assert got.token_ids == want.token_ids, kw
       rounds += got.timings.draft_rounds

@@ -45,7 +45,7 @@ def chat(lm: Launcher, turns: list[str], **options) -> list[Done]:
 
 @pytest.fixture(scope="module")
 def cold(paths):
-  """What a launcher without a prefix cache answers: the reference for every family."""
+  """What a launcher without a prefix cache answers: the reference for each family in COMPARED."""
   out = {}
   for name in COMPARED:  # (qwen35 is only checked for refusing the cache: no reference run for it)
     with Launcher(paths[name], stages=2, max_context=512, prefix_cache=0) as lm:

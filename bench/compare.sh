@@ -4,11 +4,11 @@
 # the server of each side in turn with the working tree's bench/serve.py as the client.
 #
 #   bash bench/compare.sh [REV] [scenario ...]     # REV: default the commit before the prompt path (ae5d00a)
-#   scenarios: prompt chat burst levels generate    (default: all)
+#   scenarios: prompt chat burst long-prompt levels generate    (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REV=${1:-ae5d00a}; shift || true
-SCEN=${*:-prompt chat burst levels generate}
+SCEN=${*:-prompt chat burst long-prompt levels generate}
 OLD=${TMPDIR:-/tmp}/pyruntime-compare-$(git rev-parse --short "$REV")
 [ -d "$OLD" ] || git worktree add -f --detach "$OLD" "$REV" >/dev/null
 (cd "$OLD" && python3 setup.py build_ext --inplace >/dev/null 2>&1)
@@ -26,6 +26,7 @@ run_side() {  # $1: name, $2: source root, $3: extra bench/serve.py flags
       chat) PYTHONPATH=$PWD python3 bench/serve.py --url "http://127.0.0.1:$PORT" --scenario chat --conversations 1 --turns 6 \
               --user-tokens 150,150 --json $extra ;;
       burst) PYTHONPATH=$PWD python3 bench/serve.py --url "http://127.0.0.1:$PORT" --scenario burst --json $extra ;;
+      long-prompt) PYTHONPATH=$PWD python3 bench/serve.py --url "http://127.0.0.1:$PORT" --scenario long-prompt --json $extra ;;
       levels) PYTHONPATH=$PWD python3 bench/serve.py --url "http://127.0.0.1:$PORT" --concurrency 1,8 --tokens 32 \
                 --requests-per-client 2 --json $extra ;;
       generate) ;;
@@ -40,5 +41,8 @@ run_side() {  # $1: name, $2: source root, $3: extra bench/serve.py flags
     done
   fi
 }
-run_side before "$OLD" --no-cache-field
+# a revision from before the prefix cache refuses the request field that turns it off; a later one must get it, or its
+# side would answer the burst's repeated prompts from the cache and the other side not
+BEFORE_FLAGS=$(git cat-file -e "$REV:pyruntime/prefix_cache.py" 2>/dev/null && echo "" || echo --no-cache-field)
+run_side before "$OLD" "$BEFORE_FLAGS"
 run_side after "$PWD" ""

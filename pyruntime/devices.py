@@ -1,9 +1,70 @@
-"""Which tinygrad device each stage runs on: one GPU per stage when there are GPUs, else the CPU."""
+"""Which tinygrad device each stage runs on: one GPU per stage when there are GPUs, else the CPU.
+
+A device string is `BASE[:INDEX][:RENDERER[:ARCH]]`: `CUDA`, `CUDA:1`, `CUDA:PTX`, `CUDA:1:PTX`, `NULL:2:CUDA:sm_90`.
+A numeric second field is the device's index; anything else there is a renderer (and what follows it an architecture).
+tinygrad opens the device `BASE[:INDEX]`, and its `DEV` variable carries only `BASE[:RENDERER[:ARCH]]`: tinygrad reads
+`DEV=CUDA:1` as CUDA with a renderer named `1` (docs/control-channel.md#devices).
+"""
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+  base: str               # tinygrad's backend: CPU, CUDA, CL, NULL, ...
+  index: int | None       # which device of that backend; None: its first
+  renderer: str = ""      # a renderer of that backend by tinygrad's name (PTX, X86, CUDA on NULL, ...), "" its default
+  arch: str = ""          # the renderer's target architecture (sm_90), "" the device's own
+
+  @property
+  def name(self) -> str:
+    """The device as tinygrad opens it (`CUDA:1`; index 0 is tinygrad's `CUDA`)."""
+    return self.base if not self.index else f"{self.base}:{self.index}"
+
+  @property
+  def target(self) -> str:
+    """What `DEV` must say for this device's renderer to be chosen: never the index."""
+    return ":".join(x for x in (self.base, self.renderer, self.arch) if x)
+
+  def __str__(self) -> str:
+    return ":".join(x for x in (self.base, None if self.index is None else str(self.index), self.renderer, self.arch) if x is not None and x != "")
+
+
+_FIELD = re.compile(r"[A-Za-z0-9_.]+")
+
+
+def parse_device(spec: str) -> DeviceSpec:
+  """The one reading of a device string (module docstring); `InvalidOption("device", ...)` naming what is wrong."""
+  from pyruntime.errors import InvalidOption
+  if not isinstance(spec, str): raise InvalidOption("device", f"a device is a string such as 'CUDA:1', not {spec!r}")
+  fields = spec.strip().split(":")
+  if not all(_FIELD.fullmatch(f) for f in fields) or not fields[0].isalpha():
+    raise InvalidOption("device", f"{spec!r} is not BASE[:INDEX][:RENDERER[:ARCH]] (e.g. CUDA, CUDA:1, CUDA:1:PTX, NULL:CUDA:sm_90)")
+  base, rest = fields[0].upper(), fields[1:]
+  index = int(rest.pop(0)) if rest and rest[0].isdigit() else None
+  if len(rest) > 2 or (rest and rest[0].isdigit()):
+    raise InvalidOption("device", f"{spec!r}: after {base}{'' if index is None else f':{index}'} come at most a renderer and an architecture")
+  return DeviceSpec(base, index, rest[0].upper() if rest else "", rest[1] if len(rest) > 1 else "")
+
+
+def nvidia_compilers() -> dict[str, str]:
+  """Point tinygrad at NVIDIA's compilers from their PyPI wheels (nvidia-cuda-nvrtc-cu12, nvidia-nvjitlink-cu12) when
+  installed and not named already: tinygrad looks for the libraries only in system folders, or where NVRTC_PATH /
+  NVJITLINK_PATH say. Needed where CUDA kernels are compiled without a CUDA toolkit installed (the NULL:CUDA compile
+  lane). Returns what it set; must run before tinygrad first loads either library."""
+  import importlib.util
+  out: dict[str, str] = {}
+  spec = importlib.util.find_spec("nvidia")
+  for var, sub, lib in (("NVRTC_PATH", "cuda_nvrtc", "libnvrtc.so.12"), ("NVJITLINK_PATH", "nvjitlink", "libnvJitLink.so.12")):
+    if os.environ.get(var) or spec is None: continue
+    for root in spec.submodule_search_locations or []:
+      if os.path.isfile(path := os.path.join(root, sub, "lib", lib)): out[var] = os.environ[var] = path; break
+  return out
 
 
 def gpu_count() -> int:
@@ -20,15 +81,19 @@ def cpu_device() -> str:
 
 def default_devices(n_stages: int) -> list[str]:
   if (dev := os.environ.get("PYRUNTIME_DEVICE")):
-    return [dev] * n_stages
+    return [str(parse_device(d)) for d in _split(dev, n_stages)]
   if (gpus := gpu_count()) > 0:
     return [f"CUDA:{i % gpus}" for i in range(n_stages)]
   return [cpu_device()] * n_stages
 
 
 def parse_devices(spec: str | list[str] | None, n_stages: int) -> list[str]:
-  """`None`/"auto" → defaults; "CPU" → every stage; "CUDA:0,CUDA:1" → one per stage."""
+  """`None`/"auto" → defaults; "CPU" → every stage; "CUDA:0,CUDA:1" → one per stage. Each checked (parse_device)."""
   if spec is None or spec == "auto": return default_devices(n_stages)
+  return [str(parse_device(d)) for d in _split(spec, n_stages)]
+
+
+def _split(spec: str | list[str], n_stages: int) -> list[str]:
   devs = [d.strip() for d in (spec.split(",") if isinstance(spec, str) else spec) if d.strip()]
   if len(devs) == 1: return devs * n_stages
   if len(devs) != n_stages:

@@ -302,7 +302,8 @@ class RayPlacement:
   @staticmethod
   def _bundle(devices: Sequence[str]) -> dict[str, float]:
     """A host's resources: a CPU for its agent, and a GPU for every accelerator its stages use."""
-    gpus = len({d for d in devices if not d.upper().startswith("CPU")})
+    from pyruntime.devices import parse_device
+    gpus = len({spec.name for spec in map(parse_device, devices) if spec.base not in ("CPU", "NULL")})
     return {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}
 
   def _wait_placed(self, ray: Any, check_open: Callable[[], None]) -> bool:

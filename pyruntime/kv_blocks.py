@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from tinygrad import dtypes
 
-from pyruntime import errors
+from pyruntime import device_memory, errors
 
 
 class KVBlocks:
@@ -41,14 +41,16 @@ class KVBlocks:
     return self.pools
 
   def _region(self, t: Any, slot: int, shape: tuple[int, ...]) -> tuple[np.ndarray, Any]:
-    """One slot's region of a state tensor as a host array, and the buffer view to write it back to (None: the array
-    is the device's memory itself)."""
+    """One slot's region of a state tensor as a host array, and how to write it back (None: the array is the device's
+    memory itself)."""
     n = int(np.prod(shape))
-    view = t.uop.buffer.view(n, dtypes.float32, slot * n * 4).ensure_allocated()
-    mv = view.as_memoryview(allow_zero_copy=True)
-    arr = np.frombuffer(mv, dtype=np.float32).reshape(shape)
-    zero_copy = hasattr(view.allocator, "_as_buffer") and view.options is None
-    return (arr, None) if zero_copy else (arr.copy(), view)
+    buf = t.uop.buffer
+    if device_memory.has_views(buf.device):
+      view = buf.view(n, dtypes.float32, slot * n * 4).ensure_allocated()
+      if hasattr(view.allocator, "_as_buffer") and view.options is None:
+        return np.frombuffer(view.as_memoryview(allow_zero_copy=True), dtype=np.float32).reshape(shape), None
+    arr = device_memory.view(buf, (n,), slot * n).numpy().reshape(shape)
+    return arr, lambda a: device_memory.write(buf, a, slot * n * 4)
 
   def _check(self, pairs: list, upto: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(pairs, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(type(x) is int for x in p) for p in pairs):
@@ -87,6 +89,6 @@ class KVBlocks:
       arr, back = self._region(t, slot, shape)
       vals = np.moveaxis(pool[ids], 0, axis).reshape(*shape[:axis], len(idx), *shape[axis + 1:])
       arr[(slice(None),) * axis + (idx,)] = vals
-      if back is not None: back.copyin(memoryview(arr).cast("B"))
+      if back is not None: back(arr)
     self.stats["loaded_blocks"] += len(ids)
     return len(idx)

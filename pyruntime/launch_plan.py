@@ -99,23 +99,25 @@ def weights_for(options: LaunchOptions, arch: str, device: str, float32_fits: bo
   """How a stage on `device` keeps its weights. "auto": tinygrad's own "quantized" for reference decoding (its exact
   tokens) and on accelerators; on a CPU, "float32" (several times faster there) when a float32 copy of the whole model
   takes at most half of the memory available now, every stage sharing it."""
+  from pyruntime.devices import parse_device
   from pyruntime.plan import DENSE_ARCHS
   if options.weights != "auto": return options.weights
-  if options.decode == "reference" or not device.upper().startswith("CPU") or arch not in DENSE_ARCHS:
+  if options.decode == "reference" or parse_device(device).base != "CPU" or arch not in DENSE_ARCHS:
     return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (see stage.py)
   return "float32" if float32_fits else "quantized"
 
 
 def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: int) -> LaunchPlan:
   """The plan for `options` over the model at `path` (its header read), with `memory` bytes available on this host."""
-  from pyruntime.devices import parse_devices
+  from pyruntime.devices import parse_device, parse_devices
   from pyruntime.plan import plan_split
   n = len(options.split) if options.split else options.stages
   if not isinstance(n, int) or isinstance(n, bool) or n < 1: raise errors.InvalidOption("stages", f"must be an integer >= 1, got {n!r}")
   devices = parse_devices(options.devices, n)
   # stages on devices of their own compute at once when the streams are cut into one micro-batch per stage; stages
   # that share the CPU would only take cores from each other
-  own = len(set(devices)) == len(devices) and not any(d.upper().startswith("CPU") for d in devices)
+  specs = [parse_device(d) for d in devices]
+  own = len({s.name for s in specs}) == len(specs) and not any(s.base == "CPU" for s in specs)
   fits = 4 * sum(math.prod(t.dims) for t in header.tensors.values()) <= memory // 2  # a float32 copy
   weights = [weights_for(options, header.arch, d, fits) for d in devices]
   # balanced by what a decode step takes on each stage: the bytes it reads of its weights, in the form it holds them

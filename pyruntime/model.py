@@ -36,13 +36,13 @@ from tinygrad.llm.model import FFNBlock, GatedDeltaNetBlock, MLATransformerBlock
 from tinygrad.nn.state import get_state_dict
 from tinygrad.uop.ops import Ops
 
-from pyruntime import errors, kernel_opts
+from pyruntime import device_memory, errors, kernel_opts
 from pyruntime.boundary import DTYPES, MLA_POS, ROUTER, StageBoundary
 from pyruntime.gguf import GGUFHeader, TensorInfo, read_header
 from pyruntime.graph_cache import GraphCache
 from pyruntime.plan import FFN_NORM_RENAMED, block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
 from pyruntime.protocol import DECODE_MODES, PREFILL_CHUNK, WEIGHT_MODES
-from pyruntime.rows import MAX_ROWS, ROW_UNIT, RowPath, _host_mv
+from pyruntime.rows import MAX_ROWS, ROW_UNIT, RowPath
 
 # PREFILL_CHUNK (32) is Transformer.generate's chunk_size; a chunk of any 1..32 tokens runs the same kernels, so where a
 # prompt is cut changes no bit (tests/test_model.py::test_where_the_prompt_is_cut_changes_no_bit)
@@ -103,20 +103,28 @@ def family(cfg: TransformerConfig) -> str:
 
 
 def resolve_device(device: str | None) -> str:
-  """None -> tinygrad's default; "CPU", "CUDA:1" as tinygrad names them; "CPU:X86" / "CUDA:PTX" name a renderer too
-  (DEV's target syntax), which only takes effect if that device was not opened yet in this process."""
-  if device is None: return Device.DEFAULT
-  base, _, rest = device.partition(":")
-  if rest and not rest.isdigit():
-    if base.upper() not in Device._opened_devices: DEV.value = device
-    return Device.canonicalize(base)
-  return Device.canonicalize(device)
+  """The tinygrad device a stage's tensors live on. None: the product's default (pyruntime.devices: the first GPU, else
+  the CPU), never whatever tinygrad would pick (with an OpenCL driver installed, tinygrad's own default is CL). A
+  device string's renderer (`CPU:X86`, `NULL:1:CUDA:sm_90`) goes into tinygrad's DEV targets for that backend, beside
+  the default device's, which stays the default; its index never goes there (pyruntime.devices.parse_device)."""
+  from tinygrad.helpers import Target
+
+  from pyruntime.devices import default_devices, nvidia_compilers, parse_device
+  spec = parse_device(default_devices(1)[0] if device is None else device)
+  nvidia_compilers()
+  if spec.renderer:
+    first, new = DEV.value[0], Target.parse(spec.target)
+    others = [t for t in DEV.value if t.device and t.device != spec.base]
+    # tinygrad takes a backend's renderer from the first target naming it or naming no device, and the default device
+    # from the first target: that one stays first unless it is this backend's or names none
+    DEV.value = [first, new, *others[1:]] if first.device and first.device != spec.base else [new, *others]
+  return Device.canonicalize(spec.name)
 
 
 def _copy_rows(dst: Tensor, src: Buffer, s: int, nt: int) -> None:
-  """Rows [0, nt) of a (1, *, w) JIT output buffer into rows [s, s+nt) of dst, device to device."""
+  """Rows [0, nt) of a (1, *, w) JIT output buffer into rows [s, s+nt) of dst."""
   w, dt = dst.shape[-1], dst.dtype
-  dst.uop.buffer.view(nt * w, dt, s * w * dt.itemsize).ensure_allocated().copyin(src.view(nt * w, dt, 0).ensure_allocated().as_memoryview())
+  device_memory.write(dst.uop.buffer, device_memory.view(src, (nt * w,)).numpy(), s * w * dt.itemsize)
 
 
 _TRACE_REUSE = bool(getenv("PYRUNTIME_TRACE_REUSE", 1))
@@ -254,7 +262,7 @@ class StageModel:
       ti = header.tensors[n]
       if ti.offset + ti.nbytes > mm.shape[0]: raise errors.ModelLoadFailed(f"{self.path}: tensor {n!r} runs past the end of the file")
       buf = Buffer(self.device, ti.nbytes, dtypes.uint8).allocate()
-      buf.copyin(_host_mv(mm[ti.offset:ti.offset + ti.nbytes]))
+      device_memory.copy_to_device(buf, mm[ti.offset:ti.offset + ti.nbytes])
       raws[n] = Tensor(UOp.from_buffer(buf))
     del mm
     self.resident_bytes = sum(r.nbytes() for r in raws.values())
@@ -530,27 +538,29 @@ class StageModel:
   def _kv_caches(self) -> list[Tensor]:
     if self._kv is None:
       # the reference's state tensors are made per block in the default float dtype with B first (the KV cache: 2, B, ...);
-      # with the slot first, each slot's region is exactly that tensor for B=1, so the JITs run on a view of it unchanged
+      # with the slot first, each slot's region is exactly that tensor for B=1, so the JITs run on a view of it unchanged.
+      # A device without views (OpenCL) gets a tensor per slot instead: the JITs write into it in place
+      per = 1 if device_memory.has_views(self.device) else self.slots
       self._kv = []
-      for _, shape, zero in self._specs():
+      for _, shape, zero in self._specs() * per:
         one = list(shape)
         one.remove(1)
-        self._kv.append(t := self._empty((self.slots, *one), dtypes.default_float))
+        self._kv.append(t := self._empty((self.slots // per, *one), dtypes.default_float))
         if zero: t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))
     return self._kv
 
   def _slot_caches(self, slot: int) -> list[Tensor]:
-    out = []
-    for kv, (_, shape, _) in zip(self._kv_caches(), self._specs(), strict=True):
-      n = prod(shape)
-      out.append(Tensor(UOp.from_buffer(kv.uop.buffer.view(n, kv.dtype, slot * n * kv.dtype.itemsize).ensure_allocated())).reshape(shape))
-    return out
+    specs = self._specs()
+    if not device_memory.has_views(self.device):
+      return [t.reshape(shape) for t, (_, shape, _) in zip(self._kv_caches()[slot * len(specs):(slot + 1) * len(specs)], specs, strict=True)]
+    return [device_memory.view(kv.uop.buffer, shape, slot * prod(shape)) for kv, (_, shape, _) in zip(self._kv_caches(), specs, strict=True)]
 
   def position_states(self) -> list[tuple[Tensor, int, tuple[int, ...], int]] | None:
     """Every state tensor a stream's positions live in, for the prefix cache (pyruntime/kv_blocks.py): (the tensor, its
     slots, one slot's shape, the position axis in it). None for a model with recurrent blocks: their state is not a
     function of positions alone, so no prefix of it can be taken or given."""
     if self.recurrent: return None
+    if self.rows is None and not device_memory.has_views(self.device): return None  # a tensor per slot (_kv_caches): not yet
     if self.rows is not None:
       c, r = self.config, self.rows
       return [st for k, v in r.caches for st in ((k, r.slots + 1, (c.n_kv_heads, c.head_dim, r.length), 2),
@@ -622,9 +632,9 @@ class StageModel:
     buf = self._stage_in.uop.buffer
     if self.is_head:
       rows = self._embd_rows[inp[s:s + nt]]  # gather the raw GGML rows from the mmap'd file
-      buf.view(nt * self._embd_row_bytes, dtypes.uint8, 0).ensure_allocated().copyin(_host_mv(rows))
+      device_memory.write(buf, rows)
     else:
-      buf.view(nt * self.dim, self._bdtype, 0).ensure_allocated().copyin(_host_mv(inp[s:s + nt]))
+      device_memory.write(buf, inp[s:s + nt])
 
   def forward(self, slot: int, inp: np.ndarray, start_pos: int, *, prefill: bool | None = None) -> Tensor:
     """Run this stage's blocks over `inp` at positions [start_pos, start_pos+T) of the slot's stream.
@@ -680,10 +690,8 @@ class StageModel:
 
   @staticmethod
   def _view(buf: Buffer, shape: tuple[int, ...], offset: int = 0) -> Tensor:
-    """A realized tensor over `shape` elements of `buf` from element `offset` on (no copy)."""
-    n = prod(shape)
-    view = buf if buf.size == n and not offset else buf.view(n, buf.dtype, offset * buf.dtype.itemsize).ensure_allocated()
-    return Tensor(UOp.from_buffer(view)).reshape(shape)
+    """A realized tensor over `shape` elements of `buf` from element `offset` on (no copy where the device views)."""
+    return device_memory.view(buf, shape, offset)
 
   def warm_up(self, every_window: bool = True, on_graph: Callable[[str, str, float, bool], None] | None = None) -> list[int]:
     """Make every graph a stream can need ready now, so none waits for a capture mid-flight: on the rows path the prefill

@@ -21,7 +21,6 @@ position, head dim). They hold float32 whatever the weights (tinygrad's default 
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,7 @@ from tinygrad.llm.gguf import ggml_data_to_tensor
 from tinygrad.llm.model import TransformerBlock
 from tinygrad.uop.ops import KernelInfo
 
-from pyruntime import errors, kernel_opts
+from pyruntime import device_memory, errors, kernel_opts
 from pyruntime.boundary import DTYPES
 from pyruntime.protocol import MAX_CHUNK
 
@@ -41,15 +40,6 @@ KV_UNIT = 32     # attended lengths are padded to a multiple of this (kernel_opt
 
 
 def _round(n: int, unit: int) -> int: return -(-n // unit) * unit
-
-
-def _host_mv(arr: np.ndarray) -> memoryview:
-  """A byte memoryview of a C-contiguous array for Buffer.copyin, without copying it: tinygrad's host copies take
-  the source's address through ctypes, which refuses read-only memory (a ring payload, an mmap of the file), so a
-  read-only array is viewed through a ctypes array at its address (the copy only reads it)."""
-  if not arr.flags.c_contiguous: arr = np.ascontiguousarray(arr)
-  if arr.flags.writeable or arr.nbytes == 0: return memoryview(arr).cast("B")
-  return memoryview((ctypes.c_char * arr.nbytes).from_address(arr.ctypes.data)).cast("B")
 
 
 def _linear(lin: Any, x: Tensor) -> Tensor:
@@ -62,9 +52,9 @@ def _linear(lin: Any, x: Tensor) -> Tensor:
   return y if lin.bias is None else y + lin.bias
 
 
-def _bytes(t: Tensor, n: int) -> memoryview:
-  """The first n bytes of a realized tensor's buffer, on the host (the device's memory itself on a CPU)."""
-  return t.uop.buffer.view(n, dtypes.uint8, 0).ensure_allocated().as_memoryview(allow_zero_copy=True)
+def _put(dsts: tuple[Tensor, ...], arrays: tuple[np.ndarray, ...]) -> None:
+  """Each host array into the first bytes of its staging tensor (the rest keeps what it held: rows no graph reads)."""
+  for dst, arr in zip(dsts, arrays, strict=True): device_memory.write(dst.uop.buffer, arr)
 
 
 def _join(dst: Tensor, parts: list[tuple[Tensor, Any, Any]]) -> Tensor:
@@ -273,7 +263,7 @@ class RowPath:
     T = len(inp)
     if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
     R = _round(T, ROW_UNIT)
-    self._stage_prefill(inp, start, R)
+    _put((self.prefill_in, self.prefill_pos, self.prefill_rope), self._prefill_inputs(inp, start, R))
     with kernel_opts.rows_schedules():
       ret = self.prefill_graph()(self.prefill_in, self.prefill_pos, self.prefill_rope, self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot),
                              self.v_start.bind(start), self.v_kv.bind(_round(start + R, KV_UNIT) // KV_UNIT))
@@ -289,19 +279,15 @@ class RowPath:
     if T > ROW_UNIT: raise errors.ActivationExtentInvalid(f"every row's logits: at most {ROW_UNIT} rows, got {T}")
     return [m._view(buf, (m.vocab_size,), (at + i) * m.vocab_size) for i in range(T)]
 
-  def _stage_prefill(self, inp: np.ndarray, start: int, R: int) -> None:
-    pos = np.arange(start, start + R, dtype=np.int32)
-    self.prefill_pos.uop.buffer.view(R, dtypes.int32, 0).ensure_allocated().copyin(memoryview(pos))
-    rope = np.ascontiguousarray(self.rope_host[np.minimum(pos, len(self.rope_host) - 1)])  # padding rows: any finite row
-    self.prefill_rope.uop.buffer.view(rope.size, dtypes.float32, 0).ensure_allocated().copyin(memoryview(rope).cast("B"))
-    self._stage(inp)
-
-  def _stage(self, inp: np.ndarray) -> None:
-    """A prompt's rows into the first rows of the staging buffer, one host copy (on the head: the raw embedding rows,
-    gathered from the file's mmap). The rows past them keep what they held: finite values, as padding."""
+  def _prefill_inputs(self, inp: np.ndarray, start: int, R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prompt's R rows (T real, then zeros as padding: a padding row's values reach no real row), their positions and
+    rotary rows, on the host (on the head: the raw embedding rows, gathered from the file's mmap)."""
     m = self.m
-    rows = m._embd_rows[np.asarray(inp, dtype=np.uint32)] if m.is_head else np.ascontiguousarray(inp)
-    self.prefill_in.uop.buffer.view(rows.nbytes, dtypes.uint8, 0).ensure_allocated().copyin(_host_mv(rows))
+    rows = m._embd_rows[np.asarray(inp, dtype=np.uint32)] if m.is_head else np.asarray(inp)
+    padded = np.zeros((R, *rows.shape[1:]), rows.dtype)
+    padded[:len(rows)] = rows
+    pos = np.arange(start, start + R, dtype=np.int32)
+    return padded, pos, self.rope_host[np.minimum(pos, len(self.rope_host) - 1)]  # padding rows: any finite row
 
   # --- decode: one row for each stream of a window of slots -------------------------------------------
   def _decode_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, at_k: Tensor, at_v: Tensor, W: int, lo: UOp, kv32: UOp) -> Tensor:
@@ -336,15 +322,16 @@ class RowPath:
     (W, vocab): row r belongs to slot lo + r (`window`), the others are fillers. May alias an internal buffer."""
     m = self.m
     lo, W = self.window(slots)
-    self._stage_decode(slots, inp, positions, lo, W)
+    _put((self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v), self._decode_inputs(slots, inp, positions, lo, W))
     with kernel_opts.rows_schedules():
       ret = self.decode_graph(W)(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),
                                  self.v_kv.bind(_round(max(positions) + 1, KV_UNIT) // KV_UNIT))
     return m._view(ret.uop.buf_uop.buffer, (W, m.vocab_size) if m.is_tail else (W, 1, m.dim))
 
-  def _stage_decode(self, slots: list[int], inp: np.ndarray, positions: list[int], lo: int, W: int) -> None:
-    """A decode window's inputs: each row's position (-1 for a filler), cache offsets, rotary row and input row."""
-    c = self.m.config
+  def _decode_inputs(self, slots: list[int], inp: np.ndarray, positions: list[int], lo: int, W: int) -> tuple[np.ndarray, ...]:
+    """A decode window's inputs on the host: each row's input row, position (-1 for a filler), rotary row and cache
+    offsets. A filler's row is zeros: it sees no key, computes NaN in its own row only, and writes into the spare slot."""
+    m, c = self.m, self.m.config
     at = np.asarray(slots) - lo
     pos = np.full(W, -1, dtype=np.int32)
     pos[at] = positions
@@ -353,9 +340,13 @@ class RowPath:
     ak, av = self._offsets(where, np.maximum(pos, 0))
     rope = np.zeros((W, c.rope_dim), np.float32)
     rope[at] = self.rope_host[list(positions)]
-    for dst, arr in ((self.decode_pos, pos), (self.decode_at_k, ak), (self.decode_at_v, av), (self.decode_rope, rope)):
-      dst.uop.buffer.view(arr.size, dst.dtype, 0).ensure_allocated().copyin(memoryview(np.ascontiguousarray(arr)).cast("B"))
-    self._stage_window(inp, at, W)
+    if m.is_head:
+      rows = np.zeros((W, m._embd_row_bytes), np.uint8)
+      rows[at] = m._embd_rows[np.asarray(inp, dtype=np.uint32).reshape(-1)]
+    else:
+      rows = np.zeros((W, m.dim), DTYPES[m.boundary_dtype])
+      rows[at] = np.asarray(inp).reshape(len(at), m.dim)
+    return rows, pos, rope, ak, av
 
   # --- mixed: a decode window and a prompt's rows in one pass over the weights ----------------------------
   def _mixed_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, at_k: Tensor, at_v: Tensor, W: int, lo: UOp, kv32: UOp, rows16: UOp,
@@ -398,19 +389,13 @@ class RowPath:
     # a chunk's rows)
     lo, W = 0, self.slots
     R = _round(T, ROW_UNIT)
-    self._stage_decode(slots, dec_inp, positions, lo, W)
-    self._stage_prefill(pre_inp, start, R)
+    d_in, d_pos, d_rope, d_ak, d_av = self._decode_inputs(slots, dec_inp, positions, lo, W)
+    p_in, p_pos, p_rope = self._prefill_inputs(pre_inp, start, R)
     # the prompt's rows' cache offsets after the window's, then the padding's (into the spare slot)
-    ak, av = self._offsets(np.r_[np.full(R, slot), np.full(MAX_ROWS - R, self.slots)], np.r_[np.arange(start, start + R), np.zeros(MAX_ROWS - R)])
-    for dst, window, arr in ((self.mixed_at_k, self.decode_at_k, ak), (self.mixed_at_v, self.decode_at_v, av)):
-      dst.uop.buffer.view(W, dtypes.int32, 0).ensure_allocated().copyin(_bytes(window, W * 4))
-      dst.uop.buffer.view(MAX_ROWS, dtypes.int32, W * 4).ensure_allocated().copyin(memoryview(arr).cast("B"))
-    # the mixed graph's inputs: the window's rows, then the prompt's, in one buffer each
-    for mix, dec, pre in ((self.mixed_in, self.decode_in, self.prefill_in), (self.mixed_pos, self.decode_pos, self.prefill_pos),
-                          (self.mixed_rope, self.decode_rope, self.prefill_rope)):
-      row = mix.nbytes() // mix.shape[0]
-      for src, n, at in ((dec, W, 0), (pre, R, W)):
-        mix.uop.buffer.view(n * row, dtypes.uint8, at * row).ensure_allocated().copyin(_bytes(src, n * row))
+    p_ak, p_av = self._offsets(np.r_[np.full(R, slot), np.full(MAX_ROWS - R, self.slots)], np.r_[np.arange(start, start + R), np.zeros(MAX_ROWS - R)])
+    # the mixed graph's inputs: the window's rows, then the prompt's, composed on the host and copied once each
+    _put((self.mixed_in, self.mixed_pos, self.mixed_rope, self.mixed_at_k, self.mixed_at_v),
+         (np.concatenate([d_in, p_in]), np.r_[d_pos, p_pos], np.concatenate([d_rope, p_rope]), np.r_[d_ak, p_ak], np.r_[d_av, p_av]))
     kv, kvp = _round(max(positions) + 1, KV_UNIT) // KV_UNIT, _round(start + R, KV_UNIT) // KV_UNIT
     with kernel_opts.rows_schedules():
       ret = self.mixed_graph(W)(self.mixed_in, self.mixed_pos, self.mixed_rope, self.mixed_at_k, self.mixed_at_v, W, self.v_lo.bind(lo),
@@ -436,20 +421,7 @@ class RowPath:
     return ((slots * c.n_kv_heads * c.head_dim * L + positions).astype(np.int32),
             (slots * c.n_kv_heads * L * c.head_dim + positions * c.head_dim).astype(np.int32))
 
-  def _stage_window(self, inp: np.ndarray, at: np.ndarray, W: int) -> None:
-    """Rows of a window with fillers: the real rows at their places, zeros elsewhere (a filler sees no key, computes
-    NaN in its own row only, and writes into the spare slot)."""
-    m = self.m
-    if m.is_head:
-      staged = np.zeros((W, m._embd_row_bytes), np.uint8)
-      staged[at] = m._embd_rows[np.asarray(inp, dtype=np.uint32).reshape(-1)]
-    else:
-      staged = np.zeros((W, m.dim), DTYPES[m.boundary_dtype])
-      staged[at] = np.asarray(inp).reshape(len(at), m.dim)
-    self.decode_in.uop.buffer.view(staged.nbytes, dtypes.uint8, 0).ensure_allocated().copyin(_host_mv(staged))
-
   def rows_of(self, batch: Tensor, slots: list[int], lo: int | None = None) -> list[Tensor]:
     """The rows of a decode result, in the order of `slots`, each a realized view (no copy)."""
     buf, row, lo = batch.uop.buffer, prod(batch.shape[1:]), self.window(slots)[0] if lo is None else lo
-    return [Tensor(UOp.from_buffer(buf.view(row, buf.dtype, (s - lo) * row * buf.dtype.itemsize).ensure_allocated()))
-            .reshape(batch.shape[1:]) for s in slots]
+    return [device_memory.view(buf, batch.shape[1:], (s - lo) * row) for s in slots]

@@ -25,6 +25,7 @@ import numpy as np
 
 from pyruntime import errors
 from pyruntime.dataloop import DataLoop
+from pyruntime.devices import nvidia_compilers, parse_device
 from pyruntime.gc_policy import collect_due, collect_on_this_thread
 from pyruntime.protocol import ABI_VERSION, PREFILL_SHARE, WEIGHT_MODES, Command, Event, split_object_id
 from pyruntime.scheduler import StageScheduler
@@ -201,7 +202,10 @@ class Stage:
         raise errors.InvalidCommand(f"InitializeWorker: 'cpus' must list CPU numbers, not {show(cpus)}")
       try: os.sched_setaffinity(0, cpus)  # before tinygrad sizes its CPU thread pool
       except OSError as e: raise errors.InvalidCommand(f"InitializeWorker: cannot run on CPUs {show(cpus)}: {e}") from e
-    if device: os.environ["DEV"] = device
+    if device:
+      try: os.environ["DEV"] = parse_device(device).target  # the renderer only: tinygrad reads "CUDA:1" as renderer "1"
+      except errors.InvalidOption as e: raise errors.InvalidCommand(f"InitializeWorker: {e}") from e
+    nvidia_compilers()
     self.device = device
     self.ch.emit(Event.WORKER_READY, pid=os.getpid(), device=device, abi_version=ABI_VERSION)
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from pyruntime.devices import cpu_device, nvidia_compilers
 from pyruntime.gc_policy import collect_due, collect_on_this_thread
 
 SHM = pathlib.Path("/dev/shm")
@@ -25,6 +26,10 @@ def pytest_configure(config: pytest.Config) -> None:
   # stages keep their captured graphs in $PYRUNTIME_CACHE/graphs: the tests' own directory, shared by the session's
   # workers and runs (a launcher of a model already captured loads its graphs), never the user's cache
   os.environ.setdefault("PYRUNTIME_CACHE", os.path.join(tempfile.gettempdir(), f"pyruntime-tests-{os.getuid()}"))
+  # the device the in-process tests (and tinygrad's reference models in them) mean is the CPU: with an OpenCL driver
+  # installed tinygrad's own default would be CL. The GPU-style lanes name their device (tests/test_devices_cl.py).
+  os.environ.setdefault("DEV", cpu_device())
+  nvidia_compilers()
   # tests run tinygrad in this process: a collection on one of its CPU worker threads can deadlock it
   # (pyruntime/gc_policy.py), so garbage is collected on the main thread, between tests
   collect_on_this_thread()
@@ -46,6 +51,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
   skip = pytest.mark.skip(reason="needs --long")
   for item in items:
     if "long" in item.keywords: item.add_marker(skip)
+
+
+def lane_device(device: str) -> str:
+  """The device of a GPU-style lane (CL: OpenCL through PoCL; NULL:CUDA:sm_90: compiled by NVIDIA's NVRTC for H200,
+  never run), once it opens here. Missing, a lane skips saying why, except in CI (CI set), where it fails: CI's set-up
+  installs every lane's parts (`.ci/setup --test`)."""
+  from pyruntime.devices import parse_device
+  spec = parse_device(device)
+  try:
+    from tinygrad import Device
+    from tinygrad.helpers import Context
+    with Context(DEV=spec.target): Device[spec.name].compiler  # noqa: B018 -- opening it and its compiler is the check
+  except Exception as e:  # noqa: BLE001 -- whatever stops the device is the reason
+    (pytest.fail if os.environ.get("CI") else pytest.skip)(f"the {device} lane needs its device, which cannot open here: {type(e).__name__}: {e}")
+  return device
 
 
 def _alive(pid: int) -> bool:

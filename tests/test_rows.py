@@ -29,6 +29,17 @@ def whole(path, **kw) -> StageModel:
   return StageModel.load(path, 0, tiny_refs_blocks(path), max_context=kw.pop("max_context", CTX), decode="batched", **kw)
 
 
+# the contract's three tests also run on the CL lane (tests/test_device_lanes.py): OpenCL through PoCL, a GPU-style
+# device with the local-memory schedules, asynchronous copies and no buffer views
+CL = pytest.param("CL", marks=pytest.mark.integration, id="CL")
+
+
+def on(device: str | None) -> dict:
+  if device is None: return {}
+  from conftest import lane_device
+  return {"device": lane_device(device)}
+
+
 def position_kv(m: StageModel, slot: int, pos: int) -> list[np.ndarray]:
   """Every block's key and value of `slot` at `pos`, as stored in the rows path's caches."""
   out = []
@@ -38,13 +49,15 @@ def position_kv(m: StageModel, slot: int, pos: int) -> list[np.ndarray]:
   return out
 
 
+@pytest.mark.parametrize("device", [None, CL])
 @pytest.mark.parametrize("name", DENSE)
 @pytest.mark.parametrize("weights", ["float32", "quantized"])
-def test_decode_row_equals_prompt_row(paths, name, weights):
+def test_decode_row_equals_prompt_row(paths, name, weights, device):
   """Positions 40..43 computed as decode rows (batched steps) and as prompt rows (prefill records): the same keys and
   values in every block and the same logits, bit for bit."""
   if weights == "quantized" and name not in ("llama_tied", "qwen3"): pytest.skip("two models cover dequantising kernels")
-  m = whole(paths[name], slots=2, weights=weights)
+  if device and name not in ("llama_tied", "qwen3"): pytest.skip("on the CL lane two models cover the contract")
+  m = whole(paths[name], slots=2, weights=weights, **on(device))
   prompt = np.asarray(PROMPT, np.uint32)
   m.reset_slot(0)
   lg = m.prefill_rows(0, prompt, 0).numpy().copy()
@@ -92,10 +105,11 @@ def test_splits_equal_the_unsplit_rows_and_tinygrads_tokens(paths, name):
       assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(logits, unsplit, strict=True)), ranges
 
 
-def test_decode_windows_and_streams_beside_change_no_bit(paths):
+@pytest.mark.parametrize("device", [None, CL])
+def test_decode_windows_and_streams_beside_change_no_bit(paths, device):
   """One stream decoding alone (windows of 1 row) and beside streams in other slots (windows of 2, 4 and 8 rows, the
   stream at different rows of them): the same logits."""
-  m = whole(paths["llama_gqa"], slots=8)
+  m = whole(paths["llama_gqa"], slots=8, **on(device))
   rng = np.random.default_rng(1)
   prompts = [rng.integers(1, 250, n).astype(np.uint32) for n in (40, 3, 17, 60, 9, 25, 33, 12)]
 
@@ -144,11 +158,12 @@ def test_stale_cache_bytes_never_reach_a_sum(paths):
     assert np.isfinite(a).all() and np.array_equal(bits(a), bits(b))
 
 
+@pytest.mark.parametrize("device", [None, CL])
 @pytest.mark.parametrize("name,cut", [("llama_tied", (0, 5)), ("qwen3", (0, 2)), ("qwen3", (2, 5))])
-def test_a_mixed_step_equals_its_decode_and_prompt_apart(paths, name, cut):
+def test_a_mixed_step_equals_its_decode_and_prompt_apart(paths, name, cut, device):
   """A decode step and a prompt's chunk in one pass over the weights (StageModel.forward_mixed) give the very bits of
   the two computed apart, on a head, a middle and a tail stage."""
-  m = StageModel.load(paths[name], *cut, max_context=CTX, slots=4, decode="batched", weights="float32")
+  m = StageModel.load(paths[name], *cut, max_context=CTX, slots=4, decode="batched", weights="float32", **on(device))
   rng = np.random.default_rng(0)
   mk = lambda n: rng.integers(1, 250, n).astype(np.uint32) if m.is_head else rng.standard_normal((n, m.dim)).astype(np.float32)  # noqa: E731
   p0, p1, p2, tok = mk(30), mk(17), mk(45), mk(2)

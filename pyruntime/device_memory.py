@@ -1,0 +1,64 @@
+"""A stage's host <-> device copies and its views into device buffers, the same on every tinygrad backend.
+
+Two facts of tinygrad 0.13.0's backends shape this module:
+- **Views.** The CPU, CUDA and the HCQ devices make a view of a buffer by pointer arithmetic (their allocators have
+  `_offset`); OpenCL's has none (`offset function required for view`), and an OpenCL sub-buffer cannot stand in for
+  one: it may only start at the device's base address alignment (128 bytes on PoCL), and tinygrad, seeing `_offset`,
+  would view at any element. So where a backend has views this module views (zero-copy), and where it has none it
+  copies: a read is one small copy kernel on the device, a write goes through the whole buffer on the host.
+- **When a copy has read its source.** A stage copies from memory it does not own past the call: a ring slot that goes
+  back to its writer once the record is consumed, the model file's mmap, closed after loading. The CPU and the HCQ
+  devices copy with memmove, CUDA through a pinned staging buffer, NULL reads nothing: the source is read when copyin
+  returns. OpenCL enqueues a non-blocking write from the source itself (at load this was a segmentation fault), so
+  there the device is synchronized before the source may go.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad.device import Buffer
+from tinygrad.helpers import prod
+
+_SOURCE_READ_ON_RETURN = frozenset({"CPU", "CUDA", "NV", "AMD", "NULL"})
+
+
+def has_views(device: str) -> bool:
+  """Whether the backend views a buffer in place (else `view` copies and `write` rewrites the buffer)."""
+  return hasattr(Device[device].allocator, "_offset")
+
+
+def host_bytes(arr: np.ndarray) -> memoryview:
+  """A byte memoryview of an array for Buffer.copyin, without copying it when it is C-contiguous: tinygrad's host
+  copies take the source's address through ctypes, which refuses read-only memory (a ring payload, an mmap of the
+  file), so a read-only array is viewed through a ctypes array at its address (the copy only reads it)."""
+  if not arr.flags.c_contiguous: arr = np.ascontiguousarray(arr)
+  if arr.flags.writeable or arr.nbytes == 0: return memoryview(arr).cast("B")
+  return memoryview((ctypes.c_char * arr.nbytes).from_address(arr.ctypes.data)).cast("B")
+
+
+def copy_to_device(buf: Buffer, arr: np.ndarray) -> None:
+  """arr's bytes (exactly buf's size) into `buf`, done reading `arr` when this returns (module docstring)."""
+  buf.ensure_allocated().copyin(host_bytes(arr))
+  if buf.device.split(":")[0] not in _SOURCE_READ_ON_RETURN: Device[buf.device].synchronize()
+
+
+def write(buf: Buffer, arr: np.ndarray, offset: int = 0) -> None:
+  """arr's bytes into `buf` from byte `offset` on; the rest of `buf` keeps what it held."""
+  n = arr.nbytes
+  if offset == 0 and n == buf.nbytes: return copy_to_device(buf, arr)
+  if has_views(buf.device): return copy_to_device(buf.view(n, dtypes.uint8, offset), arr)
+  whole = np.frombuffer(buf.ensure_allocated().as_memoryview(), np.uint8).copy()
+  whole[offset:offset + n] = np.frombuffer(host_bytes(arr), np.uint8)
+  copy_to_device(buf, whole)
+
+
+def view(buf: Buffer, shape: tuple[int, ...], offset: int = 0) -> Tensor:
+  """A realized tensor over prod(shape) elements of `buf` from element `offset` on: the same memory where the backend
+  views, else a copy on the device (read it; what is written into it does not reach `buf`)."""
+  n = prod(shape)
+  if n == buf.size and not offset: return Tensor(UOp.from_buffer(buf)).reshape(shape)
+  if has_views(buf.device):
+    return Tensor(UOp.from_buffer(buf.view(n, buf.dtype, offset * buf.dtype.itemsize).ensure_allocated())).reshape(shape)
+  return Tensor(UOp.from_buffer(buf))[offset:offset + n].reshape(shape).contiguous().realize()

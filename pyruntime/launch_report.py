@@ -38,7 +38,7 @@ def launches(jit: TinyJit) -> list[Launch]:
   for u in jit.captured.linear.toposort():
     if u.op is not Ops.PROGRAM: continue
     src = {s.op: s.arg for s in u.src}
-    info = u.arg
-    out.append(Launch(_ANSI.sub("", info.name), str(src.get(Ops.DEVICE, "")), tuple(int(x) if isinstance(x, int) else -1 for x in info.global_size or ()),
-                      tuple(int(x) if isinstance(x, int) else -1 for x in info.local_size or ()), src.get(Ops.SOURCE, ""), src.get(Ops.BINARY, b"")))
+    info, size = u.arg, lambda xs: tuple(x if isinstance(x, int) else -1 for x in xs or ())  # -1: symbolic
+    out.append(Launch(_ANSI.sub("", info.name), str(src.get(Ops.DEVICE, "")), size(info.global_size), size(info.local_size),
+                      src.get(Ops.SOURCE, ""), src.get(Ops.BINARY, b"")))
   return out

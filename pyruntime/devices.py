@@ -32,7 +32,7 @@ class DeviceSpec:
     return ":".join(x for x in (self.base, self.renderer, self.arch) if x)
 
   def __str__(self) -> str:
-    return ":".join(x for x in (self.base, None if self.index is None else str(self.index), self.renderer, self.arch) if x is not None and x != "")
+    return ":".join(x for x in (self.base, "" if self.index is None else str(self.index), self.renderer, self.arch) if x)
 
 
 _FIELD = re.compile(r"[A-Za-z0-9_.]+")

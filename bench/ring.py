@@ -7,7 +7,7 @@ in one interleaved run (peers not installed are left out: `pip install -e ".[ben
     pyruntime bench ring [same arguments]
 
 Every measurement uses two processes forked from this one (producer and consumer, or pinger and
-echo); this process only orchestrates and waits.  Measured (see bench/README.md for the details):
+echo); this process only orchestrates and waits.  Measured (see bench/results/log-through-2026-12-03.md for the details):
 
   throughput  messages/s and GB/s (payload bytes only) for payloads of 8 B, 1152 B, 64 KiB, 1 MiB.
               A producer writes for `--duration` seconds then closes; the consumer reads until the
@@ -362,7 +362,7 @@ class PyShmRing(Channel):
 
   NOT a safe design on weakly ordered CPUs (ARM, POWER): Python has no memory-ordering primitives,
   so nothing orders the payload stores before the head store (nor the consumer's payload loads
-  after its head load).  x86's total store order happens to make it work here; see bench/README.md."""
+  after its head load).  x86's total store order happens to make it work here; see bench/results/log-through-2026-12-03.md."""
 
   SKIP = 2**64 - 1  # length of a filler record that runs to the end of the region
 

@@ -55,7 +55,7 @@ CHOICES = {c.name: c for c in (
 )}
 
 PREFIX_CACHE_TOKENS = 8192  # the default budget: tokens whose keys and values every stage keeps (SmolLM2: 46 KB each)
-PREFILL_SHARE = 2.0   # bounds a step that carries a chunk at about 3 decode steps (bench/README.md has the trade measured)
+PREFILL_SHARE = 2.0   # bounds a step that carries a chunk at about 3 decode steps (bench/results/log-through-2026-12-03.md has the trade measured)
 # The stall rule (docs/control-channel.md, "Stalls"): a stage with work and no progress (Heartbeat counters) this long,
 # or STALL_STEPS of its slowest step if longer, is ended as stalled; while it captures a graph, the larger bound.
 STALL_TIMEOUT_S = 20.0

@@ -124,10 +124,15 @@ def main() -> None:
       p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
       if p.returncode: print(f"{dev}: failed: {p.stderr.strip().splitlines()[-1:]}"); continue
       r = json.loads(p.stdout.strip().splitlines()[-1])
-      th = sorted(x["threads"] for x in r["reductions"])
-      print(f"{dev} ({r['weights']} weights): {r['kernels']} kernels per one-row decode step; {len(th)} reductions, threads each: "
-            f"min {th[0] if th else 0}, median {th[len(th) // 2] if th else 0}, max {th[-1] if th else 0}")
-      for x in r["reductions"][:12]: print(f"   {x['name']:<40} threads {x['threads']:>8}  global {x['global']} local {x['local']}")
+      th = sorted(x["threads"] for x in r["reductions"] if x["threads"] is not None)
+      lo, mid, hi = (th[0], th[len(th) // 2], th[-1]) if th else (0, 0, 0)
+      print(f"{dev} ({r['weights']} weights): {r['kernels']} kernel launches per one-row decode step, {len(r['reductions'])} of them "
+            f"reductions; threads per reduction (fixed sizes): min {lo}, median {mid}, max {hi}")
+      seen: set[str] = set()
+      for x in r["reductions"]:  # each distinct kernel once (the blocks repeat them)
+        if x["name"] in seen: continue
+        seen.add(x["name"])
+        print(f"   {x['name']:<40} threads {x['threads'] if x['threads'] is not None else 'by context':>10}  global {x['global']} local {x['local']}")
     return
   rows, decode = [int(r) for r in a.rows.split(",")], [int(r) for r in a.decode.split(",")]
   if a.side:

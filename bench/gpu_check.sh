@@ -55,12 +55,17 @@ for name, split, d in (("2 stages", [(0, n // 2), (n // 2, n)], devs), ("1 stage
   out[name] = {"devices": d, "token_ids": done.token_ids, "ttft_s": done.timings.ttft_s, "decode_tokens_per_s": done.timings.decode_tokens_per_s}
 if dev == "NULL": print(json.dumps(out)); sys.exit(0)  # compiled, never run: tokens are meaningless there
 from tinygrad.llm.model import Transformer
-with Context(DEV=devs.split(",")[0].replace(":0:", ":")):
-  model, _ = Transformer.from_gguf(path, max_context=512)
-  ref = list(itertools.islice(model.generate(list(done.prompt_token_ids)), len(done.token_ids)))
-out["equal_to_single_process"] = {k: v["token_ids"] == ref for k, v in out.items() if isinstance(v, dict)}
+try:  # tinygrad's own model can fail where the stages run (on PoCL its SmolLM2 kernels fail tinygrad's UOp verification)
+  with Context(DEV=devs.split(",")[0].replace(":0:", ":")):
+    model, _ = Transformer.from_gguf(path, max_context=512)
+    ref = list(itertools.islice(model.generate(list(done.prompt_token_ids)), len(done.token_ids)))
+  out["equal_to_single_process"] = {k: v["token_ids"] == ref for k, v in list(out.items())}
+except Exception as e:
+  out["single_process_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
 print(json.dumps(out))
+sys.exit(0 if out.get("equal_to_single_process") and all(out["equal_to_single_process"].values()) else 1)
 PY
 step kernels 180 python3 bench/kernels.py --report --device "$d0" --model "$model"
-[ "$dev" = NULL ] || step pipeline 240 env PYRUNTIME_DEVICE="$dev" python3 bench/pipeline.py --json --model "$model"
+# the pipeline benchmark compares with tinygrad's single-process model, which does not run SmolLM2 on PoCL: CUDA only
+[ "${dev%%:*}" = CUDA ] && step pipeline 240 env PYRUNTIME_DEVICE="$dev" python3 bench/pipeline.py --json --model "$model"
 log "done: results in $OUT"

@@ -68,7 +68,7 @@ class StreamHandle:
 
   def emit(self, ev: Any) -> None:
     d = self.driver
-    if d.outbox is not None and threading.get_ident() == d.tid: d.outbox.append((self, ev))
+    if d.outbox is not None and threading.get_ident() == d.outbox_owner: d.outbox.append((self, ev))
     else: self.deliver(ev)
 
   def deliver(self, ev: Any) -> None:
@@ -190,7 +190,7 @@ class Driver:
     # event) once the step's next tokens are written: the stages start sooner, and a consumer woken by its event finds
     # the GIL free more often (the driver blocks on the ring right after), instead of waking twice
     self.outbox: list[tuple[StreamHandle, Any]] | None = None
-    self.tid = -1
+    self.outbox_owner = -1                # the thread that set the outbox (and holds the lock)
     self.closed = False                   # set by the launcher's close(): no new streams, the loop ends
     self.tally = Tally()
     # A token comes every step (ms at least): spinning for it only takes a core from the stages. Parked, the ring
@@ -209,28 +209,49 @@ class Driver:
 
   # --- streams in --------------------------------------------------------------------------------
   def enqueue(self, st: StreamHandle) -> None:
-    with self.lock:
-      if self.closed: raise errors.LauncherClosed("the launcher is not running")
-      self.waiting.append(st)
-      self._admit()
+    box: list[tuple[StreamHandle, Any]] = []
+    with self.delivering:
+      try:
+        with self.lock:
+          if self.closed: raise errors.LauncherClosed("the launcher is not running")
+          self.waiting.append(st)
+          self.outbox, self.outbox_owner = box, threading.get_ident()  # a stream failed on admission learns of it after the lock
+          try: self._admit()
+          finally: self.outbox = None
+      finally:
+        for s, ev in box: s.deliver(ev)
 
   def _admit(self) -> None:
+    """Under self.lock: waiting streams into free slots. A stream whose records cannot be built fails alone, before
+    anything of it reaches a stage, and its slot goes to the next; only a failed write (the pipeline's) raises."""
     while self.waiting and self.free_slots:
       st = self.waiting.popleft()
       st.slot = self.free_slots.pop(0)  # the lowest free slot: a batch spans rows 0..highest slot in use
+      try: records = self._open_records(st)
+      except Exception as e:  # noqa: BLE001 - one request's bug must not take the slot, the queue or the driver with it
+        log.exception("stream %d: failed before it reached the stages", st.id)
+        self.free_slots.append(st.slot); self.free_slots.sort()
+        st.slot = -1
+        st.fail(errors.RequestFailed("admitting it", e))
+        continue
       st.state = "open"
       self.active[st.id] = st
-      blocks = self.prefix.match(st.ids, st.req.cache_salt) if self.prefix is not None and st.req.prefix_cache else []
-      st.cached = st.computed = len(blocks) * BLOCK
-      info = protocol.OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
-                      sorted(st.end_ids), st.want_logits, st.cached, [[b, i * BLOCK] for i, b in enumerate(blocks)], st.req.grammar is not None,
-                      st.spec.length is not None)
       st.t_admitted = time.monotonic()
       # the grammar goes to the tail directly, before the OPEN: the tail waits for it when the OPEN says there is one
       if st.req.grammar is not None: self.pool.handles[-1].send(protocol.Command.SET_GRAMMAR, stream=st.id, grammar=st.req.grammar)
-      self._write(object_id(st.id, 0), info.encode(4), FLAG_OPEN)
-      rest = st.ids[st.cached:]
-      self._write(object_id(st.id, st.cached), struct.pack(f"<{len(rest)}I", *rest), 0)
+      for oid, payload, flags in records: self._write(oid, payload, flags)
+
+  def _open_records(self, st: StreamHandle) -> list[tuple[int, bytes, int]]:
+    """The stream's OPEN and prompt records, built whole before any is written (a failure here leaves no trace)."""
+    blocks = self.prefix.match(st.ids, st.req.cache_salt) if self.prefix is not None and st.req.prefix_cache else []
+    cached = len(blocks) * BLOCK
+    info = protocol.OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
+                             sorted(st.end_ids), st.want_logits, cached, [[b, i * BLOCK] for i, b in enumerate(blocks)],
+                             st.req.grammar is not None, st.spec.length is not None)
+    rest = st.ids[cached:]
+    records = [(object_id(st.id, 0), info.encode(4), FLAG_OPEN), (object_id(st.id, cached), struct.pack(f"<{len(rest)}I", *rest), 0)]
+    st.cached = st.computed = cached
+    return records
 
   def cancel(self, st: StreamHandle) -> None:
     """A stream that has not ended gets its one final event here, a Done with finish reason "cancelled", delivered from
@@ -250,8 +271,9 @@ class Driver:
     """Under self.lock: what the stream computed goes to the prefix cache, then the CLOSE goes out; the slot is free
     when its echo comes back (nothing of it is in flight then)."""
     st.state = "closing"
-    if save: self._save_prefix(st, st.computed if self.cache_decoded else min(st.computed, len(st.ids)))
-    self._write(object_id(st.id, 0), b"", FLAG_CLOSE)
+    try:
+      if save: self._save_prefix(st, st.computed if self.cache_decoded else min(st.computed, len(st.ids)))
+    finally: self._write(object_id(st.id, 0), b"", FLAG_CLOSE)  # whatever saving raised, the slot comes back
 
   def _save_prefix(self, st: StreamHandle, n: int) -> None:
     """Under self.lock: index the stream's first n positions (computed in every stage) and tell the stages which blocks
@@ -264,7 +286,6 @@ class Driver:
   # --- the loop ----------------------------------------------------------------------------------
   def run(self) -> None:
     read = self.tail.read
-    self.tid = threading.get_ident()
     try:
       while not self.closed:
         # Parked in C between tokens: a failure elsewhere reaches the tail ring as RingClosed/PeerDead; a dead or
@@ -278,6 +299,9 @@ class Driver:
       if not self.closed:
         f = self.pool.root_cause() or (e if isinstance(e, errors.StageFailed) else errors.StageFailed(len(self.pool.handles) - 1, e.code, str(e)))
         self.on_failure(f)  # the pipeline goes down, then every stream learns which stage failed
+    except Exception as e:  # noqa: BLE001 - a bug outside any one stream: nothing can be served without this thread
+      log.exception("the launcher's driver failed")
+      if not self.closed: self.on_failure(errors.DriverFailed(e))
     finally:
       # a close() under way fails the streams itself, once the stages are gone
       if not self.closed: self.fail_all(errors.LauncherClosed("the launcher closed while the stream ran"))
@@ -289,7 +313,7 @@ class Driver:
     with self.delivering:
       try:
         with self.lock:
-          self.outbox = box
+          self.outbox, self.outbox_owner = box, threading.get_ident()
           try:
             while True:
               tokens += self._take(rec, t_got)
@@ -330,7 +354,13 @@ class Driver:
         self._close_stream(st, save=False)
     else:
       self.tally.step_record(flags)
-      if st.state == "open": self._step(st, rec, pos, now)
+      if st.state == "open":
+        try: self._step(st, rec, pos, now)
+        except errors.PyruntimeError: raise  # the pipeline's (a failed write): every stream's
+        except Exception as e:  # noqa: BLE001 - a bug in one stream's text, tools or drafts ends that stream alone
+          log.exception("stream %d: failed taking its token", st.id)
+          if st.state == "open": self._close_stream(st, save=False)
+          st.fail(errors.RequestFailed("taking its tokens", e))
       if not flags & FLAG_MORE: self._flush_next()
       return 1
     return 0

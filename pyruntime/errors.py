@@ -152,6 +152,13 @@ class StageStalled(StageFailed):
 
 class LauncherClosed(GenerationError): pass
 
+class DriverFailed(StageFailed):
+  """The launcher's own driver thread (not a stage) hit a bug outside any one stream: without it nothing is served,
+  so the pipeline ends like one whose stage failed, and a server restarts it. `stage` is -1."""
+  def __init__(self, cause: BaseException):
+    GenerationError.__init__(self, f"the launcher's driver failed: {type(cause).__name__}: {cause}")
+    self.stage, self.reason, self.detail = -1, "DriverFailed", f"{type(cause).__name__}: {cause}"
+
 class HostLost(StageFailed):
   """A host of a pipeline placed on several (docs/hosts.md) is gone: its agent died or stopped answering, or a bridge
   to or from it was lost. `host` is its index; `stage` the first of its stages."""
@@ -165,6 +172,14 @@ class StreamFailed(GenerationError):
   def __init__(self, stage: int | None, reason: str, detail: str = ""):
     super().__init__(f"stage {stage} refused the stream: {reason}" + (f": {detail}" if detail else ""))
     self.stage, self.reason, self.detail = stage, reason, detail
+
+
+class RequestFailed(GenerationError):
+  """The launcher failed one stream on its own side (a bug reached while admitting it or taking its tokens): that
+  stream alone ends, with the cause; the slot it held is free and the other streams go on."""
+  def __init__(self, where: str, cause: BaseException):
+    super().__init__(f"the launcher failed this stream while {where}: {type(cause).__name__}: {cause}")
+    self.where, self.cause = where, cause
 
 
 # --- the stage worker's control channel (docs/control-channel.md) ---------------------------

@@ -247,6 +247,10 @@ class Launcher:
   # --- health ------------------------------------------------------------------------------------
   def alive(self) -> list[bool]: return [h.alive for h in self.handles]
 
+  def serving(self) -> bool:
+    """Streams can be served now: started, not closed, and the driver thread (which every stream needs) running."""
+    return self.driver is not None and not self._closed and self.driver.thread.is_alive()
+
   def ring_occupancy(self) -> list[float]:
     """Fill fraction of each ring, head ingress first and the tail's egress last."""
     if self.pool is None or self._closed: return []

@@ -219,6 +219,8 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
   if _bool(body, "ignore_eos"): gen["ignore_eos"] = True
   if (salt := body.get("cache_salt")) is not None:
     if not isinstance(salt, str) or not salt: raise errors.InvalidOption("cache_salt", f"must be a non-empty string, got {_show(salt)}")
+    from pyruntime.request import check_salt
+    check_salt(salt)
     gen["cache_salt"] = salt
   if _bool(body, "prefix_cache") is False: gen["prefix_cache"] = False
   if _bool(body, "speculative") is False: gen["speculative"] = False

@@ -57,7 +57,9 @@ class PrefixIndex:
 
   @staticmethod
   def root(salt: str | None) -> bytes:
-    return hashlib.blake2b(b"pyruntime-prefix" + (b"\x01" + salt.encode() if salt is not None else b"\x00"), digest_size=16).digest()
+    # surrogatepass: a salt that got past the door's check still hashes, as bytes no valid salt has
+    tag = b"\x01" + salt.encode("utf-8", "surrogatepass") if salt is not None else b"\x00"
+    return hashlib.blake2b(b"pyruntime-prefix" + tag, digest_size=16).digest()
 
   def _chain(self, tokens: list[int], salt: str | None, blocks: int):
     key, bs = self.root(salt), self.block_size

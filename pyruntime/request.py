@@ -27,6 +27,17 @@ class Request:
   speculate: bool = False          # drafts are verified for it (exactly: greedy, free, every stage on the rows path)
 
 
+def check_salt(salt: Any) -> None:
+  """A cache salt is a tenant's key: a string of at most 1024 characters that has a UTF-8 spelling (a lone surrogate,
+  valid in JSON, has none; it would be hashed as some other tenant's bytes or not at all)."""
+  if salt is None: return
+  if not isinstance(salt, str) or len(salt) > 1024:
+    raise errors.InvalidOption("cache_salt", f"must be a string of at most 1024 characters, got {salt!r:.80}")
+  try: salt.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise errors.InvalidOption("cache_salt", f"is not valid Unicode: a lone surrogate at character {e.start}") from None
+
+
 class RequestBuilder:
   """Requests for one model: its tokenizer, chat template and context length, and how the pipeline can speculate."""
 
@@ -47,8 +58,7 @@ class RequestBuilder:
     from pyruntime.params import check_request
     from pyruntime.textstream import budget
     params = check_request(max_tokens, sampling, stop)
-    if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 1024):
-      raise errors.InvalidOption("cache_salt", f"must be a string of at most 1024 characters, got {cache_salt!r:.80}")
+    check_salt(cache_salt)
     if not isinstance(prefix_cache, bool): raise errors.InvalidOption("prefix_cache", f"must be true or false, got {prefix_cache!r:.80}")
     if not isinstance(speculative, bool): raise errors.InvalidOption("speculative", f"must be true or false, got {speculative!r:.80}")
     if prediction is not None and not isinstance(prediction, str):

@@ -90,6 +90,7 @@ class LauncherLike(Protocol):
   def scheduler_stats(self) -> dict: ...
   def stage_view(self) -> list[dict]: ...
   def alive(self) -> list[bool]: ...
+  def serving(self) -> bool: ...
   def ring_occupancy(self) -> list[float]: ...
   def expert_load(self) -> list[list[int] | None]: ...
   def close(self) -> None: ...   # ends its stages; the server calls it on a failed launcher it replaces, and at its own end
@@ -282,8 +283,7 @@ class ServerState:
   def phase(self) -> str:
     if self.draining: return "draining"
     if self.recovery is not None: return "recovering"
-    alive = self.alive()
-    if alive and all(alive): return "ok"
+    if self.healthy(): return "ok"
     return "recovering" if self.restart is not None and not self.gave_up and not self._stop.is_set() else "unavailable"
 
   def unavailable(self) -> ServiceUnavailable | None:
@@ -346,8 +346,7 @@ class ServerState:
         self._wake.wait(HEALTH_POLL_S)
         self._wake.clear()
         if self._stop.is_set() or self.draining: continue
-        alive = self.alive()
-        if alive and all(alive): continue
+        if self.healthy(): continue
         if time.monotonic() - started > STABLE_S: consecutive = 0
         consecutive = self._recover(consecutive)
         started = time.monotonic()
@@ -418,6 +417,13 @@ class ServerState:
     if isinstance(e, errors.StageFailed): info.update(stage=e.stage, reason=e.reason)
     self.last_error = info
     if isinstance(e, (errors.StageFailed, errors.LauncherClosed)): self._wake.set()
+
+  def healthy(self) -> bool:
+    """Every stage alive and the launcher able to serve (its driver running: stages alive are not enough)."""
+    alive = self.alive()
+    try: serving = bool(getattr(self.launcher, "serving", lambda: True)())
+    except Exception: serving = False  # noqa: BLE001 - a launcher that cannot say is not healthy
+    return bool(alive) and all(alive) and serving
 
   def alive(self) -> list[bool]:
     try: return [bool(a) for a in self.launcher.alive()]

@@ -50,7 +50,7 @@ class FakeLauncherForUnitTests:
     self._alive = [True, True]
     self._closed = False
     self.turns = threading.Condition()      # streams run one at a time, in the order they were submitted
-    self.tickets, self.serving, self.waiting = 0, 0, 0
+    self.tickets, self.now_serving, self.waiting = 0, 0, 0
 
   def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, on_event: Any, **options: Any) -> Any:
     gen = self.generate(prompt, messages, **options)  # validates and raises before anything is queued, like the launcher
@@ -60,7 +60,7 @@ class FakeLauncherForUnitTests:
 
     def run() -> None:
       with self.turns:
-        while self.serving != ticket: self.turns.wait()
+        while self.now_serving != ticket: self.turns.wait()
         if not handle.cancelled.is_set(): self.waiting -= 1  # a cancelled one left the queue already
         handle.started = True
       try:
@@ -73,7 +73,7 @@ class FakeLauncherForUnitTests:
       finally:
         gen.close()
         with self.turns:
-          self.serving += 1
+          self.now_serving += 1
           self.turns.notify_all()
     threading.Thread(target=run, daemon=True).start()
     return handle
@@ -82,6 +82,7 @@ class FakeLauncherForUnitTests:
     with self.turns: return {"running": int(self.running.is_set()), "waiting": self.waiting, "max_streams": self.max_streams}
 
   def alive(self) -> list[bool]: return list(self._alive)
+  def serving(self) -> bool: return not self._closed
 
   def stage_view(self) -> list[dict]:
     """Heartbeats as a launcher keeps them: stage 0 busy 0.6 s of every second at 4 rows per step, stage 1 idle."""

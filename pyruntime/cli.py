@@ -387,7 +387,10 @@ def cmd_warmup(a: argparse.Namespace) -> int:
   """Prepare every graph `serve` (or with --max-streams 1, `generate`) needs, into the graph cache, and stop."""
   from pyruntime.graph_cache import clear, graph_dir
   if a.clear:
-    n, size = clear()
+    try: n, size = clear()
+    except PermissionError as e:  # a link or another user's directory: nothing removed there
+      print(f"pyruntime warmup --clear: refused: {e}", file=sys.stderr)
+      return 1
     print(f"removed {n} cached graph file{'s' * (n != 1)} ({size / 1e6:.1f} MB) from {graph_dir()}")
     return 0
   t0 = time.monotonic()

@@ -17,20 +17,25 @@ boundary modes, the graph's name and shape, tinygrad's version, pyruntime's own 
 this one) and the environment variables that change kernels. The key is also written inside the file and checked.
 Files are written atomically (a temporary file, then a rename), the directory is capped in size (least recently used
 files go first; `pyruntime warmup --clear` empties it), and since unpickling runs code, a file is read only from a
-directory and a file owned by this user and writable by nobody else. A file that cannot be used (corrupt, truncated,
+directory and a file owned by this user and writable by nobody else. Those checks and the opens use one descriptor each:
+the directory is opened without following a link (O_NOFOLLOW | O_DIRECTORY) and checked with fstat, then every file
+is opened, written, renamed and removed relative to it (dir_fd, O_NOFOLLOW) and checked with fstat before it is read,
+so nobody can swap a link in between a check and an open (a shared sticky directory such as /tmp allows that for paths).
+A file that cannot be used (corrupt, truncated,
 another key, a name the model does not have) is reported once by name, removed and rebuilt; an unwritable directory
 means running without the cache, reported once. Neither ever fails a request.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
 import pathlib
 import pickle
+import secrets
 import stat
-import tempfile
 from typing import Any, Callable
 
 from tinygrad import Tensor, TinyJit
@@ -143,6 +148,33 @@ class _SavingJit(TinyJit):
     return ret
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC   # NONBLOCK: a FIFO in its place cannot hang us
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def check_private(st: os.stat_result, what: str | os.PathLike, is_dir: bool) -> None:
+  """PermissionError unless `st` (an fstat) is a directory (or a regular file) of this user that nobody else may write."""
+  if is_dir != stat.S_ISDIR(st.st_mode) or not (is_dir or stat.S_ISREG(st.st_mode)):
+    raise PermissionError(f"{what} is not a {'directory' if is_dir else 'regular file'}")
+  if st.st_uid != os.getuid(): raise PermissionError(f"{what} belongs to uid {st.st_uid}, not to this user")
+  if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH): raise PermissionError(f"{what} is writable by others (mode {stat.filemode(st.st_mode)})")
+
+
+def open_private_dir(path: str | os.PathLike) -> int:
+  """A descriptor of the directory at `path`, opened without following a link there and checked on the descriptor
+  (check_private). FileNotFoundError when there is none; PermissionError naming what is wrong."""
+  try: fd = os.open(path, _DIR_FLAGS)
+  except OSError as e:
+    if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path): raise PermissionError(f"{path} is a symbolic link") from None
+    raise
+  try: check_private(os.fstat(fd), path, is_dir=True)
+  except BaseException:
+    os.close(fd)
+    raise
+  return fd
+
+
 class GraphCache:
   """One stage's graph cache. `warn` reports each problem once (the stage sends it to the launcher's terminal)."""
 
@@ -152,25 +184,28 @@ class GraphCache:
     self.enabled, self.common = True, {"format": FORMAT, "tinygrad": _tinygrad_version(), "pyruntime": _source_digest(), "cpu": _cpu(),
                                        "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ}}
     self.stats = {"loaded": 0, "saved": 0, "rebuilt": 0}
+    self.fd = -1   # the directory, held open: every file is reached through it
     try:
       self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-      self._check_private(self.dir, is_dir=True)
-      probe = tempfile.NamedTemporaryFile(dir=self.dir, prefix=".probe-", delete=True)
-      probe.close()
-    except (OSError, PermissionError, ValueError) as e:
+      self.fd = open_private_dir(self.dir)
+      probe = f".probe-{secrets.token_hex(8)}"
+      os.close(os.open(probe, _CREATE_FLAGS, 0o600, dir_fd=self.fd))
+      os.unlink(probe, dir_fd=self.fd)
+    except (OSError, ValueError) as e:
+      self.close()
       self.enabled = False
       self.warn(f"graph cache {self.dir} is not usable ({e}); running without it (each new process captures its graphs again)")
 
-  @staticmethod
-  def _check_private(p: pathlib.Path, is_dir: bool = False) -> None:
-    st = p.stat()
-    if st.st_uid != os.getuid(): raise PermissionError(f"{p} belongs to uid {st.st_uid}, not to this user")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH): raise PermissionError(f"{p} is writable by others (mode {stat.filemode(st.st_mode)})")
-    if is_dir != stat.S_ISDIR(st.st_mode): raise PermissionError(f"{p} is not a {'directory' if is_dir else 'file'}")
+  def close(self) -> None:
+    if self.fd >= 0: os.close(self.fd)
+    self.fd = -1
 
-  def path_for(self, key: dict) -> pathlib.Path:
+  def __del__(self) -> None: self.close()
+
+  def name_for(self, key: dict) -> str:
+    """The file name (in the cache's directory) of the graph with this key."""
     full = {**self.common, **key}
-    return self.dir / (hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:32] + SUFFIX)
+    return hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:32] + SUFFIX
 
   def jit(self, fxn: Callable, key: dict, tensors: Callable[[], dict[str, Tensor]]) -> TinyJit:
     """The TinyJit of `fxn` for this key: loaded from its file (binding `tensors()`), else one that captures on its first
@@ -179,55 +214,83 @@ class GraphCache:
       j = TinyJit(fxn)
       j.cnt = 1
       return j
-    path, full = self.path_for(key), {**self.common, **key}
-    if path.exists() and (captured := self._load(path, full, tensors)) is not None:
+    name, full = self.name_for(key), {**self.common, **key}
+    if (captured := self._load(name, full, tensors)) is not None:
       j = TinyJit(fxn)
       j.captured, j.cnt = captured, 2
       self.stats["loaded"] += 1
       return j
-    j = _SavingJit(fxn, lambda jit: self._save(path, full, jit, tensors))
+    j = _SavingJit(fxn, lambda jit: self._save(name, full, jit, tensors))
     j.cnt = 1
     return j
 
-  def _load(self, path: pathlib.Path, key: dict, tensors: Callable[[], dict[str, Tensor]]) -> Any:
+  def _load(self, name: str, key: dict, tensors: Callable[[], dict[str, Tensor]]) -> Any:
+    """The captured graph in file `name`, or None (absent; refused, reported; bad, reported and removed)."""
+    path = self.dir / name
     try:
-      self._check_private(path)
-      with open(path, "rb") as f:
+      fd = os.open(name, _READ_FLAGS, dir_fd=self.fd)
+      f = os.fdopen(fd, "rb")
+    except FileNotFoundError: return None
+    except OSError as e:  # a link (ELOOP) or anything else in a file's place: never followed, never read
+      self.warn(f"graph cache file {path} is not used: {e.strerror or e}")
+      return None
+    with f:
+      try: check_private(os.fstat(f.fileno()), path, is_dir=False)
+      except PermissionError as e:
+        self.warn(f"graph cache file {path} is not used: {e}")
+        return None
+      try:
         head = json.loads(f.readline())
         if head != {"key": json.loads(json.dumps(key, sort_keys=True, default=str))}: raise ValueError("it was written for another key")
         captured = _Unpickler(f, bound_uops(tensors())).load()
-      if type(captured).__name__ != "CapturedJit": raise ValueError(f"it holds a {type(captured).__name__}, not a captured graph")
-      os.utime(path)  # recently used
-      return captured
-    except PermissionError as e:
-      self.warn(f"graph cache file {path} is not used: {e}")
-      return None
-    except Exception as e:  # noqa: BLE001 - a bad file is rebuilt, never a crash
-      self.warn(f"graph cache file {path} cannot be used ({type(e).__name__}: {e}); rebuilding it")
-      self.stats["rebuilt"] += 1
-      path.unlink(missing_ok=True)
-      return None
+        if type(captured).__name__ != "CapturedJit": raise ValueError(f"it holds a {type(captured).__name__}, not a captured graph")
+        os.utime(f.fileno())  # recently used
+        return captured
+      except Exception as e:  # noqa: BLE001 - a bad file is rebuilt, never a crash
+        self.warn(f"graph cache file {path} cannot be used ({type(e).__name__}: {e}); rebuilding it")
+        self.stats["rebuilt"] += 1
+        self._unlink(name)
+        return None
 
-  def _save(self, path: pathlib.Path, key: dict, jit: TinyJit, tensors: Callable[[], dict[str, Tensor]]) -> None:
+  def _unlink(self, name: str) -> None:
+    try: os.unlink(name, dir_fd=self.fd)
+    except FileNotFoundError: pass
+
+  def _save(self, name: str, key: dict, jit: TinyJit, tensors: Callable[[], dict[str, Tensor]]) -> None:
+    tmp = f".tmp-{secrets.token_hex(8)}{SUFFIX}"
     try:
       buf = io.BytesIO()
       buf.write(json.dumps({"key": key}, sort_keys=True, default=str).encode() + b"\n")
       _Pickler(buf, {u: n for n, u in bound_uops(tensors()).items()}, _written(jit.captured.linear)).dump(jit.captured)
-      fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=SUFFIX)
-      with os.fdopen(fd, "wb") as f: f.write(buf.getvalue())
-      os.replace(tmp, path)
+      with os.fdopen(os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=self.fd), "wb") as f: f.write(buf.getvalue())
+      os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
       self.stats["saved"] += 1
       self._trim()
     except Exception as e:  # noqa: BLE001 - the graph runs anyway; only the next process pays the capture again
-      self.warn(f"graph cache: cannot write {path} ({type(e).__name__}: {e})")
+      self.warn(f"graph cache: cannot write {self.dir / name} ({type(e).__name__}: {e})")
+      try: self._unlink(tmp)
+      except OSError: pass
 
   def _trim(self) -> None:
-    files = sorted(self.dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
-    total = sum(p.stat().st_size for p in files)
-    for p in files:
+    files = sorted(_graph_files(self.fd), key=lambda f: f[1].st_mtime)
+    total = sum(st.st_size for _, st in files)
+    for name, st in files:
       if total <= self.limit: break
-      total -= p.stat().st_size
-      p.unlink(missing_ok=True)
+      total -= st.st_size
+      self._unlink(name)
+
+
+def _graph_files(dir_fd: int, temporary: bool = False) -> list[tuple[str, os.stat_result]]:
+  """The regular files in the directory `dir_fd` that are graphs (or, with `temporary`, leftovers of a write too),
+  with their lstat: links and anything else are never followed."""
+  out = []
+  with os.scandir(dir_fd) as it:
+    for e in it:
+      if not (e.name.endswith(SUFFIX) and not e.name.startswith(".") or temporary and e.name.startswith(".tmp-")): continue
+      try: st = e.stat(follow_symlinks=False)
+      except FileNotFoundError: continue
+      if stat.S_ISREG(st.st_mode): out.append((e.name, st))
+  return out
 
 
 def _tinygrad_version() -> str:
@@ -237,12 +300,16 @@ def _tinygrad_version() -> str:
 
 
 def clear(cache_dir: str | os.PathLike | None = None) -> tuple[int, int]:
-  """Remove every cached graph (and leftover temporary files). Returns (files, bytes) removed."""
-  d, n, size = graph_dir(cache_dir), 0, 0
-  for p in list(d.glob("*" + SUFFIX)) + list(d.glob(".tmp-*")):
-    try:
-      size += p.stat().st_size
-      p.unlink()
-      n += 1
-    except OSError: pass
+  """Remove every cached graph (and leftover temporary files) from the cache's directory, reached without following a
+  link and only when it is this user's, private (PermissionError naming what is wrong: nothing is removed then).
+  Returns (files, bytes) removed."""
+  try: fd = open_private_dir(graph_dir(cache_dir))
+  except FileNotFoundError: return 0, 0
+  n = size = 0
+  try:
+    for name, st in _graph_files(fd, temporary=True):
+      try: os.unlink(name, dir_fd=fd)
+      except FileNotFoundError: continue
+      n, size = n + 1, size + st.st_size
+  finally: os.close(fd)
   return n, size

@@ -152,3 +152,69 @@ def test_warmup_fills_the_cache_and_clear_empties_it(model, tmp_path):
   p = subprocess.run([sys.executable, "-m", "pyruntime.cli", "warmup", "--clear"], capture_output=True, text=True, timeout=60, env=env)
   assert p.returncode == 0 and f"removed {n} cached graph files" in p.stdout
   assert not list((tmp_path / "graphs").glob("*" + SUFFIX))
+
+
+# Flips `graphs` in a shared sticky folder (as /tmp is), a link another local user planted, between our own private
+# cache folder (so every check by path passes) and a folder of theirs, as fast as it can until `stop` exists.
+FLIP = r"""
+import os, sys
+shared, ours, foreign, stop = sys.argv[1:5]
+graphs, tmp = os.path.join(shared, "graphs"), os.path.join(shared, ".flip")
+while not os.path.exists(stop):
+  for target in (ours, foreign):
+    try: os.symlink(target, tmp); os.replace(tmp, graphs)
+    except OSError: pass
+"""
+
+
+class _Planted:
+  """A foreign pickle: loading it makes the folder `marker` (what a real attacker would make run is worse)."""
+  def __init__(self, marker: str): self.marker = marker
+  def __reduce__(self): return (os.mkdir, (self.marker,))
+
+
+def test_a_flipping_symlink_never_gets_a_foreign_file_loaded(tmp_path):
+  import pickle
+  import time
+  shared, ours, foreign = tmp_path / "shared", tmp_path / "ours", tmp_path / "foreign"
+  marker, stop = tmp_path / "loaded", tmp_path / "stop"
+  shared.mkdir(); shared.chmod(0o1777)
+  ours.mkdir(mode=0o700)
+  foreign.mkdir(); foreign.chmod(0o777)
+  key = {"graph": "decode"}
+  cache = GraphCache(ours)
+  name, full = cache.name_for(key), {**cache.common, **key}
+  head = json.dumps({"key": full}, sort_keys=True, default=str).encode() + b"\n"
+  planted = head + pickle.dumps(_Planted(str(marker)))
+  good = head + pickle.dumps({})   # ours, private: it passes every check by path
+  (shared / "graphs").symlink_to(ours)  # planted before we ever look (else our mkdir would make a real folder there)
+  flipper = subprocess.Popen([sys.executable, "-c", FLIP, str(shared), str(ours), str(foreign), str(stop)])
+  loaded = refused = 0
+  try:
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+      (ours / name).write_bytes(good); (ours / name).chmod(0o600)
+      if not (foreign / name).exists(): (foreign / name).write_bytes(planted); (foreign / name).chmod(0o666)  # a cache may remove it
+      warnings: list[str] = []
+      c = GraphCache(shared / "graphs", warn=warnings.append)
+      loaded += c.jit(lambda: None, key, lambda: {}).cnt == 2
+      refused += any("symbolic link" in w for w in warnings)
+      c.close()
+      assert not marker.exists(), "a foreign pickle was loaded through a flipped link"
+  finally:
+    stop.touch()
+    flipper.wait(10)
+  assert loaded == 0 and refused > 0  # the link was met (and refused by name), and nothing foreign ever ran
+
+
+def test_clear_never_follows_a_link(tmp_path):
+  (target := tmp_path / "elsewhere").mkdir(mode=0o700)
+  (target / f"precious{SUFFIX}").write_bytes(b"keep me")
+  (root := tmp_path / "cache").mkdir(mode=0o700)
+  (root / "graphs").symlink_to(target)
+  with pytest.raises(PermissionError, match="symbolic link"): graph_cache.clear(root)
+  assert (target / f"precious{SUFFIX}").read_bytes() == b"keep me"
+  p = subprocess.run([sys.executable, "-m", "pyruntime.cli", "warmup", "--clear"], capture_output=True, text=True, timeout=60,
+                     env={**os.environ, "PYRUNTIME_CACHE": str(root)})
+  assert p.returncode == 1 and "refused" in p.stderr and "symbolic link" in p.stderr
+  assert (target / f"precious{SUFFIX}").exists()

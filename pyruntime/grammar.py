@@ -46,12 +46,11 @@ def grammar_for(response_format: Any) -> str | None:
   return grammar
 
 
-_BRIDGES: dict[int, Any] = {}
-
-
 def vocabulary(tok: Any) -> Any:
-  """llguidance's view of a pyruntime Tokenizer (its token bytes, special and end tokens), built once per tokenizer."""
-  if (v := _BRIDGES.get(id(tok))) is not None: return v
+  """llguidance's view of a pyruntime Tokenizer (its token bytes, special and end tokens), built once per tokenizer and
+  kept on it. A few tenths of a second of Python: the launcher and the tail build it at start (`vocabulary` called
+  there), never on a request's path where it would hold the GIL over every stream's tokens."""
+  if (v := getattr(tok, "_llguidance", None)) is not None: return v
   from llguidance import LLTokenizer
   from llguidance._tokenizer import TokenizerWrapper
 
@@ -65,22 +64,22 @@ def vocabulary(tok: Any) -> Any:
 
     def __call__(self, s: bytes | str) -> list[int]:
       return tok.encode(s.decode("utf-8", "replace") if isinstance(s, bytes) else s, parse_special=False)
-  v = _BRIDGES[id(tok)] = (tok, LLTokenizer(TokenizerWrapper(GGUFVocabulary()), n_vocab=tok.vocab_size, eos_token=sorted(tok.end_ids)))
+  v = tok._llguidance = (tok, LLTokenizer(TokenizerWrapper(GGUFVocabulary()), n_vocab=tok.vocab_size, eos_token=sorted(tok.end_ids)))
   return v
 
 
-_CHECKED: dict[tuple[int, str], None] = {}  # grammars that passed, per vocabulary: a schema a client repeats is checked once
-MAX_CHECKED = 256
+MAX_CHECKED = 256  # grammars that passed, kept per vocabulary: a schema a client repeats is checked once
 
 
 def check(grammar: str, tok: Any, field: str = "response_format") -> None:
   """InvalidOption naming `field` if llguidance cannot build a matcher of `grammar` over this vocabulary."""
-  if (key := (id(tok), grammar)) in _CHECKED: return
+  checked: dict[str, None] = tok.__dict__.setdefault("_llguidance_checked", {})
+  if grammar in checked: return
   from llguidance import LLMatcher
   is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, vocabulary(tok)[1])
   if is_error: raise errors.InvalidOption(field, f"the schema cannot be enforced: {messages[0][:300]}")
-  if len(_CHECKED) >= MAX_CHECKED: _CHECKED.pop(next(iter(_CHECKED)))
-  _CHECKED[key] = None
+  if len(checked) >= MAX_CHECKED: checked.pop(next(iter(checked)))
+  checked[grammar] = None
 
 
 class Constraint:

@@ -145,6 +145,8 @@ class Launcher:
         self._check_open()
         self.pool.spawn(i)
       self._check_open()
+      from pyruntime.grammar import vocabulary
+      vocabulary(p.tokenizer)  # the structured-output bridge, built while the stages load, never on a request's path
       self._load(p)
       self.prefix = PrefixCache.for_stages(self.options.prefix_cache, [h.info.get("prefix_cache") for h in self.handles], p.header.arch)
       self.requests.rows_everywhere = all(h.info.get("batched") for h in self.handles)

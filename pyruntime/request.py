@@ -68,7 +68,9 @@ class RequestBuilder:
     grammar = self._tool_grammar(offered, response_format, logits) if calls else self._grammar(response_format, logits)
     ids = self.prompt_ids(prompt, messages, raw, tools=offered)
     n_max = budget(max_tokens if max_tokens is not None else self.context_length, self.context_length, len(ids))
-    predicted = self.tokenizer.encode(prediction, parse_special=False)[:self.context_length] if prediction is not None else []
+    # only its first n_max tokens can ever be drafted: cut the text to what they can span before tokenizing it
+    cut = (n_max + 16) * self.tokenizer.max_token_bytes
+    predicted = self.tokenizer.encode(prediction[:cut], parse_special=False)[:n_max + 16] if prediction is not None else []
     # drafts (n-grams, or the caller's prediction) are verified exactly for greedy, free streams on the rows path
     # (docs/speculation.md); others decode plainly
     wanted = self.speculative != "off" or bool(predicted)

@@ -241,6 +241,9 @@ class Stage:
     except errors.PyruntimeError: raise
     except Exception as e: raise Fatal("ModelLoadFailed", f"{type(e).__name__}: {e}", traceback=traceback.format_exc()) from e
     m = self.start_data_path(self.model)
+    if m.is_tail:  # the structured-output bridge, built now rather than on the first grammar's step (every stream's)
+      from pyruntime.grammar import vocabulary
+      vocabulary(self._tok())
     # the prefix cache may keep a decoded position only where a decode row has a prompt row's bits (the rows path)
     cache = {"blocks": self.blocks.blocks, "block_size": self.blocks.block_size, "bytes_per_token": self.blocks.bytes_per_token,
              "decoded_positions": m.batched} if self.blocks is not None else None

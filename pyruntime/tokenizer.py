@@ -111,6 +111,24 @@ BYTE_TO_UNICODE = _bytes_to_unicode()
 UNICODE_TO_BYTE = {c: b for b, c in BYTE_TO_UNICODE.items()}
 
 
+CHUNK_CHARS = 16384  # a fragment longer than twice this is encoded in chunks about this long (~10 ms each, GIL held)
+
+
+def chunks(text: str, size: int = CHUNK_CHARS) -> list[str]:
+  """`text` cut, every `size` characters or so, just before a space between two letters: every pre-tokenizer above ends
+  a piece there (the space begins the next word's piece, and BPE never merges across pieces), so the chunks' tokens
+  are the whole text's. Text without such a space (digits, CJK) stays whole."""
+  out, start = [], 0
+  while len(text) - start > 2 * size:
+    i = start + size
+    while (i := text.find(" ", i + 1)) > 0 and not (text[i - 1].isalpha() and text[i + 1:i + 2].isalpha()): pass
+    if i < 0: break
+    out.append(text[start:i])
+    start = i
+  out.append(text[start:])
+  return out
+
+
 def _first_id(tok_to_id: Mapping[str, int], texts: Iterable[str]) -> int | None:
   return next((tok_to_id[t] for t in texts if t in tok_to_id), None)
 
@@ -246,10 +264,14 @@ class Tokenizer:
     frags = self._partition(text, parse_special) if text else []
     ids: list[int] = [self.bos_id] if add_special and self.add_bos and self.bos_id is not None else []
     for f in frags:
-      # one encode per fragment: encode_batch would start tokenizers' thread pool, which breaks fork()
-      if isinstance(f, int): ids.append(f)
-      elif self._unk in (piece := self._hf.encode(f, add_special_tokens=False).ids): ids.extend(i for i in piece if i != self._unk)
-      else: ids.extend(piece)
+      if isinstance(f, int):
+        ids.append(f)
+        continue
+      # encode, not encode_batch (which lets the GIL go but starts tokenizers' thread pool in an embedder's process,
+      # whose forks then warn): a long fragment goes in chunks, between which other threads run
+      for part in chunks(f):
+        if self._unk in (piece := self._hf.encode(part, add_special_tokens=False).ids): ids.extend(i for i in piece if i != self._unk)
+        else: ids.extend(piece)
     if add_special and self.add_eos and self.eos_id is not None: ids.append(self.eos_id)
     return ids
 

@@ -77,6 +77,11 @@ def test_lone_surrogate_salts_are_refused_at_the_door_and_take_nothing(server, l
   assert e.value.field == "cache_salt"
 
 
+def test_the_structured_output_vocabulary_is_built_at_start(launcher):
+  """Not by the first structured request, whose thread would hold the GIL over every stream while building it."""
+  assert getattr(launcher.tokenizer, "_llguidance", None) is not None
+
+
 def _poisoned(st: StreamHandle) -> bool: return st.req.cache_salt == POISON
 
 

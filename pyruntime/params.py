@@ -102,7 +102,26 @@ MAX_TOKENS = Param("max_tokens", int, 256, "most tokens to generate", lo=1, null
 
 def check_request(max_tokens: int | None, sampling: Mapping[str, Any], stop: str | Sequence[str] | None = None) -> SamplingParams:
   """A generation's options, as `Launcher.submit` takes them: InvalidOption naming the first bad one."""
-  from pyruntime.textstream import validate_stop
   MAX_TOKENS.check(max_tokens)
   validate_stop(stop)
   return SamplingParams.from_dict(sampling, unknown=errors.UnsupportedFeature)
+
+
+# OpenAI allows 4 stop strings; llama.cpp and vLLM have no limit. We allow more than OpenAI so
+# clients that send a few extra (chat UIs, agents) work, but keep a bound on the per-token cost.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1000
+
+
+def validate_stop(stop: str | Sequence[str] | None) -> list[str]:
+  """The stop strings of a request as a list; raises InvalidOption('stop') when malformed."""
+  if stop is None: return []
+  if isinstance(stop, str): stop = [stop]
+  if not isinstance(stop, (list, tuple)):
+    raise errors.InvalidOption("stop", f"must be a string or a list of strings, not {type(stop).__name__}")
+  if len(stop) > MAX_STOP_STRINGS: raise errors.InvalidOption("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+  for i, s in enumerate(stop):
+    if not isinstance(s, str): raise errors.InvalidOption("stop", f"stop[{i}] must be a string, not {type(s).__name__}")
+    if not s: raise errors.InvalidOption("stop", f"stop[{i}] is empty")
+    if len(s) > MAX_STOP_LENGTH: raise errors.InvalidOption("stop", f"stop[{i}] is longer than {MAX_STOP_LENGTH} characters")
+  return list(stop)

@@ -10,25 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pyruntime.errors import ContextLengthExceeded, InvalidOption
-
-# OpenAI allows 4 stop strings; llama.cpp and vLLM have no limit. We allow more than OpenAI so
-# clients that send a few extra (chat UIs, agents) work, but keep a bound on the per-token cost.
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 1000
-
-
-def validate_stop(stop: str | Sequence[str] | None) -> list[str]:
-  """The stop strings of a request as a list; raises InvalidOption('stop') when malformed."""
-  if stop is None: return []
-  if isinstance(stop, str): stop = [stop]
-  if not isinstance(stop, (list, tuple)):
-    raise InvalidOption("stop", f"must be a string or a list of strings, not {type(stop).__name__}")
-  if len(stop) > MAX_STOP_STRINGS: raise InvalidOption("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-  for i, s in enumerate(stop):
-    if not isinstance(s, str): raise InvalidOption("stop", f"stop[{i}] must be a string, not {type(s).__name__}")
-    if not s: raise InvalidOption("stop", f"stop[{i}] is empty")
-    if len(s) > MAX_STOP_LENGTH: raise InvalidOption("stop", f"stop[{i}] is longer than {MAX_STOP_LENGTH} characters")
-  return list(stop)
+from pyruntime.params import validate_stop
 
 
 class StopStream:

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from pyruntime.errors import ContextLengthExceeded, InvalidOption
-from pyruntime.textstream import MAX_STOP_STRINGS, StopStream, budget
+from pyruntime.params import MAX_STOP_STRINGS
+from pyruntime.textstream import StopStream, budget
 
 
 def run(stop, deltas):

@@ -43,6 +43,6 @@ run_side() {  # $1: name, $2: source root, $3: extra bench/serve.py flags
 }
 # a revision from before the prefix cache refuses the request field that turns it off; a later one must get it, or its
 # side would answer the burst's repeated prompts from the cache and the other side not
-BEFORE_FLAGS=$(git cat-file -e "$REV:pyruntime/prefix_cache.py" 2>/dev/null && echo "" || echo --no-cache-field)
+BEFORE_FLAGS=$(git cat-file -e "$REV:pyruntime/engine/prefix_cache.py" 2>/dev/null && echo "" || echo --no-cache-field)
 run_side before "$OLD" "$BEFORE_FLAGS"
 run_side after "$PWD" ""

@@ -44,7 +44,7 @@ def main() -> None:
   ap.add_argument("--model", default=None, help="the target GGUF (default: the bundled SmolLM2-135M)")
   ap.add_argument("--blocks", type=int, default=8)
   a = ap.parse_args()
-  from pyruntime.source import resolve_model
+  from pyruntime.modelfile.source import resolve_model
   print(truncate(str(resolve_model(a.model)), a.out, a.blocks))
 
 

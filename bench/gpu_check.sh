@@ -37,16 +37,16 @@ if [ -d "$CARRY/wheels" ] && ! python3 -c "import tinygrad" 2>/dev/null; then
 fi
 step build 240 python3 -m pip install -q --no-build-isolation --no-deps -e .
 (nvidia-smi -L 2>/dev/null || echo "no nvidia-smi") > "$OUT/gpus.txt"
-model=$CARRY/smollm2-cut.gguf; [ -f "$model" ] || model=$(python3 -c "from pyruntime.source import default_model_path as p; print(p())")
+model=$CARRY/smollm2-cut.gguf; [ -f "$model" ] || model=$(python3 -c "from pyruntime.modelfile.source import default_model_path as p; print(p())")
 case $dev in NULL) export NULL_ALLOW_COPYOUT=1; d0="NULL:0:CUDA:sm_90"; d1="NULL:1:CUDA:sm_90" ;; *) d0="$dev"; d1="$dev" ;; esac
-if [ "$dev" = NULL ]; then step lanes 300 python3 -m pytest -q -x -n 2 -p no:cacheprovider tests/test_device_lanes.py -k sm90
-else step lanes 300 env PYRUNTIME_LANE_DEVICE="$dev" python3 -m pytest -q -x -n 4 -p no:cacheprovider tests/test_device_lanes.py -k "cl_ and not smollm2"; fi
+if [ "$dev" = NULL ]; then step lanes 300 python3 -m pytest -q -x -n 2 -p no:cacheprovider tests/integration/test_device_lanes.py -k sm90
+else step lanes 300 env PYRUNTIME_LANE_DEVICE="$dev" python3 -m pytest -q -x -n 4 -p no:cacheprovider tests/integration/test_device_lanes.py -k "cl_ and not smollm2"; fi
 step generate 240 python3 - "$model" "$d0,$d1" "$dev" <<'PY'
 import itertools, json, sys
 from tinygrad.helpers import Context
 from pyruntime.launcher import Launcher, Done
-from pyruntime.plan import num_blocks
-from pyruntime.gguf import read_header
+from pyruntime.modelfile.plan import num_blocks
+from pyruntime.modelfile.gguf import read_header
 path, devs, dev = sys.argv[1:]
 n, out = num_blocks(read_header(path)), {}
 for name, split, d in (("2 stages", [(0, n // 2), (n // 2, n)], devs), ("1 stage", [(0, n)], devs.split(",")[0])):

@@ -21,8 +21,8 @@ import time
 
 
 def ring_vs_bridge(size: int, n: int) -> dict:
-  from pyruntime.bridge import BridgeReceiver, BridgeSender, link_hello
-  from pyruntime.ring import Arena, RingSpec
+  from pyruntime.transport.bridge import BridgeReceiver, BridgeSender, link_hello
+  from pyruntime.transport.ring import Arena, RingSpec
   secret, hello = os.urandom(32), link_hello("bench", 0, "", "bench")
   payload = os.urandom(size)
   out = {}
@@ -55,7 +55,7 @@ def ring_vs_bridge(size: int, n: int) -> dict:
 
 
 def token_gaps(lm, prompt: str, tokens: int) -> tuple[list[int], float]:
-  from pyruntime.launcher import Delta, Done
+  from pyruntime.engine.launcher import Delta, Done
   times, ids = [], []
   for ev in lm.generate(prompt, raw=True, max_tokens=tokens, temperature=0.0, ignore_eos=True):
     if isinstance(ev, Delta): times.append(time.perf_counter())
@@ -68,7 +68,7 @@ def pipelines(model: str | None, tokens: int, repeats: int) -> dict:
   import ray
   from ray.cluster_utils import Cluster
 
-  from pyruntime.launcher import Launcher
+  from pyruntime.engine.launcher import Launcher
   c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20})
   c.add_node(num_cpus=1, object_store_memory=80 << 20)
   ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)

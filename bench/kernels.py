@@ -28,9 +28,9 @@ import time
 def measure(model: str, rows: list[int], decode: list[int], repeats: int) -> dict:
   import numpy as np
 
-  from pyruntime.gguf import read_header
-  from pyruntime.model import StageModel
-  from pyruntime.plan import num_blocks
+  from pyruntime.modelfile.gguf import read_header
+  from pyruntime.modelfile.plan import num_blocks
+  from pyruntime.stage.model import StageModel
   m = StageModel.load(model, 0, num_blocks(read_header(model)), max_context=1024, slots=max(decode), weights="float32")
   h = hashlib.sha256()
   prompt = (np.arange(max(rows)) * 7 % (m.vocab_size - 200) + 100).astype(np.uint32)
@@ -61,8 +61,8 @@ def numpy_floor(model: str, rows: list[int], repeats: int) -> dict:
   """Seconds per call of the stage's projections in numpy at each row count (random float32 weights of the same shapes)."""
   import numpy as np
 
-  from pyruntime.gguf import read_header
-  from pyruntime.model import model_config
+  from pyruntime.modelfile.gguf import read_header
+  from pyruntime.stage.model import model_config
   cfg = model_config(read_header(model))
   rng = np.random.default_rng(0)
   hd, kv = cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -89,10 +89,10 @@ def launch_report(model: str, device: str) -> dict:
   import numpy as np
   from tinygrad.helpers import Context
 
-  from pyruntime.gguf import read_header
-  from pyruntime.launch_report import launches
-  from pyruntime.model import StageModel
-  from pyruntime.plan import num_blocks
+  from pyruntime.modelfile.gguf import read_header
+  from pyruntime.modelfile.plan import num_blocks
+  from pyruntime.stage.launch_report import launches
+  from pyruntime.stage.model import StageModel
   with Context(NULL_ALLOW_COPYOUT=1):
     m = StageModel.load(model, 0, num_blocks(read_header(model)), device=device, max_context=256, slots=1)
     m.reset_slot(0); m.prefill_rows(0, np.arange(8, dtype=np.uint32) + 100, 0)
@@ -115,7 +115,7 @@ def main() -> None:
   a = ap.parse_args()
   if a.report:
     from pyruntime.devices import cpu_device, nvidia_compilers
-    from pyruntime.source import default_model_path
+    from pyruntime.modelfile.source import default_model_path
     nvidia_compilers()
     model = a.model or str(default_model_path())
     for dev in [cpu_device(), *a.device.split(",")]:
@@ -138,7 +138,7 @@ def main() -> None:
   if a.side:
     print(json.dumps(measure(a.model, rows, decode, a.repeats)))
     return
-  from pyruntime.source import default_model_path
+  from pyruntime.modelfile.source import default_model_path
   model = a.model or str(default_model_path())
   res = {}
   for side, flag in (("ours", "1"), ("off", "0")):

@@ -5,7 +5,7 @@ host work (incremental decode, stop strings, the Delta) costs with warm caches a
     pyruntime bench launcher
 
 The launcher's driver thread reads each token record from the tail's ring, turns it into text and writes the next
-token to the head's ring (pyruntime/driver.py, `Driver.run`); `Launcher.driver_cpu_s()` is that thread's whole CPU time
+token to the head's ring (pyruntime/engine/driver.py, `Driver.run`); `Launcher.driver_cpu_s()` is that thread's whole CPU time
 (reading, text, next tokens, and its health polls and wake-ups between tokens), and `Launcher.overhead` sums the wall
 time from the moment a record is read to the moment its work is done. On a CPU host the driver sleeps between tokens while the
 stages compute, so it wakes with its caches taken by them: the second half of this benchmark times the same work
@@ -41,8 +41,8 @@ def run_streams(lm, concurrency: int, tokens: int) -> dict:
 def token_work_warm_and_cold(lm, n: int = 200) -> dict:
   """StreamHandle.push (what the driver does for each token of a running stream) timed back to back, then each
   call after a 10 ms sleep, as the driver runs between two tokens of a CPU pipeline."""
-  from pyruntime.driver import StreamHandle
-  from pyruntime.request import Request
+  from pyruntime.engine.driver import StreamHandle
+  from pyruntime.engine.request import Request
   token = lm.tokenizer.encode("sea")[0]
   out = {}
   for name, pause in (("warm", 0.0), ("after_10ms_sleep", 0.01)):
@@ -66,7 +66,7 @@ def main() -> None:
   ap.add_argument("--max-context", type=int, default=512)
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
-  from pyruntime.launcher import Launcher
+  from pyruntime.engine.launcher import Launcher
   levels = [int(c) for c in a.concurrency.split(",")]
   with Launcher(a.model, stages=a.stages, max_streams=max(levels), max_context=a.max_context, warmup=True) as lm:
     run_streams(lm, 1, 4)  # the first stream's kernels and the driver's code paths, untimed

@@ -40,7 +40,7 @@ def bench_reference(path: str, prompt_ids: list[int], n_tokens: int, max_context
 
 
 def bench_pipeline(path: str, n_stages: int, prompt: str, n_tokens: int, max_context: int, weights: str = "auto") -> dict:
-  from pyruntime.launcher import Done, Launcher
+  from pyruntime.engine.launcher import Done, Launcher
   with Launcher(path, stages=n_stages, max_context=max_context, weights=weights) as lm:
     runs = []
     for _ in range(2):
@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--weights", default="auto", help="comma-separated: each pipeline runs once per weights mode (see Launcher)")
   ap.add_argument("--json", action="store_true", help="one JSON document instead of the table")
   a = ap.parse_args(argv)
-  from pyruntime.chat import build_prompt_ids
-  from pyruntime.gguf import read_header
-  from pyruntime.source import resolve_model
-  from pyruntime.tokenizer import Tokenizer
+  from pyruntime.modelfile.gguf import read_header
+  from pyruntime.modelfile.source import resolve_model
+  from pyruntime.text.chat import build_prompt_ids
+  from pyruntime.text.tokenizer import Tokenizer
   path = str(resolve_model(a.model))
   header = read_header(path)
   ids = build_prompt_ids(Tokenizer.from_gguf_kv(header.kv), header.kv, prompt=PROMPT, raw=True)

@@ -64,7 +64,7 @@ if os.path.isdir(os.path.join(ROOT, "pyruntime")) and ROOT not in sys.path: sys.
 import numpy as np  # noqa: E402
 
 from pyruntime import _ring, errors  # noqa: E402
-from pyruntime.ring import Arena, RingSpec, record_size  # noqa: E402
+from pyruntime.transport.ring import Arena, RingSpec, record_size  # noqa: E402
 
 ffi, lib = _ring.ffi, _ring.lib
 # The C loop's extension (not shipped: native/ringbench.py builds it from native/, which only a checkout has)

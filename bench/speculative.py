@@ -43,7 +43,7 @@ CHAT = ["Why is the sky blue?", "Give me three tips for sleeping better.", "What
 
 
 def run(lm, prompts: list[str], c: int, max_tokens: int, speculative: bool) -> tuple[dict, list[str]]:
-  from pyruntime.launcher import Done
+  from pyruntime.engine.launcher import Done
   done: dict[int, Done] = {}
 
   def client(k: int) -> None:
@@ -74,7 +74,7 @@ def main() -> None:
   ap.add_argument("--repeats", type=int, default=2, help="on/off pairs per level (medians reported)")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
-  from pyruntime.launcher import Launcher
+  from pyruntime.engine.launcher import Launcher
   rows = []
   with Launcher(a.model, stages=2, max_context=2048, warmup=True, speculative=a.speculative, draft_tokens=a.draft_tokens) as lm:
     run(lm, REPEAT[:2], 1, 16, True); run(lm, REPEAT[:2], 1, 16, False)  # warm: every graph a verify record takes

@@ -30,7 +30,7 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHE
 
 
 def level(lm, c: int, requests: int, max_tokens: int, constrained: bool, tools: bool = False) -> dict:
-  from pyruntime.launcher import Done
+  from pyruntime.engine.launcher import Done
   choice = {"type": "function", "function": {"name": "record_place"}}
   way = {"tools": [TOOL], "tool_choice": choice} if tools else {"response_format": FORMAT}
   # the same prompt tokens on both sides (the tools' system turn too), none from the prefix cache (the side run second
@@ -39,8 +39,8 @@ def level(lm, c: int, requests: int, max_tokens: int, constrained: bool, tools: 
 
   def request(msgs: list[dict]) -> dict:
     if constrained or not tools: return {"messages": msgs}
-    from pyruntime.chat import render_chat
-    from pyruntime.tools import check_tools
+    from pyruntime.text.chat import render_chat
+    from pyruntime.text.tools import check_tools
     return {"prompt": render_chat(lm.tokenizer, msgs, tools=check_tools([TOOL], choice)), "raw": True}
   done: list = []
   lock = threading.Lock()
@@ -76,9 +76,9 @@ def main() -> None:
   ap.add_argument("--repeats", type=int, default=3, help="free/constrained pairs per level (medians reported)")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
-  from pyruntime.grammar import check, grammar_for
-  from pyruntime.launcher import Launcher
-  from pyruntime.tools import FORMATS, check_tools
+  from pyruntime.engine.launcher import Launcher
+  from pyruntime.text.grammar import check, grammar_for
+  from pyruntime.text.tools import FORMATS, check_tools
   with Launcher(a.model, stages=2, max_context=1024, warmup=True) as lm:
     t0 = time.perf_counter()
     if a.tools: grammar = FORMATS["hermes"].grammar(check_tools([TOOL], {"type": "function", "function": {"name": "record_place"}}), lm.tokenizer)

@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # run as a file from a checkout: its pyruntime first (installed, this is pyruntime/bench and pyruntime is importable)
 if os.path.isdir(os.path.join(ROOT, "pyruntime")) and ROOT not in sys.path: sys.path.insert(0, ROOT)
 
-from pyruntime import shm  # noqa: E402
-from pyruntime.ring import Arena, RingSpec, record_size  # noqa: E402
+from pyruntime.transport import shm  # noqa: E402
+from pyruntime.transport.ring import Arena, RingSpec, record_size  # noqa: E402
 
 PREFIX = "pyruntime-test"
 CAPACITY = 1 << 22

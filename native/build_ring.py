@@ -7,7 +7,7 @@ verbatim; the library itself is native/mo_ring.c and native/mo_ring_extra.c, com
 extension.  Nothing in C is pasted into this file.
 
 `pyruntime._ringfast` (CPython, optional): the per-record hot calls over the same handles
-(native/mo_fast.c, which includes mo_ring.c and mo_ring_extra.c).  When it cannot be built, pyruntime.ring runs on
+(native/mo_fast.c, which includes mo_ring.c and mo_ring_extra.c).  When it cannot be built, pyruntime.transport.ring runs on
 cffi alone.
 
 The C benchmark loops (native/mo_ring_bench.h) are in neither: native/ringbench.py builds them, with

@@ -7,6 +7,6 @@ __all__ = ["Launcher", "PyruntimeError"]
 def __getattr__(name: str):
   # Importing the launcher pulls in tinygrad-free code only, but keep `import pyruntime` instant.
   if name == "Launcher":
-    from pyruntime.launcher import Launcher
+    from pyruntime.engine.launcher import Launcher
     return Launcher
   raise AttributeError(name)

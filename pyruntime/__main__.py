@@ -1,5 +1,5 @@
 import sys
 
-from pyruntime.cli import main
+from pyruntime.cli.commands import main
 
 sys.exit(main())

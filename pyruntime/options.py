@@ -19,7 +19,7 @@ BOUNDARY_DTYPES = ("float32", "float16")
 # float16 loads is several times slower than for float32 ones)
 WEIGHT_MODES = ("quantized", "float16", "float32")
 # "batched" runs a dense stage's rows path (many streams per step, prompt and decode rows with the same bits,
-# pyruntime/rows.py); "reference" runs tinygrad's own prefill and T=1 decode kernels, one stream at a time (tinygrad's
+# pyruntime/stage/rows.py); "reference" runs tinygrad's own prefill and T=1 decode kernels, one stream at a time (tinygrad's
 # exact tokens). Other families always run the latter.
 DECODE_MODES = ("batched", "reference")
 

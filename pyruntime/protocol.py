@@ -29,7 +29,7 @@ A stream's life on the rings, launcher → head → … → tail → launcher:
     CACHE  flags=CACHE, payload = JSON {"save": [[block, position], ...]}: every stage copies those positions of the
            stream's KV slot (all computed: the launcher has their answers) into its prefix-cache blocks and forwards
            the record. An OPEN's `load` names blocks to copy into the new stream's slot before its first record, which
-           then starts at position `cached` (pyruntime/prefix_cache.py).
+           then starts at position `cached` (pyruntime/engine/prefix_cache.py).
 
 Order: on every ring a stream's records keep the order OPEN, DATA..., CLOSE. Records of different
 streams interleave freely.
@@ -137,7 +137,7 @@ class Command:
   EXECUTE_STEP = "ExecuteStep"
   RELEASE_DEVICE_OBJECT = "ReleaseDeviceObject"
   ENCODE_PROMPT = "EncodePrompt"
-  SET_GRAMMAR = "SetGrammar"  # the tail: a structured stream's grammar, sent before its OPEN (pyruntime/grammar.py)
+  SET_GRAMMAR = "SetGrammar"  # the tail: a structured stream's grammar, sent before its OPEN (pyruntime/text/grammar.py)
   DECODE_TOKENS = "DecodeTokens"
   INFER_PROMPT = "InferPrompt"
   QUERY_STATS = "QueryStats"

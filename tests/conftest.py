@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pyruntime.devices import cpu_device, nvidia_compilers
-from pyruntime.gc_policy import collect_due, collect_on_this_thread
+from pyruntime.stage.gc_policy import collect_due, collect_on_this_thread
 
 SHM = pathlib.Path("/dev/shm")
 OURS = re.compile(r"^pyruntime-(\d+)-")
@@ -27,27 +27,22 @@ def pytest_configure(config: pytest.Config) -> None:
   # workers and runs (a launcher of a model already captured loads its graphs), never the user's cache
   os.environ.setdefault("PYRUNTIME_CACHE", os.path.join(tempfile.gettempdir(), f"pyruntime-tests-{os.getuid()}"))
   # the device the in-process tests (and tinygrad's reference models in them) mean is the CPU: with an OpenCL driver
-  # installed tinygrad's own default would be CL. The GPU-style lanes name their device (tests/test_devices_cl.py).
+  # installed tinygrad's own default would be CL. The GPU-style lanes name their device (tests/integration/test_device_lanes.py).
   os.environ.setdefault("DEV", cpu_device())
   nvidia_compilers()
   # tests run tinygrad in this process: a collection on one of its CPU worker threads can deadlock it
-  # (pyruntime/gc_policy.py), so garbage is collected on the main thread, between tests
+  # (pyruntime/stage/gc_policy.py), so garbage is collected on the main thread, between tests
   collect_on_this_thread()
 
 
-# The unit lane, `pytest -m "not integration"` (under a minute), leaves out these files, whose tests spawn stage
+# The unit lane, `pytest -m "not integration"` (under a minute), leaves out tests/integration/, whose tests spawn stage
 # processes, capture a model's graphs, build and run the C library's sanitizer binaries or push millions of records
-# through the ring (the stress runs); a test elsewhere that does so carries @pytest.mark.integration itself.
-INTEGRATION_FILES = {"test_device_lanes.py",
-                     "test_embedding_api.py", "test_families.py", "test_graph_cache.py", "test_kernel_opts.py", "test_launcher.py",
-                     "test_model.py", "test_model_families.py", "test_model_smollm2.py", "test_native_sanitizers.py",
-                     "test_prefix_cache.py", "test_ring_stress.py", "test_rows.py", "test_server.py", "test_server_lifecycle.py",
-                     "test_stage.py", "test_stall.py", "test_stats.py", "test_streams.py"}
+# through the ring (the stress runs); a test in tests/unit/ that does so carries @pytest.mark.integration itself.
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
   for item in items:
-    if item.path.name in INTEGRATION_FILES: item.add_marker(pytest.mark.integration)
+    if item.path.parent.name == "integration": item.add_marker(pytest.mark.integration)
   if config.getoption("--long"): return
   skip = pytest.mark.skip(reason="needs --long")
   for item in items:
@@ -124,7 +119,7 @@ def garbage_collected_between_tests(no_own_segments_leaked):
   collect_due()
   if gc.isenabled():  # a test turned automatic collection back on: off again, and say which test did
     gc.disable()
-    pytest.fail("the test left automatic garbage collection on (pyruntime/gc_policy.py: it must stay off here)")
+    pytest.fail("the test left automatic garbage collection on (pyruntime/stage/gc_policy.py: it must stay off here)")
 
 
 @pytest.fixture(scope="session")
@@ -143,7 +138,7 @@ RING_BINDINGS = ("fast", "cffi")
 def ring_binding(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
   """Run a ring test over one binding of the per-record calls: "fast" (pyruntime._ringfast) or
   "cffi".  Forked children inherit it; spawned interpreters get it through the environment."""
-  from pyruntime import ring
+  from pyruntime.transport import ring
   if request.param == "fast" and ring._fast is None: pytest.skip("pyruntime._ringfast is not built")
   monkeypatch.setattr(ring, "BINDING", request.param)
   monkeypatch.setenv("PYRUNTIME_RING_BINDING", request.param)
@@ -162,7 +157,7 @@ def smollm2_launcher(smollm2_path):
   segments of its own left, and xdist runs whole files per worker. Built from the default model source (None), as
   `pyruntime generate` does; started in the main thread, so the stages' parent-death signal follows the test
   process. Tests must not kill its stages."""
-  from pyruntime.launcher import Launcher
+  from pyruntime.engine.launcher import Launcher
   lm = Launcher(None, stages=2, max_context=SMOLLM2_CONTEXT).start()
   yield lm
   lm.close()

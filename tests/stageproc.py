@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 
-from pyruntime.stage_pool import spawn_stage
+from pyruntime.engine.stage_pool import spawn_stage
 
 
 class StageProc:

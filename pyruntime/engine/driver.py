@@ -1,0 +1,481 @@
+"""The driver: the launcher's token loop. One thread reads the tail's ring and closes every stream's loop (text, stop
+strings, budget, next token), so a stream never waits on its consumer's thread being scheduled; it owns the slots and
+the queue of streams waiting for one.
+
+Head writes come from the driver thread and from submit/cancel, under `Driver.lock`, which also guards the slots and
+the queue: per stream the head ring sees OPEN, data..., CLOSE in that order. No write can wait on the driver: the rings
+hold every record that all streams can have in flight at once (protocol.ring_bytes).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from pyruntime import errors, protocol
+from pyruntime.engine.events import Delta, Done, Logits, Timings, Usage
+from pyruntime.engine.prefix_cache import BLOCK, PrefixIndex
+from pyruntime.engine.speculation import MIN_ACCEPTED, POSITIONS, PROBE_EVERY, SOLO_STREAMS, Drafting, DraftLength, ngram_draft, prediction_draft
+from pyruntime.protocol import FLAG_CACHE, FLAG_CLOSE, FLAG_END, FLAG_ERROR, FLAG_MORE, FLAG_OPEN, MAX_VERIFY_ROWS, object_id, split_object_id
+from pyruntime.text.tools import ToolCallParser
+
+if TYPE_CHECKING:
+  from pyruntime.engine.request import Request
+  from pyruntime.engine.stage_pool import StagePool
+  from pyruntime.text.tokenizer import Tokenizer
+  from pyruntime.text.tools import ToolCall
+  from pyruntime.transport.ring import Reader, Writer
+
+log = logging.getLogger("pyruntime.launcher")
+
+POLL_S = 0.05          # how long a head write waits before it looks at the stages' health again
+DRIVER_WAKE_S = 0.5    # the driver's backstop: a token, a closed or dead tail ring and close() wake it at once
+RATE_WINDOW_S = 5.0    # tokens/s in stats() is measured over this window
+
+
+class StreamHandle:
+  """One stream: its request, its text state and where its events go. Its methods but `cancel` run under the driver's
+  lock, on the driver thread."""
+
+  def __init__(self, driver: Driver, sid: int, req: Request, sink: Callable[[Any], None]):
+    from pyruntime.text.textstream import StopStream
+    from pyruntime.text.tokenizer import IncrementalDecoder
+    self.driver, self.id, self.req, self.sink = driver, sid, req, sink
+    self.ids, self.n_max, self.params, self.want_logits, self.end_ids = req.ids, req.n_max, req.params, req.want_logits, req.end_ids
+    self.stopper, self.decoder = StopStream(req.stops), IncrementalDecoder(driver.tokenizer)
+    self.parser = ToolCallParser(req.calls) if req.calls is not None else None  # reads tool calls out of the text
+    self.calls: list[ToolCall] = []
+    self.spec = Drafting(driver.draft_length() if req.speculate else None, req.predicted)
+    self.sink_failed = False  # its callback raised once (logged)
+    self.cached = 0     # prompt positions copied in from the prefix cache
+    self.computed = 0   # positions every stage has computed: the tail answered them
+    self.slot, self.state, self.ended = -1, "waiting", False   # state: waiting -> open -> closing -> done
+    self.out: list[int] = []
+    self.text: list[str] = []
+    self.t_submit = time.monotonic()
+    self.t_admitted: float | None = None
+    self.t_first: float | None = None
+    self.t_last: float | None = None
+
+  def cancel(self) -> None:
+    """Stop this stream: a waiting one leaves the queue, a running one is closed in every stage. Idempotent."""
+    self.driver.cancel(self)
+
+  def emit(self, ev: Any) -> None:
+    d = self.driver
+    if d.outbox is not None and threading.get_ident() == d.outbox_owner: d.outbox.append((self, ev))
+    else: self.deliver(ev)
+
+  def deliver(self, ev: Any) -> None:
+    # whatever a consumer's callback raises (KeyboardInterrupt, SystemExit too) must not end the driver thread, which
+    # every other stream depends on
+    try: self.sink(ev)
+    except BaseException as e:  # noqa: BLE001
+      if not self.sink_failed:  # once per stream: a callback that raises on every event would flood the log
+        self.sink_failed = True
+        log.warning("stream %d: its on_event callback raised %s: %s (dropped, and any later ones)", self.id, type(e).__name__, e)
+
+  def push(self, token: int, end: bool, now: float | None = None) -> bool:
+    """One sampled token (that arrived at `now`, monotonic); True when the stream is finished (its Done went out)."""
+    self.t_last = time.monotonic() if now is None else now
+    if self.t_first is None: self.t_first = self.t_last
+    if end: return self.finish("stop", None)
+    self.out.append(token)
+    safe, stop_hit = self.stopper.push(self.decoder.push(token))
+    self.emit(self._delta(safe, [token]))  # "" while held back (a possible stop string, half a UTF-8 character or marker)
+    if stop_hit is not None: return self.finish("stop", stop_hit)
+    if len(self.out) >= self.n_max: return self.finish("length", None)
+    return False
+
+  def finish(self, reason: str, stop_hit: str | None) -> bool:
+    if stop_hit is None:
+      if rest := self.stopper.flush(self.decoder.flush()): self.emit(self._delta(rest, []))
+      if self.stopper.matched is not None: reason, stop_hit = "stop", self.stopper.matched  # the last bytes completed a stop string
+    if self.parser is not None and ((d := self._delta("", [], last=True)).text or d.tool_calls): self.emit(d)
+    if self.calls and reason == "stop": reason = "tool_calls"
+    self.emit(self.final(reason, stop_hit))
+    return True
+
+  def _delta(self, text: str, token_ids: list[int], last: bool = False) -> Delta:
+    """The Delta of newly final text: with tools offered, the parser takes the calls out of it (`last`: and what it
+    still holds, an unclosed span as text)."""
+    calls: list[ToolCall] = []
+    if self.parser is not None:
+      text, calls = self.parser.feed(text)
+      if last: text, calls = text + (fin := self.parser.finish())[0], calls + fin[1]
+      self.calls += calls
+    if text: self.text.append(text)
+    return Delta(text, token_ids, calls)
+
+  def final(self, reason: str, stop_hit: str | None = None) -> Done:
+    """The stream's one Done, its timings up to now: the stream has ended."""
+    now, out = time.monotonic(), self.out
+    t0, t_first, t_last = self.t_submit, self.t_first or now, self.t_last or now
+    decode = (len(out) - 1) / (t_last - t_first) if len(out) > 1 and t_last > t_first else 0.0
+    timings = Timings(round(self.driver.load_s, 4), round(t_first - t0, 4), round(decode, 3), round(now - t0, 4),
+                      round((self.t_admitted or t0) - t0, 4), self.spec.rounds, self.spec.drafted, self.spec.accepted)
+    self.ended = True
+    usage = Usage(len(self.ids), len(out), self.cached, self.spec.prediction_kept, self.spec.prediction_rejected)
+    return Done(reason, usage, timings, self.ids, list(out), "".join(self.text), stop_hit,
+                list(self.calls))
+
+  def fail(self, e: BaseException) -> None:
+    if not self.ended:
+      self.ended = True
+      self.emit(e)
+    if self.state != "closing": self.state = "done"
+
+  def closed(self) -> None: self.state = "done"
+
+
+
+@dataclass
+class Tally:
+  """What the driver counts: tokens out, the tail's steps (a group of records chained by MORE is one step) and their
+  rows, speculation's rounds, and its own time per token (between a token's arrival and the next write; on a loaded
+  machine it includes being preempted by the stage just woken)."""
+  tokens: int = 0
+  steps: int = 0
+  step_rows: int = 0
+  last_batch: int = 0
+  group: int = 0           # token records seen of the tail's current step
+  token_times: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+  overhead: dict = field(default_factory=lambda: {"tokens": 0, "seconds": 0.0})
+  spec: dict = field(default_factory=lambda: {"rounds": 0, "drafted": 0, "accepted": 0, "drafted_at": [0] * POSITIONS,
+                                               "accepted_at": [0] * POSITIONS})
+  recent_accepted: float = 2 * MIN_ACCEPTED  # tokens kept per round, a moving average over every stream's rounds
+  probe_wait: int = PROBE_EVERY             # the wait before a probe, as the latest stream's rounds left it
+
+  def step_record(self, flags: int) -> None:
+    self.group += 1
+    if not flags & FLAG_MORE:  # the last record of the tail's step
+      self.steps, self.step_rows, self.last_batch, self.group = self.steps + 1, self.step_rows + self.group, self.group, 0
+
+  def round(self, drafted: int, accepted: int) -> None:
+    self.recent_accepted = 0.75 * self.recent_accepted + 0.25 * accepted
+    for key, n in (("rounds", 1), ("drafted", drafted), ("accepted", accepted)): self.spec[key] += n
+    for j in range(drafted):  # per draft position: how far into a draft the model still agrees
+      self.spec["drafted_at"][j] += 1
+      self.spec["accepted_at"][j] += j < accepted
+
+
+class Driver:
+  """The streams of a running pipeline: admitted into slots, their records written to the head ring, their tokens read
+  from the tail's ring on the driver thread (`run`). Failures go to `on_failure` (the launcher ends the pipeline).
+  A little over 250 lines: the token loop with its speculative verification, whose state the lock guards together."""
+
+  def __init__(self, head: Writer, tail: Reader, pool: StagePool, *, tokenizer: Tokenizer, max_streams: int, recipe: str,
+               context_length: int, prefix: PrefixIndex | None, cache_decoded: bool, speculative: str, draft_tokens: int,
+               load_s: float, on_failure: Callable[[errors.StageFailed], Any], drafter: Any = None):
+    self.head, self.tail, self.pool, self.on_failure = head, tail, pool, on_failure
+    self.tokenizer, self.max_streams, self.recipe, self.context_length = tokenizer, max_streams, recipe, context_length
+    self.prefix, self.cache_decoded, self.load_s = prefix, cache_decoded, load_s
+    # drafter: a draft model's (drafter.ModelDrafter), which drafts in place of n-grams
+    self.speculative, self.draft_tokens, self.drafter = speculative, draft_tokens, drafter
+    self.lock = threading.Lock()          # the head ring's producer side, the slots and the queue
+    # held (before self.lock, never under it) while events go out to consumers, outside self.lock: a callback may
+    # call submit() or cancel() (which take self.lock), and a cancelled stream's Done cannot overtake its last Delta
+    self.delivering = threading.RLock()
+    self.stream_ids = itertools.count(1)
+    self.free_slots = list(range(max_streams))
+    self.waiting: collections.deque[StreamHandle] = collections.deque()
+    self.active: dict[int, StreamHandle] = {}
+    self.next: list[tuple[StreamHandle, int, list[int]]] = []  # next tokens of the tail's current step, written when it is complete
+    # the driver's events of the tail's current step, handed out (still under the lock, so in order with every other
+    # event) once the step's next tokens are written: the stages start sooner, and a consumer woken by its event finds
+    # the GIL free more often (the driver blocks on the ring right after), instead of waking twice
+    self.outbox: list[tuple[StreamHandle, Any]] | None = None
+    self.outbox_owner = -1                # the thread that set the outbox (and holds the lock)
+    self.closed = False                   # set by the launcher's close(): no new streams, the loop ends
+    self.tally = Tally()
+    # A token comes every step (ms at least): spinning for it only takes a core from the stages. Parked, the ring
+    # checks the tail stage's liveness (a kill and a /proc read, costly on cold caches) only every DRIVER_WAKE_S: a
+    # stage that dies closes its rings or is seen by its neighbours, which close theirs, so the driver learns at once;
+    # this check (with the pool's first_failure at each DRIVER_WAKE_S timeout) is only the backstop for a killed tail.
+    tail.set_wait(spin=0.0, poll=DRIVER_WAKE_S)
+    self.thread = threading.Thread(target=self.run, name="launcher-driver", daemon=True)
+
+  def draft_length(self) -> DraftLength:
+    """A new stream's draft length. With prompt lookup it drafts from its start (a draft costs nothing until one is
+    found); with a draft model (whose drafts cost steps of their own) it starts where the drafter's recent rounds over
+    every stream left off: drafting while they paid, else probing after the wait the last stream's probes grew to."""
+    if self.drafter is None: return DraftLength(self.draft_tokens)
+    return DraftLength(self.draft_tokens, self.tally.recent_accepted >= MIN_ACCEPTED, self.tally.probe_wait, backoff=True)
+
+  # --- streams in --------------------------------------------------------------------------------
+  def enqueue(self, st: StreamHandle) -> None:
+    box: list[tuple[StreamHandle, Any]] = []
+    with self.delivering:
+      try:
+        with self.lock:
+          if self.closed: raise errors.LauncherClosed("the launcher is not running")
+          self.waiting.append(st)
+          self.outbox, self.outbox_owner = box, threading.get_ident()  # a stream failed on admission learns of it after the lock
+          try: self._admit()
+          finally: self.outbox = None
+      finally:
+        for s, ev in box: s.deliver(ev)
+
+  def _admit(self) -> None:
+    """Under self.lock: waiting streams into free slots. A stream whose records cannot be built fails alone, before
+    anything of it reaches a stage, and its slot goes to the next; only a failed write (the pipeline's) raises."""
+    while self.waiting and self.free_slots:
+      st = self.waiting.popleft()
+      st.slot = self.free_slots.pop(0)  # the lowest free slot: a batch spans rows 0..highest slot in use
+      try: records = self._open_records(st)
+      except Exception as e:  # noqa: BLE001 - one request's bug must not take the slot, the queue or the driver with it
+        log.exception("stream %d: failed before it reached the stages", st.id)
+        self.free_slots.append(st.slot); self.free_slots.sort()
+        st.slot = -1
+        st.fail(errors.RequestFailed("admitting it", e))
+        continue
+      st.state = "open"
+      self.active[st.id] = st
+      st.t_admitted = time.monotonic()
+      # the grammar goes to the tail directly, before the OPEN: the tail waits for it when the OPEN says there is one
+      if st.req.grammar is not None: self.pool.handles[-1].send(protocol.Command.SET_GRAMMAR, stream=st.id, grammar=st.req.grammar)
+      for oid, payload, flags in records: self._write(oid, payload, flags)
+
+  def _open_records(self, st: StreamHandle) -> list[tuple[int, bytes, int]]:
+    """The stream's OPEN and prompt records, built whole before any is written (a failure here leaves no trace)."""
+    blocks = self.prefix.match(st.ids, st.req.cache_salt) if self.prefix is not None and st.req.prefix_cache else []
+    cached = len(blocks) * BLOCK
+    info = protocol.OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
+                             sorted(st.end_ids), st.want_logits, cached, [[b, i * BLOCK] for i, b in enumerate(blocks)],
+                             st.req.grammar is not None, st.spec.length is not None)
+    rest = st.ids[cached:]
+    records = [(object_id(st.id, 0), info.encode(4), FLAG_OPEN), (object_id(st.id, cached), struct.pack(f"<{len(rest)}I", *rest), 0)]
+    st.cached = st.computed = cached
+    return records
+
+  def cancel(self, st: StreamHandle) -> None:
+    """A stream that has not ended gets its one final event here, a Done with finish reason "cancelled", delivered from
+    the cancelling thread (no Delta of it follows: the driver passes over a stream that is not open)."""
+    with self.delivering:
+      with self.lock:
+        if st.state == "waiting":
+          self.waiting.remove(st)
+          st.state = "done"
+        elif st.state == "open" and not self.closed:
+          self._close_stream(st)
+        else: return
+        done = None if st.ended else st.final("cancelled")
+      if done is not None: st.deliver(done)
+
+  def _close_stream(self, st: StreamHandle, save: bool = True) -> None:
+    """Under self.lock: what the stream computed goes to the prefix cache, then the CLOSE goes out; the slot is free
+    when its echo comes back (nothing of it is in flight then)."""
+    st.state = "closing"
+    try:
+      if save: self._save_prefix(st, st.computed if self.cache_decoded else min(st.computed, len(st.ids)))
+    finally: self._write(object_id(st.id, 0), b"", FLAG_CLOSE)  # whatever saving raised, the slot comes back
+
+  def _save_prefix(self, st: StreamHandle, n: int) -> None:
+    """Under self.lock: index the stream's first n positions (computed in every stage) and tell the stages which blocks
+    to fill with them, in ring order (pyruntime/engine/prefix_cache.py)."""
+    if self.prefix is None or not st.req.prefix_cache or n < BLOCK: return
+    tokens = (st.ids + st.out)[:n]  # the token at position len(ids) + k is out[k], which was fed back
+    if pairs := self.prefix.insert(tokens, st.req.cache_salt):
+      self._write(object_id(st.id, 0), protocol.encode_json({"save": [list(p) for p in pairs]}, 4), FLAG_CACHE)
+
+  # --- the loop ----------------------------------------------------------------------------------
+  def run(self) -> None:
+    read = self.tail.read
+    try:
+      while not self.closed:
+        # Parked in C between tokens: a failure elsewhere reaches the tail ring as RingClosed/PeerDead; a dead or
+        # stalled stage is seen here at the latest DRIVER_WAKE_S on
+        try: rec = read(DRIVER_WAKE_S)
+        except errors.RingTimeout:
+          if (f := self.pool.first_failure() or self._stalled()) is not None: raise f from None
+          continue
+        self._take_step(rec, time.monotonic())
+    except errors.PyruntimeError as e:
+      if not self.closed:
+        f = self.pool.root_cause() or (e if isinstance(e, errors.StageFailed) else errors.StageFailed(len(self.pool.handles) - 1, e.code, str(e)))
+        self.on_failure(f)  # the pipeline goes down, then every stream learns which stage failed
+    except Exception as e:  # noqa: BLE001 - a bug outside any one stream: nothing can be served without this thread
+      log.exception("the launcher's driver failed")
+      if not self.closed: self.on_failure(errors.DriverFailed(e))
+    finally:
+      # a close() under way fails the streams itself, once the stages are gone
+      if not self.closed: self.fail_all(errors.LauncherClosed("the launcher closed while the stream ran"))
+
+  def _take_step(self, rec: Any, t_got: float) -> None:
+    """The tail's step, from its first record: taken under the lock once (it publishes a MORE group at once), its
+    events delivered after."""
+    tokens, box = 0, []
+    with self.delivering:
+      try:
+        with self.lock:
+          self.outbox, self.outbox_owner = box, threading.get_ident()
+          try:
+            while True:
+              tokens += self._take(rec, t_got)
+              if not rec.flags & FLAG_MORE: break
+              try: rec = self.tail.read(0)
+              except errors.WouldBlock: break  # the rest of the group is not out yet: wait for it unlocked
+          finally: self.outbox = None
+      finally:
+        for st, ev in box: st.deliver(ev)
+    self.tail.release()
+    if tokens:
+      self.tally.overhead["tokens"] += tokens
+      self.tally.overhead["seconds"] += time.monotonic() - t_got
+
+  def _stalled(self) -> errors.StageStalled | None:
+    """The stall rule is checked only while streams are in the pipeline (the driver waits on them)."""
+    with self.lock:
+      if not self.active: return None
+    return self.pool.stalled()
+
+  # --- one step's records ------------------------------------------------------------------------
+  def _take(self, rec: Any, now: float) -> int:
+    """Under self.lock: one record from the tail (that arrived at `now`); 1 for a token, else 0."""
+    sid, pos = split_object_id(rec.object_id)
+    st = self.active.get(sid)
+    if st is None: raise errors.ResultIdentityMissing(f"the tail answered {rec.object_id:#x} (flags {rec.flags}), a stream not open")
+    flags = rec.flags
+    if flags & FLAG_CLOSE:
+      del self.active[sid]
+      self.free_slots.append(st.slot); self.free_slots.sort()
+      self._admit()
+      st.closed()
+    elif flags & (FLAG_OPEN | FLAG_CACHE): pass  # echoes: the tail bound the stream, or filled its blocks
+    elif flags & FLAG_ERROR:
+      info = protocol.decode_json(rec.payload)
+      if st.state == "open":
+        st.fail(errors.StreamFailed(info.get("stage"), str(info.get("reason")), str(info.get("message"))))
+        self._close_stream(st, save=False)
+    else:
+      self.tally.step_record(flags)
+      if st.state == "open":
+        try: self._step(st, rec, pos, now)
+        except errors.PyruntimeError: raise  # the pipeline's (a failed write): every stream's
+        except Exception as e:  # noqa: BLE001 - a bug in one stream's text, tools or drafts ends that stream alone
+          log.exception("stream %d: failed taking its token", st.id)
+          if st.state == "open": self._close_stream(st, save=False)
+          st.fail(errors.RequestFailed("taking its tokens", e))
+      if not flags & FLAG_MORE: self._flush_next()
+      return 1
+    return 0
+
+  def _step(self, st: StreamHandle, rec: Any, pos: int, now: float) -> None:
+    """A token (or logits) for a running stream: text out, and either the next token in or the stream's end."""
+    if st.want_logits:
+      values = rec.array("<f4").copy()
+      st.emit(Logits(pos, values))
+      token = int(values.argmax())
+      end = token in st.end_ids
+    else:
+      token, end = int.from_bytes(rec.payload[:4], "little"), bool(rec.flags & FLAG_END)
+    if st.spec.verify is not None: return self._verified(st, pos, token, end, now)
+    if not self._commit(st, pos, token, end, now): self._queue_next(st, token)
+
+  def _commit(self, st: StreamHandle, pos: int, token: int, end: bool, now: float) -> bool:
+    """The token after position `pos` is the stream's: text out; True when that finished it (Done went out)."""
+    self.tally.tokens += 1
+    self.tally.token_times.append(now)
+    first = st.computed < len(st.ids)
+    st.computed = pos + 1
+    if first: self._save_prefix(st, len(st.ids))  # the prompt is in every stage: streams arriving meanwhile can share it
+    if st.push(token, end, now):
+      self._close_stream(st)  # finished: free the slot
+      return True
+    return False
+
+  def _queue_next(self, st: StreamHandle, token: int) -> None:
+    """The stream's next input: its last token, and with speculation a draft after it (pyruntime/engine/speculation.py) when
+    the pipeline is not busy with other streams and the budget and context have room."""
+    q = len(st.ids) + len(st.out) - 1  # the last token's position
+    drafts: list[int] = []
+    sp = st.spec
+    if sp.length is not None and len(self.active) <= SOLO_STREAMS:
+      k = min(sp.length.next(), st.n_max - len(st.out) - 1, self.context_length - q - 2, MAX_VERIFY_ROWS - 1)
+      drafts = prediction_draft(st.out, sp.predicted, k)
+      sp.from_prediction = bool(drafts)
+      if not drafts and k > 0:
+        if self.drafter is not None: drafts = self.drafter.draft(st.ids + st.out, k)
+        elif self.speculative == "ngram": drafts = ngram_draft(st.ids + st.out, k)
+    if drafts: sp.verify = (q, drafts, {})
+    self.next.append((st, object_id(st.id, q), [token, *drafts]))
+
+  def _verified(self, st: StreamHandle, pos: int, token: int, end: bool, now: float) -> None:
+    """One answer to a speculative record; once every row's is in: the tokens up to the first draft the model did not
+    agree with are the stream's, that one included (plain decoding's tokens), and the next input follows them."""
+    sp = st.spec
+    q, drafts, got = sp.verify
+    got[pos] = (token, end)
+    if len(got) < len(drafts) + 1: return
+    sp.verify, accepted = None, 0
+    for i in range(len(drafts) + 1):
+      token, end = got[q + i]
+      if self._commit(st, q + i, token, end, now): break
+      if i < len(drafts) and token == drafts[i]: accepted += 1
+      else: break
+    sp.kept(len(drafts), accepted)
+    self.tally.probe_wait = sp.length.wait
+    self.tally.round(len(drafts), accepted)
+    if st.state == "open": self._queue_next(st, token)
+
+  def _flush_next(self) -> None:
+    """The tail's step is complete: its streams' next tokens go to the head as one group (MORE on all but the last),
+    so the head computes them as one batch again instead of waking on the first and taking a batch of one."""
+    nxt = [(st, oid, toks) for st, oid, toks in self.next if st.state == "open"]  # a stream cancelled meanwhile is CLOSEd
+    self.next.clear()
+    for i, (_, oid, toks) in enumerate(nxt): self._write(oid, struct.pack(f"<{len(toks)}I", *toks), FLAG_MORE if i < len(nxt) - 1 else 0)
+
+  def fail_all(self, e: errors.PyruntimeError) -> None:
+    with self.lock:
+      streams = list(self.waiting) + list(self.active.values())
+      self.waiting.clear(); self.active.clear()
+    for st in streams: st.fail(e)
+
+  # --- the launcher's view -----------------------------------------------------------------------
+  def cpu_s(self) -> float:
+    """CPU seconds the driver thread has used (reading, text, next tokens, its polls): the launcher's own cost."""
+    if self.thread.ident is None: return 0.0
+    try: return time.clock_gettime(time.pthread_getcpuclockid(self.thread.ident))
+    except (OSError, AttributeError): return float("nan")  # the thread has ended, or a platform without thread clocks
+
+  def stats(self) -> dict:
+    """Under self.lock: streams running (in the pipeline) and waiting (for a slot); tokens out; the tail's steps and
+    their sizes; output tokens per second over the last RATE_WINDOW_S; speculation's counters."""
+    return stream_stats(self.tally, len(self.active), len(self.waiting), self.max_streams, self.speculative, self.drafter)
+
+  def _write(self, oid: int, payload: Any, flags: int) -> None:
+    """Into the head ring, under self.lock. A failed stage raises here; the driver thread (which learns of failures)
+    ends every stream and the pipeline, so no other thread ever closes the launcher."""
+    while True:
+      try: return self.head.write(oid, payload, flags, timeout=POLL_S)
+      except errors.RingTimeout: pass
+      except (errors.PeerDead, errors.RingClosed) as e:
+        if self.closed: raise errors.LauncherClosed("the launcher is closed") from None
+        raise self.pool.first_failure() or errors.StageFailed(0, e.code) from None
+      if (f := self.pool.first_failure()) is not None: raise f
+      if self.closed: raise errors.LauncherClosed("the launcher is closed")
+
+  def wake(self, timeout: float) -> None:
+    """Close our side of the head ring: the stages drain and close theirs in turn, down to the tail ring, whose reader
+    (the driver, parked in C) then gets RingClosed at once instead of at its next DRIVER_WAKE_S."""
+    if not self.lock.acquire(timeout=timeout): return  # _write gives the lock up once closed is set
+    try: self.head.close()
+    except errors.PyruntimeError: pass
+    finally: self.lock.release()
+
+
+def stream_stats(t: Tally, running: int, waiting: int, max_streams: int, speculative: str, drafter: Any = None) -> dict:
+  """Driver.stats' figures from a tally (a fresh one: a launcher not started yet)."""
+  now = time.monotonic()
+  recent = [x for x in t.token_times if now - x <= RATE_WINDOW_S]
+  span = now - recent[0] if len(recent) > 1 else 0.0
+  spec = {"mode": speculative, **t.spec, **({"draft_model": drafter.stats()} if drafter else {})}
+  return {"running": running, "waiting": waiting, "max_streams": max_streams, "tokens": t.tokens, "steps": t.steps,
+          "last_batch": t.last_batch, "mean_batch": t.step_rows / t.steps if t.steps else 0.0,
+          "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0,
+          "speculation": spec if speculative != "off" or t.spec["rounds"] else None}

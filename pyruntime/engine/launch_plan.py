@@ -1,0 +1,129 @@
+"""The launch plan: everything the launcher decides before a stage exists (the split, each stage's device, weights form
+and role, the context length, the tokenizer), from the GGUF header, the launch options and the memory available.
+A pure function of those: tested without a process (tests/unit/test_launch_plan.py), and free of tinygrad and numpy.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from pyruntime import errors
+from pyruntime.engine.prefix_cache import BLOCK
+from pyruntime.modelfile.gguf import GGUFHeader
+from pyruntime.options import PREFILL_SHARE, PREFIX_CACHE_TOKENS, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S, check_launch
+from pyruntime.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+  """Every launch option (the Launcher's keywords), checked when made: InvalidOption naming the first bad one
+  (options.check_launch for those the CLI and the stage share). Defaults as options.py's."""
+  stages: int = 2
+  split: Sequence[tuple[int, int]] | None = None
+  devices: str | Sequence[str] | None = None
+  boundary_dtype: str = "float32"
+  max_streams: int = 8
+  decode: str = "batched"
+  weights: str = "auto"
+  warmup: bool = False                  # capture every batch shape's kernels at start (a server's choice), not on first use
+  max_context: int | None = None
+  prefill_share: float = PREFILL_SHARE
+  prefix_cache: int = PREFIX_CACHE_TOKENS
+  graph_cache: bool = True              # stages load their captured graphs from disk and keep new ones (graph_cache.py)
+  stall_timeout: float = STALL_TIMEOUT_S
+  stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S
+  speculative: str = "off"              # off | ngram | model:PATH (docs/speculation.md)
+  draft_tokens: int = 8
+  placement: str = "local"              # local | ray (docs/hosts.md)
+  ray_address: str | None = None
+  hosts: int | None = None
+  cache_dir: str | None = None          # where downloaded models go (source.py)
+  stage_env: dict[str, str] = field(default_factory=dict)  # added to every stage process's environment
+  load_timeout_s: float = 900.0
+
+  def __post_init__(self) -> None:
+    check_launch(boundary_dtype=self.boundary_dtype, max_streams=self.max_streams, decode=self.decode, weights=self.weights,
+                 prefill_share=self.prefill_share, prefix_cache=self.prefix_cache, stall_timeout=self.stall_timeout,
+                 stall_capture_timeout=self.stall_capture_timeout, speculative=self.speculative, draft_tokens=self.draft_tokens)
+    if not isinstance(self.graph_cache, bool): raise errors.InvalidOption("graph_cache", f"must be true or false, got {self.graph_cache!r}")
+    if self.placement not in ("local", "ray"): raise errors.InvalidOption("placement", f"must be local or ray, not {self.placement!r:.80}")
+    if self.placement == "local" and (self.ray_address is not None or self.hosts is not None):
+      raise errors.InvalidOption("placement", "ray_address and hosts need placement='ray'")
+
+  @property
+  def draft_model(self) -> str | None:
+    """The draft model's source, with speculative="model:PATH"."""
+    return self.speculative.removeprefix("model:") if self.speculative.startswith("model:") else None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+  path: Path
+  header: GGUFHeader
+  options: LaunchOptions
+  model_name: str
+  split: list[tuple[int, int]]
+  devices: list[str]
+  weights: list[str]        # per stage: how it keeps its weights (protocol.WEIGHT_MODES)
+  micro_batches: int
+  context_length: int
+  tokenizer: Tokenizer
+  dim: int
+  template: str
+  recipe: str               # names what produced a result (recipe_digest)
+
+  @property
+  def num_blocks(self) -> int: return self.header.num_blocks
+
+  @property
+  def vocab_size(self) -> int: return self.tokenizer.vocab_size
+
+  def role(self, i: int) -> dict[str, Any]:
+    """Stage i's ConfigureRole arguments (docs/control-channel.md)."""
+    o, (start, end) = self.options, self.split[i]
+    return dict(stage=i, start=start, end=end, slots=o.max_streams, boundary_dtype=o.boundary_dtype, max_context=self.context_length,
+                decode=o.decode, warmup=o.warmup, weights=self.weights[i], graph_cache=o.graph_cache, micro_batches=self.micro_batches,
+                prefill_share=o.prefill_share, prefix_blocks=o.prefix_cache // BLOCK, block_size=BLOCK)
+
+
+def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, template: str) -> str:
+  """Names what produced a result: model, split, boundary dtype and chat template."""
+  return hashlib.sha256(json.dumps([model, [list(r) for r in split], dtype, template]).encode()).hexdigest()[:16]
+
+
+def weights_for(options: LaunchOptions, arch: str, device: str, float32_fits: bool) -> str:
+  """How a stage on `device` keeps its weights. "auto": tinygrad's own "quantized" for reference decoding (its exact
+  tokens) and on accelerators; on a CPU, "float32" (several times faster there) when a float32 copy of the whole model
+  takes at most half of the memory available now, every stage sharing it."""
+  from pyruntime.devices import parse_device
+  from pyruntime.modelfile.plan import DENSE_ARCHS
+  if options.weights != "auto": return options.weights
+  if options.decode == "reference" or parse_device(device).base != "CPU" or arch not in DENSE_ARCHS:
+    return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (see stage.py)
+  return "float32" if float32_fits else "quantized"
+
+
+def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: int) -> LaunchPlan:
+  """The plan for `options` over the model at `path` (its header read), with `memory` bytes available on this host."""
+  from pyruntime.devices import parse_device, parse_devices
+  from pyruntime.modelfile.plan import plan_split
+  n = len(options.split) if options.split else options.stages
+  if not isinstance(n, int) or isinstance(n, bool) or n < 1: raise errors.InvalidOption("stages", f"must be an integer >= 1, got {n!r}")
+  devices = parse_devices(options.devices, n)
+  # stages on devices of their own compute at once when the streams are cut into one micro-batch per stage; stages
+  # that share the CPU would only take cores from each other
+  specs = [parse_device(d) for d in devices]
+  own = len({s.name for s in specs}) == len(specs) and not any(s.base == "CPU" for s in specs)
+  fits = 4 * sum(math.prod(t.dims) for t in header.tensors.values()) <= memory // 2  # a float32 copy
+  weights = [weights_for(options, header.arch, d, fits) for d in devices]
+  # balanced by what a decode step takes on each stage: the bytes it reads of its weights, in the form it holds them
+  split = plan_split(header, n, options.split, by="time-float32" if all(w == "float32" for w in weights) else "time")
+  name = header.kv.get("general.name") or path.stem
+  template = header.kv.get("tokenizer.chat_template") or ""
+  return LaunchPlan(path, header, options, name, split, devices, weights, n if own else 1,
+                    int(min(options.max_context or 1 << 62, header.get("context_length"))), Tokenizer.from_gguf_kv(header.kv),
+                    int(header.get("embedding_length")), template, recipe_digest(name, split, options.boundary_dtype, template))

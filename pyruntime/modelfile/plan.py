@@ -1,0 +1,153 @@
+"""Planning from a GGUF header alone: which architectures we serve, which tensors a stage holds, how to cut the
+blocks into stages. Imports neither tinygrad nor numpy, so the launcher and `pyruntime inspect` plan a split
+without paying for (or depending on) the compute stack; only the stage processes import tinygrad.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from pyruntime import errors
+from pyruntime.modelfile.gguf import GGUFHeader
+
+DENSE_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
+# the architectures tinygrad 0.13's Transformer.from_gguf runs as they are meant to run (README: the per-family table)
+MOE_SUPPORTED = frozenset({"qwen3moe", "glm4moe", "deepseek2"})
+MLA_SUPPORTED = frozenset({"deepseek2"})
+SSM_SUPPORTED = frozenset({"qwen35", "qwen35moe"})
+SUPPORTED_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | SSM_SUPPORTED
+FFN_NORM_RENAMED = frozenset({"qwen35", "qwen35moe", "glm4moe"})  # from_gguf reads their post_attention_norm as ffn_norm
+
+
+def check_architecture(header: GGUFHeader) -> None:
+  """Refuse, by name, what tinygrad's from_gguf does not run (or would run wrongly)."""
+  arch, kv = header.arch, header.kv
+  if arch not in SUPPORTED_ARCHS:
+    raise errors.UnsupportedArchitecture(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHS))}")
+  if (kv.get(f"{arch}.expert_count", 0) or any(".ffn_gate_exps." in n for n in header.tensors)) and arch not in MOE_SUPPORTED | {"qwen35moe"}:
+    # e.g. Mixtral (llama + experts): from_gguf would weight the experts by the softmax over all of them, not over the top k
+    raise errors.UnsupportedArchitecture(f"{arch!r} with mixture-of-experts layers is not supported (tinygrad does not route {arch!r} experts)")
+  if kv.get(f"{arch}.attention.kv_lora_rank", 0) and arch not in MLA_SUPPORTED:
+    raise errors.UnsupportedArchitecture(f"{arch!r} with multi-head latent attention (MLA) is not supported")
+  if (kv.get(f"{arch}.ssm.state_size", 0) or kv.get(f"{arch}.full_attention_interval", 0)) and arch not in SSM_SUPPORTED:
+    raise errors.UnsupportedArchitecture(f"{arch!r} with recurrent (SSM) layers is not supported")
+
+
+def num_blocks(header: GGUFHeader) -> int:
+  """The model's blocks: `block_count` less the extra prediction layers tinygrad leaves out (GGUFHeader.num_blocks)."""
+  return header.num_blocks
+
+
+def output_tensor_name(header: GGUFHeader) -> str:
+  """Models with tied embeddings use the embedding matrix as the output projection."""
+  return "output.weight" if "output.weight" in header.tensors else "token_embd.weight"
+
+
+def block_tensor_names(header: GGUFHeader, i: int) -> list[str]:
+  return [n for n in header.tensors if n.startswith(f"blk.{i}.")]
+
+
+def stage_tensor_names(header: GGUFHeader, start: int, end: int) -> list[str]:
+  """The tensors a stage holds on its device (the head's embedding stays on the host)."""
+  names = [n for i in range(start, end) for n in block_tensor_names(header, i)]
+  if end == num_blocks(header): names += ["output_norm.weight", output_tensor_name(header)]
+  return names
+
+
+def stage_weight_bytes(header: GGUFHeader, start: int, end: int) -> int:
+  return sum(header.tensors[n].nbytes for n in dict.fromkeys(stage_tensor_names(header, start, end)))
+
+
+def model_weight_bytes(header: GGUFHeader) -> int:
+  return sum(t.nbytes for t in header.tensors.values())
+
+
+def prefix_cache_bytes_per_token(header: GGUFHeader) -> int | None:
+  """Host bytes one cached position takes in the whole pipeline's prefix-cache blocks (pyruntime/stage/kv_blocks.py): every
+  block's key and value rows (MLA: its latent and rotary key), as float32. None for a model with recurrent blocks: their
+  state is not a function of positions alone, so it has no prefix cache."""
+  t, total = header.tensors, 0
+  for i in range(num_blocks(header)):
+    p = f"blk.{i}."
+    if any(n.startswith(p + "ssm_") for n in t): return None
+    if p + "attn_kv_a_mqa.weight" in t: total += t[p + "attn_kv_a_mqa.weight"].shape[0]
+    else: total += t[p + "attn_k.weight"].shape[0] + t[p + "attn_v.weight"].shape[0]
+  return 4 * total
+
+
+SPLIT_BY = ("memory", "compute", "time", "time-float32")
+
+
+def tensor_cost(header: GGUFHeader, names: list[str], by: str) -> int:
+  """by="memory": their bytes; by="compute": the parameters a token touches, of routed experts (`*_exps`) only the
+  expert_used_count of expert_count it goes through; by="time": the bytes a decode step reads of them, which is what
+  it takes on every device we run (a decode step streams its weights): stored bytes, of routed experts the used share;
+  "time-float32": the same for weights held as float32 (--weights float32, a CPU's default), 4 bytes a parameter."""
+  used, experts = header.get("expert_used_count", 0), header.get("expert_count", 0)
+  def cost(name: str) -> int:
+    t = header.tensors[name]
+    if by == "memory": return t.nbytes
+    n = {"compute": 1, "time-float32": 4}.get(by, 0) * math.prod(t.dims) or t.nbytes
+    return n * used // experts if experts and "_exps." in t.name else n
+  return sum(cost(n) for n in names)
+
+
+def suggest_split(header: GGUFHeader, n_stages: int, by: str = "memory") -> list[tuple[int, int]]:
+  """Contiguous [start, end) ranges covering every block once, balancing the stages' on-device weight bytes
+  (by="memory": the tail also holds output_norm + output, the head nothing extra), their compute
+  (by="compute": parameters touched per token, so the output projection counts on the tail, and of an MoE block's
+  routed experts only the expert_used_count of expert_count a token goes through), or their time per decode step
+  (by="time" / "time-float32": the bytes a step reads, see tensor_cost; the head's embedding rows cost nothing)."""
+  L = num_blocks(header)
+  if not isinstance(n_stages, int) or not 1 <= n_stages <= L:
+    raise errors.LayerRangeInvalid(f"cannot cut {L} blocks into {n_stages} non-empty stages")
+  if by not in SPLIT_BY: raise ValueError(f"by must be one of {', '.join(SPLIT_BY)}, not {by!r}")
+  blk = [tensor_cost(header, block_tensor_names(header, i), by) for i in range(L)]
+  tail_extra = tensor_cost(header, ["output_norm.weight", output_tensor_name(header)], by)
+  prefix = [0]
+  for c in blk: prefix.append(prefix[-1] + c)
+  def stage_cost(s: int, e: int) -> int: return prefix[e] - prefix[s] + (tail_extra if e == L else 0)
+  # best[k][e]: the smallest possible max stage cost cutting blocks [0, e) into k stages; ties prefer earlier cuts
+  INF = float("inf")
+  best = [[INF] * (L + 1) for _ in range(n_stages + 1)]
+  cut = [[0] * (L + 1) for _ in range(n_stages + 1)]
+  best[0][0] = 0
+  for k in range(1, n_stages + 1):
+    for e in range(k, L + 1):
+      for s in range(k - 1, e):
+        if (v := max(best[k - 1][s], stage_cost(s, e))) < best[k][e]: best[k][e], cut[k][e] = v, s
+  ranges, e = [], L
+  for k in range(n_stages, 0, -1):
+    s = cut[k][e]
+    ranges.append((s, e))
+    e = s
+  return ranges[::-1]
+
+
+def check_split(split: Sequence[tuple[int, int]], num_blocks: int) -> None:
+  """Ranges must be non-empty, contiguous, and cover 0..L-1 exactly once (docs/stage-ownership.md)."""
+  if not split: raise errors.LayerRangeInvalid("the split has no stages")
+  expect = 0
+  for i, (start, end) in enumerate(split):
+    if start != expect:
+      raise errors.LayerRangeInvalid(f"stage {i} starts at block {start}, expected {expect} (ranges must be contiguous, no overlap)")
+    if end <= start: raise errors.LayerRangeInvalid(f"stage {i} range [{start}, {end}) is empty")
+    expect = end
+  if expect != num_blocks:
+    raise errors.LayerRangeInvalid(f"the split ends at block {expect}, but the model has {num_blocks} blocks")
+
+
+def parse_split(text: str) -> list[tuple[int, int]]:
+  """"0:15,15:30" → [(0, 15), (15, 30)]"""
+  try: return [(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
+  except ValueError: raise errors.InvalidOption("split", f"expected START:END,START:END..., got {text!r}") from None
+
+
+def plan_split(header: GGUFHeader, stages: int, split: Sequence[tuple[int, int]] | None = None,
+               by: str = "time") -> list[tuple[int, int]]:
+  """The split a pipeline runs: the one asked for, checked, or for `stages` stages the one that balances their time
+  per decode step (`by`: "time-float32" when the stages hold float32 weights). A stage's memory is its devices' to
+  hold: the launcher takes float32 weights only where a float32 copy of the whole model fits."""
+  ranges = [tuple(r) for r in (split or suggest_split(header, stages, by=by))]
+  check_split(ranges, num_blocks(header))
+  return ranges  # type: ignore[return-value]

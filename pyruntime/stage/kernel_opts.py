@@ -1,0 +1,261 @@
+"""Loop schedules for a CPU, where tinygrad's heuristic leaves the prompt's kernels scalar and on one core.
+
+Two schedules, chosen per kernel when it compiles:
+
+- **stock+** (tinygrad's own kernels: `--decode reference` and the families that decode per stream). tinygrad's
+  heuristic first, unchanged, reduce-axis choices (UNROLL) included, so a value is the sum tinygrad computes; then,
+  for a kernel with a symbolic loop axis (a prefill chunk of 1..32 tokens) the upcast and the threads the heuristic
+  could not size, on the constant output axis. tests/integration/test_kernel_opts.py checks these against a process without them.
+
+- **rows** (the batched path, `pyruntime/stage/rows.py`, under `rows_schedules()`): every reduce kernel gets a schedule of
+  ours alone, with no reduce-axis opt at all. Each output is one sequential sum over its reduce axis, so a row's bits
+  cannot depend on how many rows share the kernel or where the kernel was cut: a decode row and a prompt row at the
+  same position compute the same numbers (the exactness contract of docs/stage-ownership.md). On top of that, only
+  output axes move: the output axis the biggest input walks with stride 1 is upcast by VEC (vector loads and FMAs of
+  VEC floats), an output axis that input does not depend on (rows, query heads) by ROWS (each loaded vector serves that
+  many accumulators), and the threads split an output axis. A 576x1536 projection of 128 rows runs at 100-190
+  GFLOP/s on two cores this way, 25 under tinygrad's schedule (bench/kernels.py).
+
+`install()` also widens the CPU's vector loads and stores of floats from 4 to up to VEC (what tinygrad already
+does for AMX): without it clang gets 4-wide loads and emits 128-bit FMAs only. A load's width changes no value.
+Devices with local memory (GPUs) keep tinygrad's schedules, minus any reduce-axis opt under `rows_schedules()`.
+PYRUNTIME_LOOP_OPTS=0 turns the speed-ups off: tinygrad's schedules for its own kernels, and no opt at all for the rows
+path's (the same sums in the same order: tests/integration/test_kernel_opts.py compares the bits of both settings).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from typing import Iterator
+
+from tinygrad.codegen.opt import KernelOptError, Opt, OptOps, heuristic
+from tinygrad.codegen.opt.postrange import Scheduler
+from tinygrad.helpers import getenv, prod
+from tinygrad.uop.ops import AxisType, Ops, UOp
+
+UPCAST = 8  # stock+: accumulators added per output of a symbolic-token kernel (8 measured best of 4 and 8 on SmolLM2)
+ROW_UPCAST = 8  # stock+: a fixed loop axis this small is the batch's rows: upcast whole, each loaded weight serves every row
+OUT_UPCAST = 4  # stock+: then the largest output axis, 4 outputs per loaded input
+VEC = 16   # rows: outputs per vector (16 float32: one AVX-512 register, two AVX2 ones)
+ROWS = 8   # rows: accumulator rows per loaded vector (8 x 16 measured best of 4..16 x 8..16 on SmolLM2's shapes)
+# stock+: a kernel doing less than this (multiply-adds at the largest token count and context) keeps tinygrad's schedule
+MIN_WORK = 1 << 20
+ENABLED = bool(getenv("PYRUNTIME_LOOP_OPTS", 1))
+_stock = heuristic.hand_coded_optimizations
+_state = threading.local()
+
+
+_rows_programs: dict = {}  # tinygrad's lowering cache for the rows schedule (keyed by the kernel before its opts)
+
+
+@contextlib.contextmanager
+def rows_schedules() -> Iterator[None]:
+  """Kernels compiled inside get the rows schedule (no reduce-axis opt). tinygrad caches a kernel's lowering by the
+  kernel as it was before any opt, so the two schedules keep separate caches: a kernel that both paths happen to share
+  (a norm of the same shape, say) must not come back with the other path's opts. A captured JIT keeps the kernels it
+  compiled, so only the capturing calls need this."""
+  from tinygrad import codegen
+  if getattr(_state, "rows", False):
+    yield
+    return
+  _state.rows, stock = True, codegen.to_program_cache
+  codegen.to_program_cache = _rows_programs
+  try: yield
+  finally: _state.rows, codegen.to_program_cache = False, stock
+
+
+def _loops(k: Scheduler, symbolic: bool) -> list[int]:
+  return [i for i in k.axes_of(AxisType.LOOP) if isinstance(s := k.full_shape[i], int) != symbolic and (symbolic or s > 1)]
+
+
+def _divides(size, n: int) -> bool:
+  return size % n == 0 if isinstance(size, int) else size.divides(n) is not None
+
+
+def _thread_first(k: Scheduler, axes: list[int], n: int) -> None:
+  """Split the first of `axes` that n divides over n threads (an output axis: every sum keeps its order)."""
+  for i in axes:
+    if _divides(k.full_shape[i], n):
+      try:
+        k.apply_opt(Opt(OptOps.THREAD, i, n))
+        return
+      except KernelOptError: pass
+
+
+# --- stock+ ---------------------------------------------------------------------------------------
+def _symbolic_schedule(k: Scheduler) -> Scheduler:
+  """A kernel with a symbolic loop axis (a prefill chunk's tokens), after tinygrad's heuristic: the upcast and the
+  threads it could not size, both on the constant output axis."""
+  if not (const := _loops(k, False)) or any(o.op in (OptOps.GROUP, OptOps.GROUPTOP, OptOps.TC) for o in k.applied_opts): return k
+  for i in const[::-1]:
+    if k.full_shape[i] % UPCAST == 0 and k.upcast_size() * UPCAST <= 128:
+      try:
+        k.apply_opt(Opt(OptOps.UPCAST, i, UPCAST))
+        break
+      except KernelOptError: pass
+  if k.ren.has_threads and k.ren.global_max and not any(o.op is OptOps.THREAD for o in k.applied_opts) and k.ren.global_max[0] > 1:
+    _thread_first(k, _loops(k, False), k.ren.global_max[0])
+  return k
+
+
+def _fixed_schedule(k: Scheduler, stock: Scheduler) -> Scheduler:
+  """A reduce kernel of fixed shape (tinygrad's T=1 decode with several rows): the rows upcast whole, the largest
+  output axis by 4, tinygrad's UNROLLs as it chose them (each sum keeps its order), its threads on the outputs."""
+  if any(o.op not in (OptOps.UPCAST, OptOps.UNROLL, OptOps.THREAD) for o in stock.applied_opts): return stock
+  t = k.copy()
+  try:
+    if (rows := next((i for i in _loops(t, False) if t.full_shape[i] <= ROW_UPCAST), None)) is not None:
+      t.apply_opt(Opt(OptOps.UPCAST, rows, 0))
+    _on_largest_output(t, OptOps.UPCAST, OUT_UPCAST)
+    for o in stock.applied_opts:
+      if o.op is OptOps.UNROLL: t.apply_opt(o)
+    if (threads := next((o.arg for o in stock.applied_opts if o.op is OptOps.THREAD), 1)) > 1: _on_largest_output(t, OptOps.THREAD, threads)
+  except KernelOptError: return stock
+  return t
+
+
+def _on_largest_output(k: Scheduler, op: OptOps, n: int) -> None:
+  """Apply `op` of `n` to the largest loop axis, when `n` divides it (looked up anew: earlier opts renumber the axes)."""
+  if (outs := _loops(k, False)) and k.full_shape[big := max(outs, key=lambda i: k.full_shape[i])] % n == 0:
+    k.apply_opt(Opt(op, big, n))
+
+
+# --- rows ------------------------------------------------------------------------------------------
+def _terms(idx: UOp) -> list[UOp]: return list(idx.split_uop(Ops.ADD))
+
+
+def _streamed_input(k: Scheduler) -> UOp | None:
+  """The INDEX of the input whose vectors the kernel should stream: of the inputs that some output axis walks with
+  stride 1 (a projection's weights, an attention's keys or values: not the rows, which the sum walks), the largest;
+  else the largest input."""
+  stored = {u.src[0] for u in k.ast.toposort() if u.op is Ops.STORE}
+  ins = sorted((b for b in k.bufs if b not in stored and b.src[0].op is Ops.PARAM), key=lambda b: -b.src[0].ptrdtype.size)
+  loops = [k.rngs[i] for i in k.axes_of(AxisType.LOOP)]
+  return next((b for b in ins if any(t in loops for t in _terms(b.src[1].get_idx()))), ins[0] if ins else None)
+
+
+def _rows_cpu(k: Scheduler) -> Scheduler:
+  if (big := _streamed_input(k)) is None: return k
+  idx = big.src[1].get_idx()
+  loops = k.axes_of(AxisType.LOOP)
+  # the output axis this input walks with stride 1: upcast by VEC (vector loads, vector FMAs)
+  unit = [i for i in loops if any(t is k.rngs[i] for t in _terms(idx)) and _divides(k.full_shape[i], VEC)]
+  # the rows: an output axis this input does not depend on, so each loaded vector serves ROWS accumulators
+  # (or, failing that, a small constant one upcast whole: the query heads that share a kv head)
+  free = [i for i in loops if k.rngs[i] not in idx.backward_slice and i not in unit]
+  rows = [i for i in free if _divides(k.full_shape[i], ROWS)] or [i for i in free if isinstance(s := k.full_shape[i], int) and 1 < s <= ROWS]
+  vec = k.rngs[unit[-1]] if unit else None
+  try:
+    # rows first, so the vector's outputs are the accumulators' fastest index (clang then keeps them in vector registers)
+    if rows: k.apply_opt(Opt(OptOps.UPCAST, rows[-1], ROWS if _divides(k.full_shape[rows[-1]], ROWS) else 0))
+    if vec is not None and vec in k.rngs: k.apply_opt(Opt(OptOps.UPCAST, k.rngs.index(vec), VEC))
+  except KernelOptError: pass
+  n = k.ren.global_max[0] if k.ren.has_threads and k.ren.global_max else 1
+  # split the largest constant output axis, else a symbolic one the graph made divisible (rows in units of ROWS * n)
+  if n > 1: _thread_first(k, sorted(_loops(k, False), key=lambda i: -k.full_shape[i]) + _loops(k, True), n)
+  return k
+
+
+def _rows_gpu(k: Scheduler, stock: Scheduler) -> Scheduler:
+  """tinygrad's choices on a device with local memory, without those that split or reorder a sum (tensor cores,
+  GROUP, UNROLL): each kept in order while it applies."""
+  t = k.copy()
+  for o in stock.applied_opts:
+    if o.op in (OptOps.TC, OptOps.GROUP, OptOps.GROUPTOP, OptOps.UNROLL): continue
+    try: t.apply_opt(o)
+    except KernelOptError: break
+  return t
+
+
+def rows_schedule(k: Scheduler) -> Scheduler:
+  """The batched path's schedule: no reduce-axis opt, so every output is one sequential sum and a row's bits depend
+  on nothing but its own inputs (see the module's docstring). Kernels without a reduction keep tinygrad's schedule."""
+  if not k.axes_of(AxisType.REDUCE): return _stock(k)
+  if k.ren.has_local: return _rows_gpu(k, _stock(k.copy()))
+  return _rows_cpu(k.copy())
+
+
+def loop_optimizations(k: Scheduler) -> Scheduler:
+  """Under rows_schedules(): the rows schedule (with PYRUNTIME_LOOP_OPTS=0: none at all, the same sums). Otherwise
+  tinygrad's heuristic, then on a device without local memory, for a kernel of at least MIN_WORK multiply-adds, the
+  symbolic (prefill) or the fixed-shape (decode) loop schedule."""
+  if getattr(_state, "rows", False): return rows_schedule(k) if ENABLED else k
+  stock = _stock(k)
+  if not ENABLED: return stock
+  work = prod(s if isinstance(s, int) else int(s.vmax) for s in k.full_shape)  # at the variables' largest values
+  if stock.ren.has_local or work < MIN_WORK: return stock
+  if _loops(k, True): return _symbolic_schedule(stock)
+  return _fixed_schedule(k, stock) if k.axes_of(AxisType.REDUCE) else stock
+
+
+# --- estimates --------------------------------------------------------------------------------------
+def _estimates(uops: tuple[UOp, ...], ignore_indexing: bool = False):
+  """tinygrad's Estimates.from_uops, with its terms summed per loop nest. tinygrad adds one term per ALU op, and with
+  a symbolic loop (rows, attended length) each term is symbolic: a kernel upcast VEC x ROWS wide built a sum
+  thousands of terms deep, whose repr (part of the compiled kernel's cache key) overflows Python's recursion limit.
+  The same counts, grouped by their multiplier, make a sum of a few terms."""
+  from collections import defaultdict
+
+  from tinygrad.dtype import AddrSpace, PtrDType
+  from tinygrad.renderer import Estimates
+  from tinygrad.uop.ops import GroupOp, smin
+  flops: dict = defaultdict(int)
+  lds: dict = defaultdict(int)
+  mem: dict = {}
+  mults, stack, skip = 1, [], set()
+  if ignore_indexing:
+    for u in uops:
+      if u.op in {Ops.LOAD, Ops.STORE}:
+        skip |= set((UOp.sink(*u.src[0].src[1:]) if u.src[0].op is Ops.INDEX else u.src[0]).toposort(lambda x: x.op is not Ops.RANGE))
+        if len(u.src) > 2: skip |= set(u.src[2].toposort())
+      elif u.op is Ops.IF: skip |= set(u.src[0].toposort())
+  for u in uops:
+    if u.op in {Ops.LOAD, Ops.STORE}:
+      buf = u
+      while len(buf.src): buf = buf.src[0]
+      if buf.op is Ops.PARAM:
+        got = mem.get((buf, u.op), 0) + u.src[0].dtype.base.itemsize * mults
+        mem[(buf, u.op)] = smin(got, buf.ptrdtype.nbytes()) if buf.ptrdtype.size != -1 else got
+    if u.op is Ops.RANGE:
+      stack.append(mults)
+      mults = mults * u.src[0].ssimplify()
+      if isinstance(mults, UOp): mults = mults.substitute({x: x.const_like(0) for x in mults.toposort() if x.op is Ops.SPECIAL})
+    elif u.op is Ops.END: mults = stack.pop(-1)
+    elif u.op is Ops.SPECIAL: mults = mults * u.src[0].ssimplify()
+    elif u.op is Ops.DEFINE_VAR and u.arg[0] == "core_id": mults = mults * (u.arg[2] + 1)
+    elif u.op is Ops.LOAD and (not isinstance(u.src[0].dtype, PtrDType) or u.src[0].dtype.addrspace != AddrSpace.REG): lds[mults] += u.dtype.itemsize
+    elif u.op is Ops.STORE and (not isinstance(u.src[0].dtype, PtrDType) or u.src[0].dtype.addrspace != AddrSpace.REG):
+      lds[mults] += u.src[1].dtype.itemsize
+    elif u.op in GroupOp.ALU and u not in skip: flops[mults] += (2 if u.op is Ops.MULACC else 1) * u.dtype.count
+    elif u.op is Ops.WMMA and u not in skip: flops[mults] += 2 * prod(u.arg[1]) // u.arg[5]
+  total = lambda d: sum((m * n for m, n in d.items()), 0)  # noqa: E731
+  return Estimates(total(flops), total(lds), sum(mem.values()))
+
+
+# --- wide loads -----------------------------------------------------------------------------------
+_NARROW = '([16,8,4,2] if "AMX" in ctx.target.arch else [4,2])'
+_WIDE = f'([{VEC},8,4,2] if ("AMX" in ctx.target.arch or (ctx.target.device == "CPU" and "Clang" in type(ctx).__name__)) else [4,2])'
+
+
+def _widen_loads() -> bool:
+  """Let the devectorizer fold a CPU's float loads and stores up to VEC wide (tinygrad 0.13 folds 4 at most but for
+  AMX). The function's code is swapped in place, as its pattern matcher holds the function object itself."""
+  from tinygrad.codegen.late import devectorizer
+  fn = devectorizer.split_load_store
+  src = inspect.getsource(fn)
+  if _NARROW not in src: return _WIDE in src or fn.__code__.co_name != "split_load_store"
+  ns: dict = {}
+  exec(compile(src.replace(_NARROW, _WIDE), devectorizer.__file__, "exec"), devectorizer.__dict__, ns)  # noqa: S102
+  fn.__code__ = ns["split_load_store"].__code__
+  return True
+
+
+def install() -> bool:
+  """Put loop_optimizations in place of tinygrad's heuristic (the rows path needs it whatever PYRUNTIME_LOOP_OPTS says:
+  it is what keeps reduce-axis opts out of its kernels) and, unless PYRUNTIME_LOOP_OPTS=0, widen the CPU's float loads.
+  Once, before any kernel compiles. Returns whether the loop schedules are on."""
+  from tinygrad.renderer import Estimates
+  Estimates.from_uops = staticmethod(_estimates)  # needed by the rows path's kernels whatever their schedule
+  heuristic.hand_coded_optimizations = loop_optimizations
+  return ENABLED and _widen_loads()

@@ -1,0 +1,56 @@
+"""What a captured graph launches, read from tinygrad's captured schedule: each kernel's name, grid and block sizes
+(threads launched), and the compiled program (source and binary). bench/kernels.py reports it per decode step; the
+compile lane (tests/integration/test_device_lanes.py) checks that every graph became sm_90 code."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tinygrad import TinyJit
+from tinygrad.helpers import prod
+from tinygrad.uop.ops import Ops, UOp
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass(frozen=True)
+class Launch:
+  name: str
+  device: str
+  global_size: tuple[int, ...]
+  local_size: tuple[int, ...]
+  source: str
+  binary: bytes
+
+  @property
+  def threads(self) -> int | None:
+    """Threads launched (grid × block), None where a size depends on the step (a symbolic context length)."""
+    return None if -1 in self.global_size + self.local_size else prod(self.global_size) * prod(self.local_size)
+
+  @property
+  def cuda_sm(self) -> int | None:
+    """The SM architecture a CUDA ELF binary (cubin) was compiled for (its e_flags' low byte), else None."""
+    return self.binary[48] if self.binary[:4] == b"\x7fELF" and len(self.binary) > 52 else None
+
+
+def launches(jit: TinyJit) -> list[Launch]:
+  """Every kernel launch of one replay of a captured graph, in order: a traced block's function called for each of the
+  stage's blocks counts its kernels once a call (copies are not kernels)."""
+  if jit.captured is None: raise ValueError("the graph is not captured yet")
+  return list(_walk(jit.captured.linear))
+
+
+def _walk(linear: UOp) -> Iterator[Launch]:
+  for call in linear.src:
+    if call.op is not Ops.CALL or not call.src: continue
+    head = call.src[0]
+    if head.op is Ops.PROGRAM: yield _launch(head)
+    elif head.op is Ops.CUSTOM_FUNCTION: yield from (k for body in head.src if body.op is Ops.LINEAR for k in _walk(body))
+
+
+def _launch(prog: UOp) -> Launch:
+  src, info = {s.op: s.arg for s in prog.src}, prog.arg
+  size = lambda xs: tuple(x if isinstance(x, int) else -1 for x in xs or ())  # noqa: E731 -- -1: a symbolic size
+  return Launch(_ANSI.sub("", info.name), str(src.get(Ops.DEVICE, "")), size(info.global_size), size(info.local_size),
+                src.get(Ops.SOURCE, ""), src.get(Ops.BINARY, b""))

@@ -1,0 +1,428 @@
+"""The batched path of a dense stage: prompt rows and decode rows through the same kernels, with the same bits.
+
+Every position a stream computes (a prompt token, a decode token, later a drafted token under verification) is a
+row, and a row's numbers depend on nothing but its stream: its input, its position and the keys and values its
+stream holds before it. That is the exactness contract (docs/stage-ownership.md, "Exactness"). It holds because:
+
+- one piece of code computes a row in both graphs: `prefill` (rows of one stream at consecutive positions, any count
+  up to MAX_ROWS, symbolic) and `decode` (one row for each stream in a window of KV slots, in one of a few fixed
+  shapes). Both call `_layer`, which differs between them only in how the new keys and values are written;
+- no kernel ever mixes rows: projections, norms and the attention of row r read only row r (and its stream's cache);
+- every sum is sequential over its reduce axis (kernel_opts.rows_schedule applies no reduce-axis opt), so a row's
+  value does not depend on how many rows run beside it or where a prompt was cut;
+- keys past a row's position are masked to exact zeros (`where`, not an addition, so stale cache bytes never reach
+  a sum), and masked terms add exact zeros: the attended length changes no bit.
+
+Rows are padded to ROW_UNIT (the padding rows compute at later positions of the same stream and are overwritten
+before anything reads them) and the attended length to KV_UNIT, so that the schedule can split rows and keys over
+the CPU's threads and vector lanes. The caches are laid out for this path: keys transposed, (slot, kv head, head
+dim, position), so a row's scores for VEC consecutive positions come from one vector load; values (slot, kv head,
+position, head dim). They hold float32 whatever the weights (tinygrad's default float), and are not zeroed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tinygrad import Tensor, TinyJit, UOp, dtypes, function
+from tinygrad.helpers import prod
+from tinygrad.llm.gguf import ggml_data_to_tensor
+from tinygrad.llm.model import TransformerBlock
+from tinygrad.uop.ops import KernelInfo
+
+from pyruntime import errors
+from pyruntime.modelfile.boundary import DTYPES
+from pyruntime.protocol import MAX_CHUNK
+from pyruntime.stage import device_memory, kernel_opts
+
+MAX_ROWS = MAX_CHUNK  # the most rows one prefill call takes: a stage's largest prompt chunk
+ROW_UNIT = 16    # prompt rows are padded to a multiple of this (kernel_opts.ROWS x two threads)
+KV_UNIT = 32     # attended lengths are padded to a multiple of this (kernel_opts.VEC x two threads)
+
+
+def _round(n: int, unit: int) -> int: return -(-n // unit) * unit
+
+
+def _linear(lin: Any, x: Tensor) -> Tensor:
+  """nn.Linear's x @ weight.T (+ bias), from the matrix's column blocks (outputs / VEC, inputs, VEC) when the stage keeps
+  them (realized weights: StageModel._load_weights): for each block of VEC outputs the kernel reads one run of memory,
+  every input's VEC weights in a row, instead of VEC floats per row of the whole matrix. The same sum over the inputs."""
+  if (wb := getattr(lin, "rows_blocked", None)) is None: return lin(x)
+  *lead, K = x.shape
+  y = (x.reshape(*lead, 1, K, 1) * wb).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
+  return y if lin.bias is None else y + lin.bias
+
+
+def _put(dsts: tuple[Tensor, ...], arrays: tuple[np.ndarray, ...]) -> None:
+  """Each host array into the first bytes of its staging tensor (the rest keeps what it held: rows no graph reads)."""
+  for dst, arr in zip(dsts, arrays, strict=True): device_memory.write(dst.uop.buffer, arr)
+
+
+def _join(dst: Tensor, parts: list[tuple[Tensor, Any, Any]]) -> Tensor:
+  """`dst` (1, n, w) after each part (1, rows, w) was stored at its row offset; its first sum(rows) rows."""
+  for t, at, rows in parts: dst = Tensor(dst.uop.after(dst[:, at:at + rows].uop.store(t.uop)))
+  return dst[:, :sum(rows for _, _, rows in parts)]
+
+
+def _scatter(flat: Tensor, rows: Tensor, at: Tensor, stride_a: int, stride_b: int) -> Tensor:
+  """`flat` after element (i, a, b) of rows (n, A, B) is written at at[i] + a * stride_a + b * stride_b: one small kernel
+  (tinygrad has no indexed store but a custom kernel's). Returns `flat` ordered after the writes."""
+  n, A, B = rows.shape
+
+  def kernel(dst: UOp, src: UOp, where: UOp) -> UOp:
+    i, a, b = UOp.range(n, 0), UOp.range(A, 1), UOp.range(B, 2)
+    return dst[where[i].cast(dtypes.weakint) + a * stride_a + b * stride_b].store(src[i, a, b]).end(i, a, b).sink(
+      arg=KernelInfo(name="kv_scatter", opts_to_apply=()))
+  return flat.custom_kernel(rows, at, fxn=kernel)[0]
+
+
+class RowPath:
+  """The prefill and decode graphs of one StageModel (dense blocks), and the caches they share. Its length (~370 lines,
+  ~30 attributes) is those shared buffers (keys and values, positions, masks, staging) and the graphs captured over
+  them: one object, since every graph closes over the same buffers."""
+
+  def __init__(self, m: Any):  # the StageModel that owns this path (model.py imports this module, not the reverse)
+    self.m, cfg = m, m.config
+    self.slots = m.slots
+    self.length = _round(cfg.max_context + MAX_ROWS, KV_UNIT)  # a chunk's padding rows may run past the context
+    self.v_rows = UOp.variable("rows16", 1, MAX_ROWS // ROW_UNIT)
+    self.v_kv = UOp.variable("kv32", 1, self.length // KV_UNIT)
+    self.v_kvp = UOp.variable("kvp32", 1, self.length // KV_UNIT)  # the prompt's attended length in a mixed step
+    self.v_slot = UOp.variable("slot", 0, self.slots - 1)
+    self.v_start = UOp.variable("start", 0, cfg.max_context - 1)
+    self.v_lo = UOp.variable("window", 0, max(self.slots - 1, 1))
+    self.prefill_jit: TinyJit | None = None    # made on first use (StageModel._jit: from the graph cache, or captured)
+    self.decode_jits: dict[int, TinyJit] = {}
+    self.mixed_jits: dict[int, TinyJit] = {}
+    self.rope_host = m.blk[0].freqs_cis.numpy()  # the reference's table: a row's cos|sin, gathered on the host
+    width = m._embd_row_bytes if m.is_head else cfg.dim
+    dt = dtypes.uint8 if m.is_head else m._bdtype
+    self.prefill_in, self.prefill_pos = m._empty((MAX_ROWS, width), dt), m._empty((MAX_ROWS,), dtypes.int32)
+    self.prefill_rope = m._empty((MAX_ROWS, cfg.rope_dim), dtypes.float32)
+    self.decode_in, self.decode_pos = m._empty((self.slots, width), dt), m._empty((self.slots,), dtypes.int32)
+    self.decode_rope = m._empty((self.slots, cfg.rope_dim), dtypes.float32)
+    self.decode_at_k, self.decode_at_v = m._empty((self.slots,), dtypes.int32), m._empty((self.slots,), dtypes.int32)
+    # a mixed step's inputs (the window's rows, then the prompt's), and where its parts are joined: per block the attention's
+    # output, on the tail the rows whose logits are wanted
+    n = self.slots + MAX_ROWS
+    self.mixed_in, self.mixed_pos = m._empty((n, width), dt), m._empty((n,), dtypes.int32)
+    self.mixed_rope = m._empty((n, cfg.rope_dim), dtypes.float32)
+    self.mixed_at_k, self.mixed_at_v = m._empty((n,), dtypes.int32), m._empty((n,), dtypes.int32)
+    self.joins = [m._empty((1, n, cfg.n_heads * cfg.head_dim), dtypes.float32) for _ in m.blk]
+    self.tail_join = m._empty((1, self.slots + ROW_UNIT, cfg.dim), dtypes.float32) if m.is_tail else None
+    for t in (self.prefill_in, self.decode_in): t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))  # padding rows read zeros
+    self.arange = Tensor.arange(self.length, dtype=dtypes.int32, device=m.device).contiguous().realize()
+    self._caches: list[tuple[Tensor, Tensor]] | None = None
+
+  # --- caches ------------------------------------------------------------------------------------
+  @property
+  def caches(self) -> list[tuple[Tensor, Tensor]]:
+    """Per block, flat: keys (slots + 1, kv heads, head dim, positions) and values (slots + 1, kv heads, positions, head
+    dim). The last slot takes a decode window's filler rows' writes (never read)."""
+    if self._caches is None:
+      self._caches = []
+      for _ in self.m.blk:
+        # not zeroed: a position no row may see is masked out of the scores and the values (_attend), so whatever bytes it
+        # holds never reach a sum, and the pages are only touched once a stream gets that far
+        self._caches.append((self.m._empty((self.cache_elems,), dtypes.float32), self.m._empty((self.cache_elems,), dtypes.float32)))
+    return self._caches
+
+  @property
+  def cache_elems(self) -> int:
+    c = self.m.config
+    return (self.slots + 1) * c.n_kv_heads * c.head_dim * self.length
+
+  def key_view(self, k: Tensor) -> Tensor:
+    c = self.m.config
+    return k.reshape(self.slots + 1, c.n_kv_heads, c.head_dim, self.length)
+
+  def value_view(self, v: Tensor) -> Tensor:
+    c = self.m.config
+    return v.reshape(self.slots + 1, c.n_kv_heads, self.length, c.head_dim)
+
+  @property
+  def cache_bytes(self) -> int: return sum(k.nbytes() + v.nbytes() for k, v in self._caches or [])
+
+  def prefill_graph(self) -> TinyJit:
+    if self.prefill_jit is None: self.prefill_jit = self.m._jit("rows-prefill", self._prefill_graph)
+    return self.prefill_jit
+
+  def decode_graph(self, W: int) -> TinyJit:
+    if (jit := self.decode_jits.get(W)) is None: jit = self.decode_jits[W] = self.m._jit(f"rows-decode-{W}", self._decode_graph)
+    return jit
+
+  def bound_tensors(self) -> dict[str, Tensor]:
+    """This path's own buffers by stable names (pyruntime/stage/graph_cache.py): staging, caches, the position table."""
+    out = {"rows.prefill_in": self.prefill_in, "rows.prefill_pos": self.prefill_pos, "rows.prefill_rope": self.prefill_rope,
+           "rows.decode_in": self.decode_in, "rows.decode_pos": self.decode_pos, "rows.decode_rope": self.decode_rope,
+           "rows.decode_at_k": self.decode_at_k, "rows.decode_at_v": self.decode_at_v, "rows.arange": self.arange,
+           "rows.mixed_in": self.mixed_in, "rows.mixed_pos": self.mixed_pos, "rows.mixed_rope": self.mixed_rope,
+           "rows.mixed_at_k": self.mixed_at_k, "rows.mixed_at_v": self.mixed_at_v}
+    out.update({f"rows.join.{i}": t for i, t in enumerate(self.joins)})
+    if self.tail_join is not None: out["rows.tail_join"] = self.tail_join
+    for i, (k, v) in enumerate(self.caches): out.update({f"rows.k.{i}": k, f"rows.v.{i}": v})
+    return out
+
+  # --- one layer, shared by both graphs ---------------------------------------------------------------
+  def _qkv(self, b: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """TransformerBlock._attention's projections, norms and rotary embedding for x (B, T, dim), each row at its own
+    position (cos, sin: (B, 1, T, rope_dim / 2)). Returns q (B, H, T, Hd), k and v (B, KvH, T, Hd)."""
+    c = b.config
+    B, T, _ = x.shape
+    x = x.contiguous()  # normed: see _blocks
+    q, k, v = _linear(b.attn_q, x), _linear(b.attn_k, x), _linear(b.attn_v, x)
+    if c.qk_norm and c.qk_norm != c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
+    q = q.reshape(B, T, c.n_heads, c.head_dim).transpose(1, 2)
+    k = k.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+    v = v.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+    if c.qk_norm == c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
+    def rope(t: Tensor) -> Tensor:
+      t1, t2 = t[..., :c.rope_dim].chunk(2, dim=-1)
+      return (t1 * cos - t2 * sin).cat(t2 * cos + t1 * sin, dim=-1).cat(t[..., c.rope_dim:], dim=-1)
+    return rope(q).contiguous(), rope(k), v
+
+  def _attend(self, b: TransformerBlock, q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, kv: UOp | int) -> Tensor:
+    """Scaled dot-product attention of q (B, H, T, Hd) over keys (B, KvH, Hd, kv) and values (B, KvH, kv, Hd), row
+    (b, t) seeing positions 0..pos[b, t] (pos: (B, 1, T, 1)); as tinygrad's (GQA by kv head groups, the scale a
+    division, softmax), with masked scores replaced rather than added to. Returns (B, T, H * Hd)."""
+    c = b.config
+    B, _, T, Hd = q.shape
+    G = c.n_heads // c.n_kv_heads
+    qg = q.reshape(B, c.n_kv_heads, G * T, Hd)  # head h uses kv head h // G, as repeat_interleave has it
+    scores = qg.matmul(keys, dtype=dtypes.float32) / float(np.sqrt(Hd))   # (B, KvH, G*T, kv)
+    seen = self.arange[:kv].reshape(1, 1, 1, kv)
+    hidden = (seen > pos.reshape(B, 1, 1, T, 1).expand(B, 1, G, T, 1).reshape(B, 1, G * T, 1))
+    w = hidden.where(float("-inf"), scores).softmax(-1).contiguous()
+    # the caches are not zeroed: a position past every row of a slot gets weight 0, and its value is made 0 as well, since
+    # 0 * stale bytes (a NaN, even) must not reach the sum; a position some row sees was written this step or before
+    last = pos.reshape(B, 1, T).max(-1).reshape(B, 1, 1, 1)
+    out = w @ (self.arange[:kv].reshape(1, 1, kv, 1) > last).where(0.0, values)  # (B, KvH, G*T, Hd)
+    return out.reshape(B, c.n_kv_heads, G, T, Hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.n_heads * Hd)
+
+  def _blocks(self, x: Tensor, attention) -> Tensor:
+    """x through the stage's blocks; `attention(block, normed x)` is the graph's attention (write, then attend).
+
+    Every input of a sum that carries a factor of its row (a norm's scale, softmax's 1 / sum) is made a buffer of its
+    own (`contiguous`): fused into the sum, tinygrad takes such a factor out of it (sum(x * r * w) -> r * sum(x * w)),
+    which rounds differently, and whether it fuses depends on the graph's shapes. As buffers, both graphs sum the
+    same stored values."""
+    def call(b: TransformerBlock, x: Tensor) -> Tensor:
+      @function(allow_implicit=True)
+      def _run(x: Tensor) -> Tensor:
+        h = x + _linear(b.attn_output, attention(b, b.attn_norm(x)))
+        n = b.ffn_norm(h).contiguous()
+        # tinygrad's dense feed-forward (FFNBlock._feed_forward), through the column-blocked matrices
+        return (h + _linear(b.ffn_down, _linear(b.ffn_gate, n).silu().contiguous() * _linear(b.ffn_up, n))).contiguous()
+      return _run(x)
+    return self.m._blocks(x, call)
+
+  def _ingress(self, inp: Tensor, rows: int | UOp, B: int, T: int | UOp) -> Tensor:
+    """The graph's input rows as float (B, T, dim): on the head, the token embedding from raw GGML rows (the
+    reference's arithmetic: dequantise, cast to float16, then float); elsewhere the residual in the boundary dtype."""
+    m = self.m
+    if m.is_head:
+      n = inp.shape[0] * m.dim
+      w = ggml_data_to_tensor(inp.flatten(), n, m._embd_info.ggml_type).reshape(inp.shape[0], m.dim)
+      if m.half: w = w.cast("float16")
+      return w[:rows].reshape(B, T, m.dim).float()
+    x = inp[:rows].reshape(B, T, m.dim)
+    return x.float() if m._bdtype != dtypes.float32 else x
+
+  def _egress(self, x: Tensor) -> Tensor:
+    """Rows (n, 1, dim) or (1, n, dim) out: the tail's logits (n, vocab), else the residual in the boundary dtype."""
+    m = self.m
+    if m.is_tail: return _linear(m.output, m.output_norm(x).contiguous()).reshape(-1, m.vocab_size).contiguous()
+    return (x.cast(m._bdtype) if m._bdtype != dtypes.float32 else x).contiguous()
+
+  # --- prefill: rows of one stream ------------------------------------------------------------------
+  def _prefill_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, rows16: UOp, slot: UOp, start: UOp, kv32: UOp) -> Tensor:
+    R, kv = rows16 * ROW_UNIT, kv32 * KV_UNIT
+    cd = self.m.config.rope_dim
+    cos, sin = rope[:R].reshape(1, 1, R, cd).chunk(2, dim=-1)
+    p = pos[:R].reshape(1, 1, R, 1)
+    for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True): b.rows_k, b.rows_v = kc, vc
+
+    def attention(b: TransformerBlock, x: Tensor) -> Tensor:
+      q, k, v = self._qkv(b, x, cos, sin)
+      kc, vc = self._write_rows(b.rows_k, b.rows_v, k, v, slot, start, R)
+      return self._attend(b, q, self.key_view(kc)[slot:slot + 1, :, :, :kv], self.value_view(vc)[slot:slot + 1, :, :kv, :], p, kv)
+    x = self._blocks(self._ingress(inp, R, 1, R), attention)
+    if self.m.is_tail: x = x[:, R - ROW_UNIT:R]  # the last real row is among the last ROW_UNIT (ROWS rows would do too)
+    return self._egress(x)
+
+  def _write_rows(self, kc: Tensor, vc: Tensor, k: Tensor, v: Tensor, slot: UOp, start: UOp, R: UOp) -> tuple[Tensor, Tensor]:
+    """The flat caches after rows k, v (1, KvH, R, Hd) of one stream went into consecutive positions start.. of its slot;
+    the padding rows' too (read by no row before a later one overwrites them)."""
+    kd, vd = self.key_view(kc)[slot:slot + 1, :, :, start:start + R], self.value_view(vc)[slot:slot + 1, :, start:start + R, :]
+    return Tensor(kc.uop.after(kd.uop.store(k.transpose(2, 3).uop))), Tensor(vc.uop.after(vd.uop.store(v.uop)))
+
+  def prefill(self, slot: int, inp: np.ndarray, start: int, every_row: bool = False) -> Tensor:
+    """Rows inp (T tokens or (T, dim)) of the stream in `slot` at positions start..start+T-1, T <= MAX_ROWS. Returns,
+    realized: the residual (1, T, dim), or on the tail the logits (vocab,) of the last row (`every_row`, T <= ROW_UNIT:
+    a list of every row's logits, which the graph computes anyway). May alias an internal buffer."""
+    m = self.m
+    T = len(inp)
+    if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
+    R = _round(T, ROW_UNIT)
+    _put((self.prefill_in, self.prefill_pos, self.prefill_rope), self._prefill_inputs(inp, start, R))
+    with kernel_opts.rows_schedules():
+      ret = self.prefill_graph()(self.prefill_in, self.prefill_pos, self.prefill_rope, self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot),
+                             self.v_start.bind(start), self.v_kv.bind(_round(start + R, KV_UNIT) // KV_UNIT))
+    buf = ret.uop.buf_uop.buffer
+    if m.is_tail: return self._tail_rows(buf, T, R, 0, every_row)
+    return m._view(buf, (1, T, m.dim))
+
+  def _tail_rows(self, buf: Any, T: int, R: int, at: int, every_row: bool) -> Any:
+    """The tail's logits of a chunk of T rows (padded to R) that start `at` rows into the graph's output, which holds the
+    last ROW_UNIT rows of the chunk: the last row's (vocab,), or with `every_row` (T <= ROW_UNIT) all of them (T, vocab)."""
+    m = self.m
+    if not every_row: return m._view(buf, (m.vocab_size,), (at + T - 1 - (R - ROW_UNIT)) * m.vocab_size)
+    if T > ROW_UNIT: raise errors.ActivationExtentInvalid(f"every row's logits: at most {ROW_UNIT} rows, got {T}")
+    return [m._view(buf, (m.vocab_size,), (at + i) * m.vocab_size) for i in range(T)]
+
+  def _prefill_inputs(self, inp: np.ndarray, start: int, R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prompt's R rows (T real, then zeros as padding: a padding row's values reach no real row), their positions and
+    rotary rows, on the host (on the head: the raw embedding rows, gathered from the file's mmap)."""
+    m = self.m
+    rows = m._embd_rows[np.asarray(inp, dtype=np.uint32)] if m.is_head else np.asarray(inp)
+    padded = np.zeros((R, *rows.shape[1:]), rows.dtype)
+    padded[:len(rows)] = rows
+    pos = np.arange(start, start + R, dtype=np.int32)
+    return padded, pos, self.rope_host[np.minimum(pos, len(self.rope_host) - 1)]  # padding rows: any finite row
+
+  # --- decode: one row for each stream of a window of slots -------------------------------------------
+  def _decode_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, at_k: Tensor, at_v: Tensor, W: int, lo: UOp, kv32: UOp) -> Tensor:
+    c, kv = self.m.config, kv32 * KV_UNIT
+    cos, sin = rope[:W].reshape(W, 1, 1, c.rope_dim).chunk(2, dim=-1)
+    p = pos[:W].reshape(W, 1, 1, 1)
+    ak, av = at_k[:W], at_v[:W]
+    for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True): b.rows_k, b.rows_v = kc, vc
+
+    def attention(b: TransformerBlock, x: Tensor) -> Tensor:
+      q, k, v = self._qkv(b, x, cos, sin)
+      kc, vc = self._scatter_rows(b.rows_k, b.rows_v, k, v, ak, av)
+      return self._attend(b, q, self.key_view(kc)[lo:lo + W, :, :, :kv], self.value_view(vc)[lo:lo + W, :, :kv, :], p, kv)
+    return self._egress(self._blocks(self._ingress(inp, W, W, 1), attention))
+
+  def _scatter_rows(self, kc: Tensor, vc: Tensor, k: Tensor, v: Tensor, ak: Tensor, av: Tensor) -> tuple[Tensor, Tensor]:
+    """The flat caches after each decode row's key and value (k, v: (W, KvH, 1, Hd)) went into its own slot at its own
+    position (a filler's into the spare slot): element offsets ak, av."""
+    c = self.m.config
+    W = k.shape[0]
+    return (_scatter(kc, k.reshape(W, c.n_kv_heads, c.head_dim), ak, c.head_dim * self.length, self.length),
+            _scatter(vc, v.reshape(W, c.n_kv_heads, c.head_dim), av, self.length * c.head_dim, 1))
+
+  def window(self, slots: list[int]) -> tuple[int, int]:
+    """(first slot, rows) of the decode window holding `slots`: the smallest power of two of consecutive slots from the
+    lowest one (at most every slot), moved down where it would run past the last slot."""
+    rows = min(self.slots, 1 << (max(slots) - min(slots)).bit_length())
+    return min(min(slots), self.slots - rows), rows
+
+  def decode(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> Tensor:
+    """One decode row for each of `slots` (row i of inp at positions[i]). Returns, realized, (W, 1, dim) or on the tail
+    (W, vocab): row r belongs to slot lo + r (`window`), the others are fillers. May alias an internal buffer."""
+    m = self.m
+    lo, W = self.window(slots)
+    _put((self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v), self._decode_inputs(slots, inp, positions, lo, W))
+    with kernel_opts.rows_schedules():
+      ret = self.decode_graph(W)(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),
+                                 self.v_kv.bind(_round(max(positions) + 1, KV_UNIT) // KV_UNIT))
+    return m._view(ret.uop.buf_uop.buffer, (W, m.vocab_size) if m.is_tail else (W, 1, m.dim))
+
+  def _decode_inputs(self, slots: list[int], inp: np.ndarray, positions: list[int], lo: int, W: int) -> tuple[np.ndarray, ...]:
+    """A decode window's inputs on the host: each row's input row, position (-1 for a filler), rotary row and cache
+    offsets. A filler's row is zeros: it sees no key, computes NaN in its own row only, and writes into the spare slot."""
+    m, c = self.m, self.m.config
+    at = np.asarray(slots) - lo
+    pos = np.full(W, -1, dtype=np.int32)
+    pos[at] = positions
+    where = np.full(W, self.slots, dtype=np.int64)  # fillers write into the spare slot, at position 0
+    where[at] = slots
+    ak, av = self._offsets(where, np.maximum(pos, 0))
+    rope = np.zeros((W, c.rope_dim), np.float32)
+    rope[at] = self.rope_host[list(positions)]
+    if m.is_head:
+      rows = np.zeros((W, m._embd_row_bytes), np.uint8)
+      rows[at] = m._embd_rows[np.asarray(inp, dtype=np.uint32).reshape(-1)]
+    else:
+      rows = np.zeros((W, m.dim), DTYPES[m.boundary_dtype])
+      rows[at] = np.asarray(inp).reshape(len(at), m.dim)
+    return rows, pos, rope, ak, av
+
+  # --- mixed: a decode window and a prompt's rows in one pass over the weights ----------------------------
+  def _mixed_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, at_k: Tensor, at_v: Tensor, W: int, lo: UOp, kv32: UOp, rows16: UOp,
+                   slot: UOp, start: UOp, kvp32: UOp) -> Tensor:
+    """The decode graph's W rows and the prefill graph's R, through the projections and feed-forwards as one batch
+    (the weights are read once for both), each part through its own graph's attention. The parts are joined by
+    stores into buffers of their own, not by a concatenation (whose symbolic bounds tinygrad's codegen cannot gate)."""
+    c, R, kv, kvp = self.m.config, rows16 * ROW_UNIT, kv32 * KV_UNIT, kvp32 * KV_UNIT
+    cos, sin = rope[:W + R].reshape(1, 1, W + R, c.rope_dim).chunk(2, dim=-1)
+    pd, pp = pos[:W].reshape(W, 1, 1, 1), pos[W:W + R].reshape(1, 1, R, 1)
+    ak, av = at_k[:W + MAX_ROWS], at_v[:W + MAX_ROWS]
+    for b, (kc, vc), join in zip(self.m.blk, self.caches, self.joins, strict=True): b.rows_k, b.rows_v, b.rows_join = kc, vc, join
+
+    def attention(b: TransformerBlock, x: Tensor) -> Tensor:
+      q, k, v = self._qkv(b, x, cos, sin)  # (1, heads, W + R, Hd)
+      rows = lambda t: t[:, :, :W].permute(2, 1, 0, 3)  # noqa: E731 - the decode part as the decode graph has it: (W, heads, 1, Hd)
+      # every row's key and value through one scatter (a second write into the cache in the same graph, a store, makes
+      # tinygrad copy the whole cache first)
+      # (a custom kernel takes fixed shapes: the rows, computed, then padded to W + MAX_ROWS, the padding written into the
+      # spare slot)
+      full = lambda t: t.permute(2, 1, 0, 3).contiguous().pad(((0, MAX_ROWS - R), None, None, None))  # noqa: E731
+      kc, vc = self._scatter_rows(b.rows_k, b.rows_v, full(k), full(v), ak, av)
+      dec = self._attend(b, rows(q), self.key_view(kc)[lo:lo + W, :, :, :kv], self.value_view(vc)[lo:lo + W, :, :kv, :], pd, kv)
+      pre = self._attend(b, q[:, :, W:W + R], self.key_view(kc)[slot:slot + 1, :, :, :kvp], self.value_view(vc)[slot:slot + 1, :, :kvp, :],
+                         pp, kvp)
+      return _join(b.rows_join, [(dec.reshape(1, W, -1), 0, W), (pre, W, R)])
+    x = self._blocks(self._ingress(inp, W + R, 1, W + R), attention)
+    if self.m.is_tail: x = _join(self.tail_join, [(x[:, :W], 0, W), (x[:, W + R - ROW_UNIT:W + R], W, ROW_UNIT)])
+    return self._egress(x)
+
+  def mixed(self, slots: list[int], dec_inp: np.ndarray, positions: list[int], slot: int, pre_inp: np.ndarray, start: int,
+            every_row: bool = False) -> tuple[Tensor, Tensor]:
+    """decode(slots, dec_inp, positions) and prefill(slot, pre_inp, start) in one pass: the same results (bit for bit: the
+    same per-row code and sums), in less time than the two apart. Returns (what decode returns, what prefill returns),
+    views of one buffer."""
+    m = self.m
+    T = len(pre_inp)
+    if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
+    # always the window of every slot: one mixed graph to prepare, not one per window (a filler row costs little beside
+    # a chunk's rows)
+    lo, W = 0, self.slots
+    R = _round(T, ROW_UNIT)
+    d_in, d_pos, d_rope, d_ak, d_av = self._decode_inputs(slots, dec_inp, positions, lo, W)
+    p_in, p_pos, p_rope = self._prefill_inputs(pre_inp, start, R)
+    # the prompt's rows' cache offsets after the window's, then the padding's (into the spare slot)
+    p_ak, p_av = self._offsets(np.r_[np.full(R, slot), np.full(MAX_ROWS - R, self.slots)], np.r_[np.arange(start, start + R), np.zeros(MAX_ROWS - R)])
+    # the mixed graph's inputs: the window's rows, then the prompt's, composed on the host and copied once each
+    _put((self.mixed_in, self.mixed_pos, self.mixed_rope, self.mixed_at_k, self.mixed_at_v),
+         (np.concatenate([d_in, p_in]), np.r_[d_pos, p_pos], np.concatenate([d_rope, p_rope]), np.r_[d_ak, p_ak], np.r_[d_av, p_av]))
+    kv, kvp = _round(max(positions) + 1, KV_UNIT) // KV_UNIT, _round(start + R, KV_UNIT) // KV_UNIT
+    with kernel_opts.rows_schedules():
+      ret = self.mixed_graph(W)(self.mixed_in, self.mixed_pos, self.mixed_rope, self.mixed_at_k, self.mixed_at_v, W, self.v_lo.bind(lo),
+                                self.v_kv.bind(kv), self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot), self.v_start.bind(start),
+                                self.v_kvp.bind(kvp))
+    buf = ret.uop.buf_uop.buffer
+    if m.is_tail: return m._view(buf, (W, m.vocab_size)), self._tail_rows(buf, T, R, W, every_row)
+    return m._view(buf, (W, 1, m.dim)), m._view(buf, (1, T, m.dim), W * m.dim)
+
+  def mixed_rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
+    """The rows of a mixed step's decode part, in the order of `slots` (its window is every slot, from slot 0)."""
+    return self.rows_of(batch, slots, lo=0)
+
+  def mixed_graph(self, W: int) -> TinyJit:
+    if (jit := self.mixed_jits.get(W)) is None: jit = self.mixed_jits[W] = self.m._jit("rows-mixed", self._mixed_graph)
+    return jit
+
+  def _offsets(self, slots: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's element offset of (slot, kv head 0, dim 0, position) in the flat key cache, and of (slot, 0, position, 0)
+    in the value cache (_scatter_rows adds the rest)."""
+    c, L = self.m.config, self.length
+    slots, positions = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
+    return ((slots * c.n_kv_heads * c.head_dim * L + positions).astype(np.int32),
+            (slots * c.n_kv_heads * L * c.head_dim + positions * c.head_dim).astype(np.int32))
+
+  def rows_of(self, batch: Tensor, slots: list[int], lo: int | None = None) -> list[Tensor]:
+    """The rows of a decode result, in the order of `slots`, each a realized view (no copy)."""
+    buf, row, lo = batch.uop.buffer, prod(batch.shape[1:]), self.window(slots)[0] if lo is None else lo
+    return [device_memory.view(buf, batch.shape[1:], (s - lo) * row) for s in slots]

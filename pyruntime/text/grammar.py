@@ -1,0 +1,109 @@
+"""Structured output: a response_format turned into a grammar (llguidance), and the per-stream matcher that masks the
+tail's logits so every answer parses and validates.
+
+The launcher turns a request's `response_format` into a grammar and checks it against the model's vocabulary in the
+caller's thread (a bad schema is an InvalidOption naming the field, before anything runs); the grammar goes to the tail
+over its control channel (SetGrammar) just before the stream's OPEN record, so the rings keep their small records; the
+tail builds the stream's matcher and, before each sample, masks the row's logits with the tokens the
+grammar allows (one row at a time: a constrained stream's tokens do not depend on its batch, and unconstrained rows
+pay nothing). llguidance computes a mask in tens of microseconds from the GGUF's own vocabulary (token bytes, special
+tokens, end tokens), bridged here.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from pyruntime import errors
+
+MAX_SCHEMA_BYTES = 32 << 10   # a schema's JSON
+MAX_GRAMMAR_BYTES = 64 << 10  # the grammar made from it, sent to the tail over its control channel (SetGrammar)
+# compact JSON: no free whitespace between tokens, so a weak model cannot spend its budget on blanks
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def grammar_for(response_format: Any) -> str | None:
+  """The grammar of an OpenAI `response_format` (None: free text). InvalidOption naming what is wrong."""
+  if response_format is None: return None
+  if not isinstance(response_format, dict): raise errors.InvalidOption("response_format", "must be an object with a 'type'")
+  kind = response_format.get("type")
+  if kind == "text": return None
+  if kind == "json_object": schema: Any = {"type": "object"}
+  elif kind == "json_schema":
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+      raise errors.InvalidOption("response_format", "json_schema must be an object whose 'schema' is a JSON schema object")
+    schema = spec.get("schema", {})
+  else: raise errors.InvalidOption("response_format", f"type must be 'text', 'json_object' or 'json_schema', not {str(kind)[:40]!r}")
+  text = json.dumps(schema)
+  if len(text) > MAX_SCHEMA_BYTES: raise errors.InvalidOption("response_format", f"the schema is over {MAX_SCHEMA_BYTES} bytes")
+  from llguidance import LLMatcher
+  try: grammar = LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+  except ValueError as e: raise errors.InvalidOption("response_format", f"not a usable JSON schema: {e}") from None
+  if len(grammar) > MAX_GRAMMAR_BYTES: raise errors.InvalidOption("response_format", f"the schema's grammar is over {MAX_GRAMMAR_BYTES} bytes")
+  return grammar
+
+
+def vocabulary(tok: Any) -> Any:
+  """llguidance's view of a pyruntime Tokenizer (its token bytes, special and end tokens), built once per tokenizer and
+  kept on it. A few tenths of a second of Python: the launcher and the tail build it at start (`vocabulary` called
+  there), never on a request's path where it would hold the GIL over every stream's tokens."""
+  if (v := getattr(tok, "_llguidance", None)) is not None: return v
+  from llguidance import LLTokenizer
+  from llguidance._tokenizer import TokenizerWrapper
+
+  from pyruntime.text.tokenizer import CONTROL, UNKNOWN, USER_DEFINED
+
+  class GGUFVocabulary:  # what llguidance's TokenizerWrapper reads
+    special_token_ids = [i for i in range(tok.vocab_size) if tok.token_type(i) in (CONTROL, USER_DEFINED, UNKNOWN)]
+    eos_token_id = tok.eot_id if tok.eot_id is not None else tok.eos_id
+    bos_token_id = tok.bos_id
+    tokens = [tok.token_bytes(i, special=True) for i in range(tok.vocab_size)]
+
+    def __call__(self, s: bytes | str) -> list[int]:
+      return tok.encode(s.decode("utf-8", "replace") if isinstance(s, bytes) else s, parse_special=False)
+  v = tok._llguidance = (tok, LLTokenizer(TokenizerWrapper(GGUFVocabulary()), n_vocab=tok.vocab_size, eos_token=sorted(tok.end_ids)))
+  return v
+
+
+MAX_CHECKED = 256  # grammars that passed, kept per vocabulary: a schema a client repeats is checked once
+
+
+def check(grammar: str, tok: Any, field: str = "response_format") -> None:
+  """InvalidOption naming `field` if llguidance cannot build a matcher of `grammar` over this vocabulary."""
+  checked: dict[str, None] = tok.__dict__.setdefault("_llguidance_checked", {})
+  if grammar in checked: return
+  from llguidance import LLMatcher
+  is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, vocabulary(tok)[1])
+  if is_error: raise errors.InvalidOption(field, f"the schema cannot be enforced: {messages[0][:300]}")
+  if len(checked) >= MAX_CHECKED: checked.pop(next(iter(checked)))
+  checked[grammar] = None
+
+
+class Constraint:
+  """One stream's matcher at the tail: `mask()` before a sample, `take(token)` after it, until `done`."""
+
+  def __init__(self, grammar: str, tok: Any, vocab_size: int):
+    from llguidance import LLMatcher
+    self.matcher = LLMatcher(vocabulary(tok)[1], grammar)
+    if self.matcher.is_error(): raise errors.InvalidOption("response_format", self.matcher.get_error()[:300])
+    self.vocab_size, self.n_tok = vocab_size, tok.vocab_size
+    self.add = np.zeros(vocab_size, np.float32)  # 0 where allowed, -inf elsewhere: added to the row's logits
+
+  def mask(self) -> np.ndarray:
+    bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")[:self.n_tok]
+    self.add[:self.n_tok] = np.where(bits.astype(bool), np.float32(0.0), np.float32(-np.inf))
+    self.add[self.n_tok:] = -np.inf  # the model's padding rows past the vocabulary are never text
+    return self.add
+
+  @property
+  def done(self) -> bool:
+    """The answer is whole: the mask now allows only end tokens."""
+    return self.matcher.is_stopped()
+
+  def take(self, token: int) -> None:
+    """The sampled token goes into the matcher."""
+    if not self.matcher.consume_token(token):
+      raise errors.StreamFailed(None, "GrammarViolation", f"token {token} is outside the grammar: {self.matcher.get_error()[:200]}")

@@ -1,0 +1,138 @@
+"""The GPU path off the GPU, through real stage processes and the rings (docs/control-channel.md#devices).
+
+- Indexed devices: two stages on `CPU:0,CPU:1` (a stage on `CUDA:1` takes the same path: DEV without the index).
+- The CL lane: tinygrad's OpenCL backend on the CPU through PoCL, a GPU-style device (local memory, host <-> device
+  copies that complete later, no buffer views): splits equal one stage and tinygrad's own model on the same device,
+  the prefix cache's hit equals a cold run, speculation on equals off, a MoE and an MLA family, SmolLM2 in 2 stages.
+  Each stage there keeps its weights `quantized` (launch_plan.weights_for: not a CPU) and takes the rows schedule for
+  devices with local memory (kernel_opts).
+- The compile lane: `NULL:i:CUDA:sm_90`, H200's architecture, kernels compiled by NVIDIA's NVRTC and never run
+  (copies out return garbage: NULL_ALLOW_COPYOUT=1), with 3 stages on distinct device indices driven to a `Done`:
+  completion and compiled graphs are asserted, never tokens.
+Missing its device, a lane skips outside CI and fails in CI (conftest.lane_device)."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+from conftest import lane_device
+from test_model import fresh
+from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
+
+from pyruntime.engine.launcher import Done, Launcher
+from pyruntime.stage.launch_report import launches
+
+PROMPT = "The quick brown fox jumps over the lazy dog, and the dog"
+N = 8
+CL = os.environ.get("PYRUNTIME_LANE_DEVICE", "CL")  # bench/gpu_check.sh runs the CL lane's tests on CUDA
+SM90 = "NULL:{}:CUDA:sm_90"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  return write_tiny_gguf(tmp_path_factory.mktemp("lanes") / "llama.gguf", **TINY_MODELS["llama_tied"], context=512)
+
+
+def generate(lm: Launcher, prompt: str = PROMPT, n: int = N, **kw) -> Done:
+  return next(ev for ev in lm.generate(prompt, raw=True, max_tokens=n, ignore_eos=True, **kw) if isinstance(ev, Done))
+
+
+def reference(path, device: str, prompt_ids: list[int], n: int) -> list[int]:
+  """tinygrad's single-process model on `device`, greedy."""
+  from tinygrad.helpers import Context
+  from tinygrad.llm.model import Transformer
+  with Context(DEV=device):
+    ref, _ = Transformer.from_gguf(path, max_context=128)
+    fresh(ref)
+    return list(itertools.islice(ref.generate(list(prompt_ids)), n))
+
+
+def devices_of(lm: Launcher) -> list[str]:
+  return [ev["device"] for ev in lm.events if ev.get("event") == "WorkerReady"]
+
+
+def test_two_stages_on_indexed_devices_equal_one(tiny):
+  with Launcher(tiny, split=[(0, 5)], max_context=128) as one: want = generate(one)
+  with Launcher(tiny, split=[(0, 2), (2, 5)], devices="CPU:0,CPU:1", max_context=128) as two:
+    got = generate(two)
+    assert sorted(devices_of(two)) == ["CPU:0", "CPU:1"]
+  assert got.token_ids == want.token_ids and len(got.token_ids) == N
+
+
+def test_cl_splits_cache_and_speculation_are_exact(tiny):
+  """On CL: 1, 2 and 3 stages (the rows path, batched) give the same tokens; the 2-stage pipeline's second run of a
+  prompt, served from the prefix cache, equals its cold run; the 3-stage one speculates (n-gram drafts) and equals
+  the others; and decode="reference" gives tinygrad's own model's tokens on CL."""
+  lane_device(CL)
+  long_prompt = " ".join([PROMPT] * 4)  # a few prefix-cache blocks
+  with Launcher(tiny, split=[(0, 5)], devices=CL, max_context=256) as one:
+    want, want_long = generate(one), generate(one, long_prompt)
+    assert one.planned.weights == ["quantized"]
+  with Launcher(tiny, split=[(0, 2), (2, 5)], devices=CL, max_context=256) as two:
+    assert generate(two).token_ids == want.token_ids
+    cold, hit = generate(two, long_prompt), generate(two, long_prompt)
+    assert hit.usage.cached_tokens > cold.usage.cached_tokens  # (the cold run finds the short prompt's blocks only)
+    assert hit.token_ids == cold.token_ids == want_long.token_ids
+  with Launcher(tiny, split=[(0, 1), (1, 4), (4, 5)], devices=CL, max_context=256, speculative="ngram") as three:
+    assert generate(three, long_prompt).token_ids == want_long.token_ids
+  with Launcher(tiny, split=[(0, 2), (2, 5)], devices=CL, max_context=256, decode="reference") as ref:
+    got = generate(ref)
+  assert got.token_ids == reference(tiny, CL, got.prompt_token_ids, N)
+
+
+@pytest.mark.parametrize("name,split", [("qwen3moe", [(0, 1), (1, 4)]), ("deepseek2", [(0, 2), (2, 4)])])
+def test_cl_moe_and_mla_families_equal_tinygrad(tmp_path, name, split):
+  lane_device(CL)
+  path = write_tiny_gguf(tmp_path / f"{name}.gguf", **TINY_FAMILIES[name])
+  with Launcher(path, split=split, devices=CL, max_context=256) as lm: got = generate(lm, n=6)
+  assert got.token_ids == reference(path, CL, got.prompt_token_ids, 6)
+
+
+@pytest.mark.slow
+def test_cl_smollm2_in_two_stages_answers():
+  lane_device(CL)
+  with Launcher(None, stages=2, devices=CL, max_context=256) as lm:
+    done = next(ev for ev in lm.generate("What is the capital of France?", max_tokens=12) if isinstance(ev, Done))
+  assert "Paris" in done.text, done.text
+
+
+def test_sm90_compile_lane_three_stages_on_distinct_indices(tiny, monkeypatch):
+  """Every graph a stage prepares (prompt chunks, each decode window, the mixed step) compiled for sm_90 by NVRTC,
+  in 3 stage processes on NULL:0, NULL:1, NULL:2, then driven through the rings to a Done."""
+  lane_device(SM90.format(0))
+  monkeypatch.setenv("NULL_ALLOW_COPYOUT", "1")
+  devs = [SM90.format(i) for i in range(3)]
+  with Launcher(tiny, split=[(0, 1), (1, 3), (3, 5)], devices=",".join(devs), max_context=128, max_streams=4, warmup=True) as lm:
+    done = generate(lm, n=4)
+    ready = [ev for ev in lm.events if ev.get("event") == "GraphReady"]
+    assert sorted(devices_of(lm)) == devs
+  assert isinstance(done, Done) and done.finish_reason in ("length", "stop")
+  graphs = {(ev["stage"], ev["graph"]) for ev in ready}
+  for s in range(3):
+    kinds = {g for st, g in graphs if st == s}
+    assert "prefill" in kinds and "mixed" in kinds and {"decode-1", "decode-2", "decode-4"} <= kinds, (s, sorted(kinds))
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "deepseek2", "qwen35"])
+@pytest.mark.parametrize("weights", ["quantized", "float16"])
+def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
+  """Each family's stage (MoE, MLA, hybrid: tinygrad's prefill and decode graphs) and each weight form, compiled for
+  sm_90 in-process; the kernels are CUDA C rendered for sm_90 and compiled to PTX by NVRTC."""
+  lane_device(SM90.format(0))
+  from tinygrad import Device
+  from tinygrad.helpers import Context
+
+  from pyruntime.stage.model import StageModel
+  path = write_tiny_gguf(tmp_path / f"{name}.gguf", **TINY_FAMILIES[name])
+  with Context(NULL_ALLOW_COPYOUT=1):
+    m = StageModel.load(path, 0, 2, device=SM90.format(1), max_context=64, slots=2, weights=weights)
+    m.warm_up()
+  dev = Device[m.device]
+  assert m.device == "NULL:1" and type(dev.renderer).__name__ == "CUDARenderer" and dev.renderer.target.arch == "sm_90"
+  assert sorted(m._graphs) == ["decode", "prefill"]
+  for kind, jit in m._graphs.items():
+    ks = launches(jit)
+    compiled = [k for k in ks if k.device.startswith("NULL")]  # (tinygrad computes a few scalars on the host's CPU)
+    assert compiled and all("__global__" in k.source and k.cuda_sm == 90 for k in compiled), (kind, [(k.name, k.source[:120]) for k in compiled])
+

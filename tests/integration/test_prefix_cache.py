@@ -1,0 +1,167 @@
+"""The prefix cache (pyruntime/engine/prefix_cache.py, pyruntime/stage/kv_blocks.py), through real stage processes on tiny models:
+a stream served from the cache yields the very tokens of the same request on a launcher without one, greedy and seeded,
+across stages, for the dense (rows path), MoE and MLA families; chat turns reuse their history; salts and opt-outs
+share nothing; a small budget evicts and stays exact; hybrid models run without it and say why. The index alone is
+unit-tested at the end."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
+
+from pyruntime import errors
+from pyruntime.engine.launcher import Done, Launcher
+from pyruntime.engine.prefix_cache import BLOCK, PrefixIndex
+from pyruntime.modelfile.gguf import read_header
+from pyruntime.modelfile.plan import prefix_cache_bytes_per_token
+
+SYSTEM = "The quick brown fox jumps over the lazy dog. A tiny model has tiny weights, but the tokenizer is real. " * 2
+QUESTIONS = ["Hello world! Hello there, how are you?", "What is the answer to the question?", "The dog sleeps in the sun."]
+SAMPLED = dict(temperature=0.9, seed=5)
+COMPARED = ("llama", "qwen3moe", "deepseek2")  # the families whose cached turns are compared with uncached ones
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict:
+  folder = tmp_path_factory.mktemp("prefix")
+  models = {"llama": TINY_MODELS["llama_tied"], **{k: TINY_FAMILIES[k] for k in ("qwen3moe", "deepseek2", "qwen35")}}
+  return {name: write_tiny_gguf(folder / f"{name}.gguf", **kw, context=512) for name, kw in models.items()}
+
+
+def done(lm: Launcher, **kw) -> Done:
+  return next(ev for ev in lm.generate(max_tokens=kw.pop("max_tokens", 12), ignore_eos=True, **kw) if isinstance(ev, Done))
+
+
+def chat(lm: Launcher, turns: list[str], **options) -> list[Done]:
+  """A conversation that resends its history at every turn."""
+  messages, out = [{"role": "system", "content": SYSTEM}], []
+  for q in turns:
+    messages.append({"role": "user", "content": q})
+    out.append(done(lm, messages=list(messages), **options))
+    messages.append({"role": "assistant", "content": out[-1].text})
+  return out
+
+
+@pytest.fixture(scope="module")
+def cold(paths):
+  """What a launcher without a prefix cache answers: the reference for each family in COMPARED."""
+  out = {}
+  for name in COMPARED:  # (qwen35 is only checked for refusing the cache: no reference run for it)
+    with Launcher(paths[name], stages=2, max_context=512, prefix_cache=0) as lm:
+      out[name] = {"greedy": chat(lm, QUESTIONS), "sampled": chat(lm, QUESTIONS, **SAMPLED)}
+      assert lm.prefix_cache_stats() == {"enabled": False, "why": "off (prefix_cache=0)"}
+  return out
+
+
+@pytest.mark.parametrize("name", COMPARED)
+def test_cached_turns_equal_a_launcher_without_the_cache(paths, cold, name):
+  """Three chat turns, greedy and seeded, twice over: every turn's tokens equal the uncached launcher's, later turns
+  find their history (and the second conversation the first's) in the cache, and usage says how many tokens came from it."""
+  with Launcher(paths[name], stages=2, max_context=512) as lm:
+    for kind, sampling in (("greedy", {}), ("sampled", SAMPLED)):
+      for round_ in range(2):
+        got = chat(lm, QUESTIONS, **sampling)
+        for i, (a, b) in enumerate(zip(got, cold[name][kind], strict=True)):
+          assert a.token_ids == b.token_ids, f"{name} {kind} round {round_} turn {i}"
+          assert b.usage.cached_tokens == 0 and 0 <= a.usage.cached_tokens < a.usage.prompt_tokens
+          assert a.usage.cached_tokens % BLOCK == 0
+        if round_: assert all(d.usage.cached_tokens for d in got), [d.usage.cached_tokens for d in got]
+        else: assert all(d.usage.cached_tokens for d in got[1:])
+    stats = lm.prefix_cache_stats()
+    assert stats["enabled"] and stats["hits"] >= 8 and stats["hit_tokens"] > 0 and stats["bytes_held"] > 0
+    # what `inspect` says from the header alone is what the stages hold
+    assert stats["bytes_budget"] == stats["blocks"] * BLOCK * prefix_cache_bytes_per_token(read_header(paths[name]))
+    # tinygrad's own decode kernels (MoE, MLA) compute a decoded position with other bits than a prompt row: only the
+    # rows path caches replies
+    assert stats["caches_decoded_positions"] == (name == "llama")
+
+
+def test_a_reply_is_cached_on_the_rows_path(paths):
+  """The next turn of a conversation finds the previous reply's tokens in the cache, not only the prompt's."""
+  with Launcher(paths["llama"], stages=2, max_context=512) as lm:
+    a, b = chat(lm, QUESTIONS[:2], max_tokens=40)
+    assert b.usage.cached_tokens > a.usage.prompt_tokens  # beyond the first prompt: into its reply
+
+
+def test_salts_and_opt_outs_share_nothing(paths, cold):
+  with Launcher(paths["llama"], stages=2, max_context=512) as lm:
+    ask = dict(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}])
+    first = done(lm, **ask, cache_salt="tenant-a")
+    assert first.usage.cached_tokens == 0
+    assert done(lm, **ask, cache_salt="tenant-a").usage.cached_tokens > 0
+    assert done(lm, **ask, cache_salt="tenant-b").usage.cached_tokens == 0
+    assert done(lm, **ask).usage.cached_tokens == 0  # no salt: another tenant too
+    n = lm.prefix_cache_stats()["held_blocks"]
+    off = done(lm, **ask, prefix_cache=False, cache_salt="tenant-c")
+    assert off.usage.cached_tokens == 0 and off.token_ids == first.token_ids == cold["llama"]["greedy"][0].token_ids
+    assert lm.prefix_cache_stats()["held_blocks"] == n  # it took nothing, and left nothing
+    assert done(lm, **ask, cache_salt="tenant-c").usage.cached_tokens == 0
+    for bad in ({"cache_salt": 5}, {"prefix_cache": "no"}):
+      with pytest.raises(errors.InvalidOption): lm.submit(messages=ask["messages"], on_event=lambda ev: None, **bad)
+
+
+def test_a_small_budget_evicts_and_stays_exact(paths, cold):
+  """Room for 6 blocks, two tenants' conversations (salts) taking turns: each evicts the other's blocks, the counters
+  say so, the budget holds, and every answer is still exact."""
+  with Launcher(paths["llama"], stages=2, max_context=512, prefix_cache=6 * BLOCK) as lm:
+    for i in range(4):
+      got = chat(lm, QUESTIONS[:2], cache_salt=f"tenant-{i % 2}")
+      assert [d.token_ids for d in got] == [d.token_ids for d in cold["llama"]["greedy"][:2]]
+    s = lm.prefix_cache_stats()
+    assert s["evictions"] > 0 and s["held_blocks"] <= 6 and s["bytes_held"] <= s["bytes_budget"]
+
+
+def test_concurrent_streams_share_a_system_prompt(paths, cold):
+  """Streams arriving while the first one is still generating find its prompt in the cache (it is saved once the prompt
+  is in, not at the end), and each answers exactly as alone."""
+  want = cold["llama"]["greedy"]
+  with Launcher(paths["llama"], stages=2, max_context=512) as lm:
+    first_token = threading.Event()
+    ask = lambda q: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]  # noqa: E731
+    events: list = []
+    h = lm.submit(messages=ask(QUESTIONS[0]), max_tokens=40, ignore_eos=True,
+                  on_event=lambda ev: (events.append(ev), first_token.set()))
+    assert first_token.wait(120)
+    others = [done(lm, messages=ask(q)) for q in QUESTIONS[1:]]
+    h.cancel()
+    for d, q in zip(others, QUESTIONS[1:], strict=True):
+      assert d.usage.cached_tokens >= len(SYSTEM) // 8, q  # most of the system prompt at least
+    # each equals a solo first turn on the uncached launcher (cold's first turn asked QUESTIONS[0]: compare by prompt)
+    with Launcher(paths["llama"], stages=2, max_context=512, prefix_cache=0) as ref:
+      assert [d.token_ids for d in others] == [done(ref, messages=ask(q)).token_ids for q in QUESTIONS[1:]]
+    assert want  # the module's reference ran on the same model
+
+
+def test_recurrent_models_run_without_it_and_say_why(paths):
+  with Launcher(paths["qwen35"], stages=2, max_context=512) as lm:
+    s = lm.prefix_cache_stats()
+    assert not s["enabled"] and "recurrent" in s["why"]
+    assert prefix_cache_bytes_per_token(read_header(paths["qwen35"])) is None  # and `inspect` says so
+    a, b = (done(lm, messages=[{"role": "user", "content": QUESTIONS[0]}]) for _ in range(2))
+    assert a.token_ids == b.token_ids and a.usage.cached_tokens == b.usage.cached_tokens == 0
+
+
+# --- the index alone ---------------------------------------------------------------------------------
+def test_index_matches_whole_blocks_and_leaves_the_last_token():
+  ix = PrefixIndex(8, 4)
+  toks = list(range(100, 113))  # 13 tokens: 3 full blocks
+  assert ix.match(toks) == []
+  saves = ix.insert(toks)
+  assert [p for _, p in saves] == [0, 4, 8] and len({b for b, _ in saves}) == 3
+  assert ix.match(toks) == [b for b, _ in saves]          # 12 of 13: the last token is computed
+  assert ix.match(toks[:12]) == [b for b, _ in saves][:2]  # 12 tokens: at most 11 from the cache, so 2 blocks
+  assert ix.match(toks[:5] + [0] * 8) == [saves[0][0]]     # diverges in the second block
+  assert ix.match(toks, salt="x") == [] and ix.insert(toks) == []  # salted: nothing; again: nothing new to save
+  assert ix.snapshot()["hits"] == 3
+
+
+def test_index_evicts_least_recently_used_leaves_first():
+  ix = PrefixIndex(4, 2)
+  a, b = [1, 2, 3, 4, 5], [1, 2, 7, 8, 9]          # share their first block
+  ix.insert(a + [6]); ix.insert(b + [0])            # a: 3 blocks, b: its 2 new blocks -> 5 wanted, 4 held
+  assert ix.snapshot()["evictions"] == 1 and ix.held_blocks == 4
+  assert len(ix.match(b + [0, 1])) == 3             # b's chain is whole
+  assert len(ix.match(a + [6, 1])) == 2             # a lost its last (least recently used leaf) block, not the shared one
+  full = PrefixIndex(2, 2)
+  assert len(full.insert([1, 2, 3, 4, 5, 6])) == 2  # no room for the third block: the chain stops, nothing breaks

@@ -1,0 +1,181 @@
+"""The rows path's exactness contract (pyruntime/stage/rows.py): every path that computes a position gives the same bits.
+
+A decode row and a prompt row at the same position of the same stream write the same keys and values and give the same
+logits; a prompt cut anywhere (pieces of 1 to 256 rows, aligned to nothing) gives the same bits as in one piece; a
+stream's rows do not depend on the streams beside it; and a split gives the unsplit model's bits. Greedy tokens equal
+tinygrad's own model on the test prompts (its T=1 decode kernels sum in another order, so logits differ by ~1e-6)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_model import CTX, PROMPT, PROMPT2, SPLITS, bits, chain, load_split, reference_tokens, tiny_refs_blocks
+from tinygrad.llm.model import Transformer
+from tinymodels import TINY_MODELS, write_tiny_gguf
+
+from pyruntime import errors
+from pyruntime.stage.model import StageModel
+from pyruntime.stage.rows import MAX_ROWS
+
+DENSE = ["llama_tied", "llama_untied", "llama_gqa", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict:
+  folder = tmp_path_factory.mktemp("rows")
+  return {name: write_tiny_gguf(folder / f"{name}.gguf", **TINY_MODELS[name], context=1024) for name in DENSE}
+
+
+def whole(path, **kw) -> StageModel:
+  return StageModel.load(path, 0, tiny_refs_blocks(path), max_context=kw.pop("max_context", CTX), decode="batched", **kw)
+
+
+# the contract's three tests also run on the CL lane (tests/integration/test_device_lanes.py): OpenCL through PoCL, a GPU-style
+# device with the local-memory schedules, asynchronous copies and no buffer views
+CL = "CL"
+
+
+def on(device: str | None) -> dict:
+  if device is None: return {}
+  from conftest import lane_device
+  return {"device": lane_device(device)}
+
+
+def position_kv(m: StageModel, slot: int, pos: int) -> list[np.ndarray]:
+  """Every block's key and value of `slot` at `pos`, as stored in the rows path's caches."""
+  out = []
+  for k, v in m.rows.caches:
+    out.append(m.rows.key_view(k).numpy()[slot, :, :, pos].copy())
+    out.append(m.rows.value_view(v).numpy()[slot, :, pos, :].copy())
+  return out
+
+
+# every dense model with float32 weights; two models cover the dequantising kernels, and two the CL lane
+DECODE_CASES = [(n, "float32", None) for n in DENSE] + [(n, w, d) for n in ("llama_tied", "qwen3") for w, d in
+                                                        (("quantized", None), ("float32", CL), ("quantized", CL))]
+
+
+@pytest.mark.parametrize("name,weights,device", DECODE_CASES)
+def test_decode_row_equals_prompt_row(paths, name, weights, device):
+  """Positions 40..43 computed as decode rows (batched steps) and as prompt rows (prefill records): the same keys and
+  values in every block and the same logits, bit for bit."""
+  m = whole(paths[name], slots=2, weights=weights, **on(device))
+  prompt = np.asarray(PROMPT, np.uint32)
+  m.reset_slot(0)
+  lg = m.prefill_rows(0, prompt, 0).numpy().copy()
+  seq, decoded = list(PROMPT), [lg]
+  for _ in range(4):
+    seq.append(int(lg.argmax()))
+    lg = m.batch_rows(m.forward_batch([0], np.asarray(seq[-1:], np.uint32), [len(seq) - 1]), [0])[0].numpy().copy()
+    decoded.append(lg)
+  decode_kv = [position_kv(m, 0, p) for p in range(40, 44)]
+  m.reset_slot(1)
+  prompted = [m.prefill_rows(1, np.asarray(seq[:n], np.uint32), 0).numpy().copy() for n in range(40, 45)]
+  for i, (a, b) in enumerate(zip(decoded, prompted, strict=True)):
+    assert np.array_equal(bits(a), bits(b)), f"{name}: logits after position {39 + i}: max |d| {np.abs(a - b).max()}"
+  for p, kv in zip(range(40, 44), decode_kv, strict=True):
+    for a, b in zip(kv, position_kv(m, 1, p), strict=True):
+      assert np.array_equal(bits(a), bits(b)), f"{name}: keys/values at position {p} differ"
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen3"])
+def test_where_the_prompt_is_cut_changes_no_bit(paths, name):
+  """Pieces of 1, 5, 13, 31 and 100 rows, aligned to nothing, and one piece longer than MAX_ROWS: the same logits."""
+  m = whole(paths[name], max_context=512)
+  prompt = np.asarray((PROMPT * 10)[:300], np.uint32)
+  m.reset_slot(0)
+  want = m.prefill_rows(0, prompt, 0).numpy().copy()
+  assert len(prompt) > MAX_ROWS
+  for piece in (1, 5, 13, 31, 100):
+    m.reset_slot(1)
+    for s in range(0, len(prompt), piece): got = m.prefill_rows(1, prompt[s:s + piece], s)
+    assert np.array_equal(bits(got.numpy()), bits(want)), f"pieces of {piece}"
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen3", "qwen2"])
+def test_splits_equal_the_unsplit_rows_and_tinygrads_tokens(paths, name):
+  """Every split of the rows path gives the unsplit run's logits bit for bit (the residual crossing each cut as float32),
+  and its greedy tokens are tinygrad's own on both test prompts."""
+  path = paths[name]
+  ref, _ = Transformer.from_gguf(path, max_context=CTX)
+  for prompt in (PROMPT, PROMPT2):
+    want, unsplit = reference_tokens(ref, prompt, 12), []
+    assert chain(load_split(path, [(0, tiny_refs_blocks(path))], decode="batched"), prompt, 12, logits=unsplit) == want
+    for ranges in SPLITS[name]:
+      logits: list[np.ndarray] = []
+      assert chain(load_split(path, ranges, decode="batched"), prompt, 12, logits=logits) == want
+      assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(logits, unsplit, strict=True)), ranges
+
+
+@pytest.mark.parametrize("device", [None, CL])
+def test_decode_windows_and_streams_beside_change_no_bit(paths, device):
+  """One stream decoding alone (windows of 1 row) and beside streams in other slots (windows of 2, 4 and 8 rows, the
+  stream at different rows of them): the same logits."""
+  m = whole(paths["llama_gqa"], slots=8, **on(device))
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, 250, n).astype(np.uint32) for n in (40, 3, 17, 60, 9, 25, 33, 12)]
+
+  def run(slots: list[int], me: int) -> list[np.ndarray]:
+    for s in slots: m.reset_slot(s); m.prefill_rows(s, prompts[s], 0)
+    toks, out = {s: 7 if s == me else 7 + s for s in slots}, []
+    for step in range(3):
+      r = m.forward_batch(slots, np.asarray([toks[s] for s in slots], np.uint32), [len(prompts[s]) + step for s in slots])
+      rows = m.batch_rows(r, slots)
+      out.append(rows[slots.index(me)].numpy().copy())
+    return out
+  alone = run([0], 0)
+  for slots in ([0, 1], [0, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]):
+    assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(run(slots, 0), alone, strict=True)), slots
+  # the same prompt in slot 5, with slots 2..7 beside it: the same numbers again
+  prompts[5] = prompts[0]
+  assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(run([2, 3, 4, 5, 6, 7], 5), alone, strict=True))
+
+
+def test_bad_rows_are_refused_by_name(paths):
+  m = whole(paths["llama_tied"], slots=2)
+  with pytest.raises(errors.StreamPositionInvalid): m.prefill_rows(0, np.asarray([1, 2], np.uint32), 3)
+  with pytest.raises(errors.ContextLengthExceeded): m.prefill_rows(0, np.ones(CTX + 1, np.uint32), 0)
+  with pytest.raises(errors.TokenIdInvalid): m.prefill_rows(0, np.asarray([m.vocab_size], np.uint32), 0)
+  with pytest.raises(errors.SlotInvalid): m.forward_batch([0, 0], np.asarray([1, 2], np.uint32), [1, 1])
+  ref = StageModel.load(paths["llama_tied"], 0, 5, max_context=CTX, decode="reference")
+  assert ref.rows is None
+  with pytest.raises(errors.InvalidOption): ref.forward_batch([0], np.asarray([1], np.uint32), [1])
+  with pytest.raises(errors.InvalidOption): StageModel.load(paths["llama_tied"], 0, 5, decode="fast")
+
+
+def test_stale_cache_bytes_never_reach_a_sum(paths):
+  """The caches are not zeroed: positions no row may see can hold anything, NaN included. Filled with NaN before the
+  streams start, every logit is still finite and equal to a fresh model's."""
+  fresh, dirty = whole(paths["qwen3"], slots=2), whole(paths["qwen3"], slots=2)
+  for k, v in dirty.rows.caches:
+    for t in (k, v): t.uop.buffer.copyin(memoryview(np.full(t.numel(), np.nan, np.float32)).cast("B"))
+  def run(m: StageModel) -> list[np.ndarray]:
+    out = [m.prefill_rows(0, np.asarray(PROMPT, np.uint32), 0).numpy().copy()]
+    m.prefill_rows(1, np.asarray(PROMPT2, np.uint32), 0)
+    for i in range(3):
+      r = m.forward_batch([0, 1], np.asarray([5 + i, 9 + i], np.uint32), [len(PROMPT) + i, len(PROMPT2) + i])
+      out.append(m.batch_rows(r, [0, 1])[0].numpy().copy())
+    return out
+  for a, b in zip(run(dirty), run(fresh), strict=True):
+    assert np.isfinite(a).all() and np.array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("device", [None, CL])
+@pytest.mark.parametrize("name,cut", [("llama_tied", (0, 5)), ("qwen3", (0, 2)), ("qwen3", (2, 5))])
+def test_a_mixed_step_equals_its_decode_and_prompt_apart(paths, name, cut, device):
+  """A decode step and a prompt's chunk in one pass over the weights (StageModel.forward_mixed) give the very bits of
+  the two computed apart, on a head, a middle and a tail stage."""
+  m = StageModel.load(paths[name], *cut, max_context=CTX, slots=4, decode="batched", weights="float32", **on(device))
+  rng = np.random.default_rng(0)
+  mk = lambda n: rng.integers(1, 250, n).astype(np.uint32) if m.is_head else rng.standard_normal((n, m.dim)).astype(np.float32)  # noqa: E731
+  p0, p1, p2, tok = mk(30), mk(17), mk(45), mk(2)
+
+  def run(mixed: bool) -> list[np.ndarray]:
+    for s in range(3): m.reset_slot(s)
+    m.prefill_rows(0, p0, 0); m.prefill_rows(1, p1, 0)
+    if mixed:
+      dec, pre = m.forward_mixed([0, 1], tok, [30, 17], 2, p2, 0)
+      return [r.numpy().copy() for r in m.mixed_rows(dec, [0, 1])] + [pre.numpy().copy()]
+    dec = [r.numpy().copy() for r in m.batch_rows(m.forward_batch([0, 1], tok, [30, 17]), [0, 1])]
+    return dec + [m.prefill_rows(2, p2, 0).numpy().copy()]
+  assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(run(True), run(False), strict=True))
+  with pytest.raises(errors.SlotInvalid): m.forward_mixed([0, 2], tok, [30, 45], 2, p2, 45)

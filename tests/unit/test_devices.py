@@ -1,0 +1,50 @@
+"""Device strings (pyruntime/devices.py): one reading, BASE[:INDEX][:RENDERER[:ARCH]], and DEV never carries the index."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pyruntime import errors
+from pyruntime.devices import DeviceSpec, parse_device, parse_devices
+
+
+@pytest.mark.parametrize("text,want,name,target", [
+  ("CUDA", DeviceSpec("CUDA", None), "CUDA", "CUDA"),
+  ("CUDA:1", DeviceSpec("CUDA", 1), "CUDA:1", "CUDA"),
+  ("cuda:0", DeviceSpec("CUDA", 0), "CUDA", "CUDA"),
+  ("CUDA:PTX", DeviceSpec("CUDA", None, "PTX"), "CUDA", "CUDA:PTX"),
+  ("CUDA:3:ptx", DeviceSpec("CUDA", 3, "PTX"), "CUDA:3", "CUDA:PTX"),
+  ("NULL:CUDA:sm_90", DeviceSpec("NULL", None, "CUDA", "sm_90"), "NULL", "NULL:CUDA:sm_90"),
+  ("NULL:2:CUDA:sm_90", DeviceSpec("NULL", 2, "CUDA", "sm_90"), "NULL:2", "NULL:CUDA:sm_90"),
+  ("CPU:X86", DeviceSpec("CPU", None, "X86"), "CPU", "CPU:X86"),
+])
+def test_a_numeric_second_field_is_an_index_anything_else_a_renderer(text, want, name, target):
+  spec = parse_device(text)
+  assert spec == want and spec.name == name and spec.target == target
+  assert parse_device(str(spec)) == spec  # the canonical string reads back the same
+
+
+@pytest.mark.parametrize("text", ["", ":1", "CUDA::PTX", "CUDA:1:2", "CUDA:1:PTX:sm_90:x", "CUDA:a:b:c", "x+CUDA", "CU DA", "1:CUDA"])
+def test_a_malformed_device_is_refused_by_name(text):
+  with pytest.raises(errors.InvalidOption, match="device"): parse_device(text)
+
+
+def test_parse_devices_checks_every_stage_and_counts():
+  assert parse_devices("CPU:0,CPU:1", 2) == ["CPU:0", "CPU:1"]
+  assert parse_devices("NULL:CUDA:sm_90", 3) == ["NULL:CUDA:sm_90"] * 3
+  with pytest.raises(errors.InvalidOption, match="3 devices given for 2 stages"): parse_devices("CPU,CPU,CPU", 2)
+  with pytest.raises(errors.InvalidOption, match="device"): parse_devices("CPU,CUDA::1", 2)
+
+
+def test_a_stage_with_an_index_compiles_its_kernels():
+  """What a stage on `CPU:1` does to tinygrad (pyruntime/stage/worker.py: DEV from the device string, then resolve_device),
+  in a fresh process: a kernel compiles and runs on the indexed device. DEV=CPU:1 failed (`CPU has no renderer '1'`)."""
+  code = ("import os; from pyruntime.devices import parse_device; os.environ['DEV'] = parse_device('CPU:1').target\n"
+          "from pyruntime.stage.model import resolve_device; from tinygrad import Tensor\n"
+          "d = resolve_device('CPU:1'); print(d, (Tensor([1.0, 2.0], device=d) * 3).tolist())")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "DEV": ""})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split() == ["CPU:1", "[3.0,", "6.0]"]

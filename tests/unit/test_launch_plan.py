@@ -1,0 +1,66 @@
+"""The launch plan (pyruntime/engine/launch_plan.py) as a pure function: options, header and memory in, split, devices,
+weights forms and every stage's role out, with no process, no ring and no tinygrad."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from tinymodels import TINY_MODELS, write_tiny_gguf
+
+from pyruntime import errors
+from pyruntime.engine.launch_plan import LaunchOptions, plan_launch, recipe_digest
+from pyruntime.engine.prefix_cache import BLOCK
+from pyruntime.modelfile.gguf import read_header
+
+PLENTY, LITTLE = 1 << 40, 1 << 10  # bytes available: a float32 copy fits / does not
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> pathlib.Path:
+  return write_tiny_gguf(tmp_path_factory.mktemp("launch_plan") / "llama.gguf", **TINY_MODELS["llama_tied"])
+
+
+def plan(path: pathlib.Path, memory: int = PLENTY, **options):
+  return plan_launch(path, read_header(path), LaunchOptions(**options), memory)
+
+
+def test_the_split_covers_every_block_once_and_each_stage_gets_its_role(llama):
+  p = plan(llama, stages=2, devices="CPU", max_streams=3, prefix_cache=4 * BLOCK, prefill_share=1.5, boundary_dtype="float16")
+  assert len(p.split) == 2 and p.split[0][0] == 0 and p.split[-1][1] == p.num_blocks
+  assert all(a[1] == b[0] for a, b in zip(p.split, p.split[1:], strict=False))
+  for i, (start, end) in enumerate(p.split):
+    role = p.role(i)
+    assert (role["stage"], role["start"], role["end"]) == (i, start, end)
+    assert role["slots"] == 3 and role["boundary_dtype"] == "float16" and role["prefix_blocks"] == 4 and role["block_size"] == BLOCK
+    assert role["prefill_share"] == 1.5 and role["max_context"] == p.context_length and role["weights"] == p.weights[i]
+
+
+def test_an_explicit_split_is_kept_and_a_bad_one_refused_by_name(llama):
+  n = read_header(llama).num_blocks
+  assert plan(llama, split=[(0, 1), (1, n)], devices="CPU").split == [(0, 1), (1, n)]
+  with pytest.raises(errors.PyruntimeError): plan(llama, split=[(0, 1), (2, n)], devices="CPU")
+  with pytest.raises(errors.InvalidOption, match="stages"): plan(llama, stages=0, devices="CPU")
+
+
+def test_auto_weights_follow_the_device_the_memory_and_the_decode_mode(llama):
+  assert plan(llama, devices="CPU").weights == ["float32", "float32"]
+  assert plan(llama, devices="CPU", memory=LITTLE).weights == ["quantized", "quantized"]  # a float32 copy would not fit
+  assert plan(llama, devices="CPU", decode="reference").weights == ["quantized", "quantized"]  # tinygrad's own kernels
+  assert plan(llama, devices="CUDA:0,CUDA:1").weights == ["quantized", "quantized"]
+  assert plan(llama, devices="CPU", weights="float16").weights == ["float16", "float16"]
+
+
+def test_micro_batches_only_for_stages_on_devices_of_their_own(llama):
+  assert plan(llama, devices="CPU").micro_batches == 1
+  assert plan(llama, devices="CUDA:0,CUDA:1").micro_batches == 2
+  assert plan(llama, devices="CUDA:0,CUDA:0").micro_batches == 1
+
+
+def test_context_and_recipe(llama):
+  h = read_header(llama)
+  p = plan(llama, devices="CPU", max_context=64)
+  assert p.context_length == min(64, int(h.get("context_length")))
+  assert plan(llama, devices="CPU", max_context=1 << 30).context_length == int(h.get("context_length"))
+  assert p.recipe == recipe_digest(p.model_name, p.split, "float32", p.template)
+  assert p.recipe != plan(llama, split=[(0, 1), (1, h.num_blocks)], devices="CPU").recipe  # another split, another recipe
+  assert p.vocab_size == p.tokenizer.vocab_size and p.dim == int(h.get("embedding_length"))

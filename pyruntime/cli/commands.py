@@ -454,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                   help="what the launcher and server log on stderr (a consumer callback that raised, a close that failed, ...)")
   sub = ap.add_subparsers(dest="cmd", required=True)
-  def command(name: str, help: str) -> argparse.ArgumentParser: return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+  def command(name: str, help: str) -> argparse.ArgumentParser:  # argparse %-formats a help string: a plain "%" must be doubled
+    return sub.add_parser(name, help=help.replace("%", "%%"), description=help, formatter_class=_Help)
   p = command("generate", "generate a completion for one prompt")
   p.add_argument("prompt", help="the prompt text (a user message unless --raw)")
   _add_model_args(p); _add_sampling_args(p)

@@ -217,3 +217,17 @@ def test_bench_runs_from_the_package_and_names_the_extra_it_lacks():
           "sys.exit(main(['bench', 'serve', '--url', 'http://127.0.0.1:9']))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
   assert out.returncode == 2 and "pyruntime[bench]" in out.stderr and "httpx" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_every_help_renders(capsys):
+  """`pyruntime --help` and each subcommand's: argparse %-formats help strings, so a stray "%" once crashed them all."""
+  import argparse
+
+  from pyruntime.cli.commands import build_parser
+  parser = build_parser()
+  names = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+  assert {"generate", "serve", "warmup", "top"} <= set(names)
+  for argv in ([], *([n] for n in names)):
+    with pytest.raises(SystemExit) as e: build_parser().parse_args([*argv, "--help"])
+    assert e.value.code == 0
+    assert "usage: pyruntime" in capsys.readouterr().out

@@ -222,7 +222,9 @@ def build_prompt_ids(tokenizer: Tokenizer, kv: Mapping[str, Any] | None = None, 
     ids = tokenizer.encode(prompt, parse_special=True)
   else:
     if messages is None: messages = [{"role": "user", "content": prompt}]
-    text = render_chat(kv if kv is not None else tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    try: text = render_chat(kv if kv is not None else tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    except RecursionError:  # a tool call's arguments (or a tool's schema) nested deeper than the template's JSON goes
+      raise InvalidOption("messages" if tools is None else "tools", "is nested too deeply to render") from None
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     if tokenizer.add_bos and bos and text.startswith(bos): text = text[len(bos):]
     refuse_prompt_that_cannot_fit(tokenizer, text, context_length)

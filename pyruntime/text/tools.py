@@ -110,7 +110,8 @@ def check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     args = f.get("arguments", "{}")
     if isinstance(args, str):
       try: args = json.loads(args or "{}")
-      except ValueError: raise errors.InvalidOption(f"{w}.function.arguments", "must be a JSON object (as text)") from None
+      except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        raise errors.InvalidOption(f"{w}.function.arguments", "must be a JSON object (as text) that is not nested thousands deep") from None
     if not isinstance(args, dict): raise errors.InvalidOption(f"{w}.function.arguments", "must be a JSON object (as text)")
     out.append({"id": str(c.get("id") or ""), "type": "function", "function": {"name": f["name"], "arguments": args}})
   return out
@@ -333,7 +334,7 @@ class ToolCallParser:
 
   def _parse(self, span: str) -> list[ToolCall] | None:
     try: calls = self.fmt.parse(span)
-    except (ValueError, TypeError): return None
+    except (ValueError, TypeError, RecursionError): return None  # not a call: it stays text
     self.calls += len(calls)
     return calls
 

@@ -283,3 +283,25 @@ def test_the_openai_client_streams_calls_that_reassemble_into_the_response(lm):
     with pytest.raises(openai.BadRequestError) as e:
       c.chat.completions.create(model="default", messages=msgs, tools=TOOLS, tool_choice=named("nope"))
     assert e.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("depth", [100_000, 5_000])
+def test_deeply_nested_arguments_are_refused_by_name(tiny, depth):
+  """An assistant message's tool call whose arguments are nested deeper than a parser or the template goes: a 400
+  naming the field, never a 500 (RecursionError)."""
+  from pyruntime.serving.openai_api import error_body, parse_request
+  from pyruntime.text.chat import build_prompt_ids, validate_messages
+  args = '{"a":' * depth + "1" + "}" * depth
+  messages = [{"role": "user", "content": "hi"},
+              {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+  body = {"messages": messages, "max_tokens": 4}
+  try:
+    parse_request(body, "chat")
+    from pyruntime.modelfile.gguf import read_header
+    kv = read_header(tiny).kv
+    build_prompt_ids(Tokenizer.from_gguf_kv(kv), kv, messages=validate_messages(messages))
+    raise AssertionError("accepted")
+  except errors.InvalidOption as e:
+    status, err = error_body(e, "chat")
+    assert status == 400 and err["error"]["param"] in ("messages[1].tool_calls[0].function.arguments", "messages"), err

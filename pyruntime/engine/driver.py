@@ -120,7 +120,10 @@ class StreamHandle:
     timings = Timings(round(self.driver.load_s, 4), round(t_first - t0, 4), round(decode, 3), round(now - t0, 4),
                       round((self.t_admitted or t0) - t0, 4), self.spec.rounds, self.spec.drafted, self.spec.accepted)
     self.ended = True
-    usage = Usage(len(self.ids), len(out), self.cached, self.spec.prediction_kept, self.spec.prediction_rejected)
+    # rejected, as OpenAI counts it: the prediction's tokens that did not make it into the answer (not only the drafted
+    # ones the model refused: a prediction it never followed is all rejected)
+    kept = self.spec.prediction_kept
+    usage = Usage(len(self.ids), len(out), self.cached, kept, max(0, len(self.spec.predicted) - kept))
     return Done(reason, usage, timings, self.ids, list(out), "".join(self.text), stop_hit,
                 list(self.calls))
 

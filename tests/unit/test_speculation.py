@@ -168,6 +168,11 @@ def test_a_prediction_speeds_nothing_up_wrongly_and_is_counted(plain, spec):
   assert right.token_ids == want.token_ids == wrong.token_ids
   # the text re-tokenized need not be the model's tokens (a random model writes odd bytes): most of it still drafts right
   assert right.usage.accepted_prediction_tokens > max(10, 3 * wrong.usage.accepted_prediction_tokens)
+  # rejected: the prediction's tokens the answer did not take, drafted or not (OpenAI's count)
+  n_wrong = len(spec.tokenizer.encode("Completely unrelated words about the weather in Paris.", parse_special=False))
+  assert wrong.usage.rejected_prediction_tokens == n_wrong - wrong.usage.accepted_prediction_tokens > 0
+  n_right = len(spec.tokenizer.encode(spec.tokenizer.decode(want.token_ids), parse_special=False))
+  assert right.usage.rejected_prediction_tokens == n_right - right.usage.accepted_prediction_tokens
   stats = spec.scheduler_stats()["speculation"]
   assert stats["drafted_at"][0] >= stats["accepted_at"][0] > 0 and stats["drafted_at"][0] >= stats["drafted_at"][-1]
   with pytest.raises(errors.InvalidOption) as e: spec.submit("x", raw=True, prediction=3, on_event=print)

@@ -58,7 +58,9 @@ class Egress:
       return self.writer.commit(object_id(sid, pos), flags, publish)
     oid = object_id(sid, pos + n - 1)
     if st.logits: return self.put(oid, out.numpy().astype("<f4", copy=False).reshape(-1), flags, publish)
-    token = st.sampler.sample(out, st.history, None if st.constraint is None else st.constraint.mask())
+    try: mask = None if st.constraint is None else st.constraint.mask()
+    except errors.StreamFailed as e: return self.fail_stream(sid, st, e)
+    token = st.sampler.sample(out, st.history, mask)
     st.history.append(token)
     end = token in st.end_ids
     if st.constraint is not None:

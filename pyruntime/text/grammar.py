@@ -78,6 +78,14 @@ def check(grammar: str, tok: Any, field: str = "response_format") -> None:
   from llguidance import LLMatcher
   is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, vocabulary(tok)[1])
   if is_error: raise errors.InvalidOption(field, f"the schema cannot be enforced: {messages[0][:300]}")
+  # a grammar that builds may still admit nothing: `$ref`s that only refer to each other fail at the first token, and
+  # the answer would be empty with finish_reason "stop"
+  m = LLMatcher(vocabulary(tok)[1], grammar)
+  m.compute_bitmask()
+  if m.is_error() or m.is_stopped():
+    why = "its `$ref`s only refer to each other" if "$ref" in grammar or "#/" in grammar else "it accepts only an empty answer"
+    detail = f": {m.get_error().splitlines()[0][:160]}" if m.is_error() else ""
+    raise errors.InvalidOption(field, f"the schema admits no JSON value ({why}){detail}")
   if len(checked) >= MAX_CHECKED: checked.pop(next(iter(checked)))
   checked[grammar] = None
 
@@ -93,7 +101,10 @@ class Constraint:
     self.add = np.zeros(vocab_size, np.float32)  # 0 where allowed, -inf elsewhere: added to the row's logits
 
   def mask(self) -> np.ndarray:
-    bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")[:self.n_tok]
+    raw = self.matcher.compute_bitmask()
+    if self.matcher.is_error():  # never an empty answer called finished: the stream ends, saying why
+      raise errors.StreamFailed(None, "GrammarError", f"the grammar has no way on: {self.matcher.get_error()[:200]}")
+    bits = np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")[:self.n_tok]
     self.add[:self.n_tok] = np.where(bits.astype(bool), np.float32(0.0), np.float32(-np.inf))
     self.add[self.n_tok:] = -np.inf  # the model's padding rows past the vocabulary are never text
     return self.add
@@ -101,7 +112,7 @@ class Constraint:
   @property
   def done(self) -> bool:
     """The answer is whole: the mask now allows only end tokens."""
-    return self.matcher.is_stopped()
+    return self.matcher.is_stopped() and not self.matcher.is_error()
 
   def take(self, token: int) -> None:
     """The sampled token goes into the matcher."""

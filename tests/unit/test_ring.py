@@ -722,18 +722,23 @@ def test_close_wakes_a_blocked_reader():
 def test_blocking_read_releases_the_gil_and_is_woken():
   with make() as a:
     w, r = a.writer(0), a.reader(0)
-    r.set_wait(spin=0)
+    r.set_wait(spin=0, poll=30)  # one park for the whole test: no poll slice ends it early
     got = []
-    t = threading.Thread(target=lambda: got.append(bytes(r.read(timeout=5).payload)))
+    t = threading.Thread(target=lambda: got.append(bytes(r.read(timeout=60).payload)))
     t.start()
+    # on a busy machine the reader may start late: wait until it is parked (its flag is up before it counts the park)
+    deadline = time.monotonic() + 30
+    while r.stats["parks"] == 0:
+      assert time.monotonic() < deadline, "the reader never parked"
+      time.sleep(0.001)
     count = 0
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 0.2: count += 1  # runs only if the reader let go of the GIL
+    while time.monotonic() - t0 < 0.2: count += 1  # runs only if the parked reader let go of the GIL
     assert count > 10000
     w.write(1, b"wake")
-    t.join(5)
+    t.join(30)
     assert got == [b"wake"]
-    assert r.stats["parks"] >= 1 and w.stats["wakes"] == 1
+    assert r.stats["parks"] == 1 and w.stats["wakes"] == 1  # parked, so the write had to wake it, once
 
 
 def test_writer_wakes_only_sleeping_readers():

@@ -93,6 +93,42 @@ def test_a_schema_that_cannot_be_enforced_is_refused_by_name(tiny, bad):
   assert e.value.field == "response_format"
 
 
+RECURSIVE_OK = {"type": "object", "properties": {"value": {"type": "integer"}, "next": {"$ref": "#"}}, "required": ["value"]}
+MUTUAL_OK = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}},
+                                            "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "maxItems": 2}}}
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}],
+                         ids=["itself", "each-other"])
+def test_refs_that_only_refer_to_each_other_are_refused_not_answered_empty(tiny, schema):
+  """Such a schema admits no JSON value: it was answered "" with finish_reason "stop"; now a 400 that names `$ref`."""
+  tok = Tokenizer.from_gguf(tiny)
+  with pytest.raises(errors.InvalidOption) as e: check(grammar_for(fmt(schema)), tok)
+  assert e.value.field == "response_format" and "$ref" in str(e.value)
+
+
+@pytest.mark.parametrize("schema", [RECURSIVE_OK, MUTUAL_OK], ids=["self", "mutual"])
+def test_recursive_schemas_with_a_way_out_are_enforced(tiny, schema):
+  """llguidance follows `$ref` recursion: a random walk of the masks ends in an answer that validates."""
+  tok = Tokenizer.from_gguf(tiny)
+  grammar = grammar_for(fmt(schema))
+  check(grammar, tok)
+  finished = 0
+  for seed in range(3):
+    rng, c, out = np.random.default_rng(seed), Constraint(grammar, tok, tok.vocab_size), []
+    while not c.done and len(out) < 600:
+      allowed = np.flatnonzero(c.mask() == 0)
+      # prefer closing over opening so the walk ends (a random walk of an open recursion may not)
+      closing = [t for t in allowed if tok.decode([int(t)]).strip() in ("}", "]", "}]", "]}", "}}")]
+      t = int(closing[0] if closing and rng.random() < 0.7 else rng.choice(allowed))
+      c.take(t)
+      out.append(t)
+    if c.done:
+      jsonschema.validate(json.loads(tok.decode(out)), schema)
+      finished += 1
+  assert finished >= 1
+
+
 def test_free_text_has_no_grammar():
   assert grammar_for(None) is None and grammar_for({"type": "text"}) is None
 

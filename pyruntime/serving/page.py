@@ -45,9 +45,15 @@ def allowed_hosts(bind_host: str, extra: list[str] | None = None) -> frozenset[s
 
 
 def _host_name(host: str) -> str:
+  """The name part of a Host header, lowercased; the whole value when what follows the name is not a port (so
+  `[::1]evil.example` or `localhost:x` is no allowed name)."""
   host = host.strip().lower()
-  if host.startswith("["): return host[:host.index("]") + 1] if "]" in host else host
-  return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+  if host.startswith("["):
+    if (end := host.find("]")) < 0: return host
+    name, rest = host[:end + 1], host[end + 1:]
+  elif host.count(":") == 1: name, rest = host.split(":")[0], host[host.index(":"):]
+  else: name, rest = host, ""
+  return name if not rest or (rest[0] == ":" and rest[1:].isdigit()) else host
 
 
 class Guard:
@@ -76,7 +82,8 @@ class Guard:
 
   def _key_ok(self, authorization: str) -> bool:
     scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+    # headers arrive decoded as latin-1: their bytes back, against the key's UTF-8 bytes (a non-ASCII key can match)
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.api_key.encode())
 
   @staticmethod
   async def _refuse(send: Any, status: int, code: str, message: str) -> None:

@@ -65,7 +65,7 @@ from pyruntime.serving.openai_api import (
 CLIENT_CLOSED = 499   # nginx's status for "the client closed the request"; only ever seen in /metrics
 
 # Limits on what one client may hold (`pyruntime serve` options; see serve()).
-MAX_BODY_BYTES = 4 << 20        # a request body beyond this is refused with 413, unread past the limit
+MAX_BODY_BYTES = 4 << 20        # a request body beyond this is refused with 413 (read and dropped up to DRAIN_FACTOR times it)
 TIMEOUT_REQUEST_HEAD = 10.0     # seconds from connecting (or from the first byte of a keep-alive request) to a complete head
 TIMEOUT_REQUEST_BODY = 60.0     # seconds for the whole body, once the head is in
 TIMEOUT_KEEP_ALIVE = 5.0        # seconds an idle keep-alive connection is kept
@@ -664,15 +664,18 @@ class CountRequests:
 class LimitRequestBody:
   """ASGI middleware: read each request's body before the app sees it, refusing one longer than
   `max_bytes` (413, by its Content-Length before reading anything, else as soon as the limit is passed)
-  or slower than `timeout` seconds (408). Either answer closes the connection, so the rest of the body
-  is never read. The app then receives the body in one message, and the client's disconnect after it."""
+  or slower than `timeout` seconds (408). Either answer closes the connection; a body up to DRAIN_FACTOR times the
+  limit is read and dropped first (for at most DRAIN_S), so the client gets the 413 rather than a reset connection.
+  The app then receives the body in one message, and the client's disconnect after it."""
   def __init__(self, app: Any, max_bytes: int, timeout: float):
     self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
   async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
     if scope["type"] != "http": return await self.app(scope, receive, send)
     declared = _content_length(scope)
-    if declared is not None and declared > self.max_bytes: return await _refuse(send, RequestTooLarge(self.max_bytes, declared))
+    if declared is not None and declared > self.max_bytes:
+      if declared <= DRAIN_FACTOR * self.max_bytes: await _drain(receive, DRAIN_FACTOR * self.max_bytes)
+      return await _refuse(send, RequestTooLarge(self.max_bytes, declared))
     chunks: list[bytes] = []
     size = 0
     try:
@@ -683,13 +686,30 @@ class LimitRequestBody:
             return await self.app(scope, _replay([message], receive), send)
           chunk = message.get("body", b"")
           size += len(chunk)
-          if size > self.max_bytes: return await _refuse(send, RequestTooLarge(self.max_bytes))
+          if size > self.max_bytes:
+            if message.get("more_body", False): await _drain(receive, DRAIN_FACTOR * self.max_bytes - size)
+            return await _refuse(send, RequestTooLarge(self.max_bytes))
           chunks.append(chunk)
           if not message.get("more_body", False): break
     except TimeoutError: return await _refuse(send, RequestTimeout(self.timeout))
     body = b"".join(chunks)
     del chunks
     await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+
+# A body over the limit is read and dropped, up to this many times the limit, before the 413: closing a connection
+# with unread data in it makes the kernel reset it, and the client would see "connection reset" instead of our answer.
+DRAIN_FACTOR = 4
+DRAIN_S = 1.0   # what is in flight arrives within this; a client that stops sending gets its 413 then
+
+
+async def _drain(receive: Callable, limit: int) -> None:
+  with anyio.move_on_after(DRAIN_S):
+    while limit > 0:
+      message = await receive()
+      if message["type"] != "http.request": return
+      limit -= len(message.get("body", b""))
+      if not message.get("more_body", False): return
 
 
 def _content_length(scope: dict) -> int | None:
@@ -755,6 +775,14 @@ def h11_protocol_with_head_timeout(timeout_request_head: float) -> type:
 
     def _cancel_head_timer(self) -> None:
       if self._head_timer is not None: self._head_timer.cancel(); self._head_timer = None
+
+    def send_400_response(self, msg: str) -> None:
+      """uvicorn's own answer to a malformed head, with the security headers every other answer carries."""
+      from pyruntime.serving.page import SECURITY_HEADERS
+      event = h11.Response(status_code=400, reason=b"Bad Request",
+                           headers=[(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close"), *SECURITY_HEADERS])
+      for ev in (event, h11.Data(data=msg.encode("ascii", "replace")), h11.EndOfMessage()): self.transport.write(self.conn.send(ev))
+      self.transport.close()
 
     def _head_timed_out(self) -> None:
       self._head_timer = None

@@ -855,3 +855,54 @@ def test_an_api_key_guards_the_api_and_the_numbers_but_not_the_pages_shell(fake)
     with pytest.raises(openai.AuthenticationError):
       openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
   finally: srv.stop()
+
+
+# --- the page's edges (issue #34) ------------------------------------------------------------------------------------
+def test_an_upload_over_the_limit_gets_its_413_not_a_reset(fake):
+  """The body is read and dropped (up to 4x the limit) before the 413: closing on unread data made the kernel reset the
+  connection, and the client saw "peer closed connection" instead of the answer."""
+  srv = BackgroundServer(create_app(fake, max_body_bytes=100_000)).start()
+  try:
+    body = b'{"prompt": "' + b"x" * 350_000 + b'"}'
+    for _ in range(5):
+      with socket.create_connection((srv.host, srv.port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
+        s.sendall(body)
+        raw = b""
+        while chunk := s.recv(65536): raw += chunk
+      status, headers, reply = response_json(raw)
+      assert status == 413 and reply["error"]["code"] == "request_too_large" and "content-security-policy" in headers
+    r = httpx.post(srv.url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=20)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+  finally: srv.stop()
+
+
+def test_a_host_with_anything_after_the_name_but_a_port_is_refused(fake):
+  from pyruntime.serving.page import allowed_hosts
+  srv = BackgroundServer(create_app(fake, allowed_hosts=allowed_hosts("127.0.0.1"))).start()
+  try:
+    with httpx.Client(base_url=srv.url, timeout=20) as c:
+      for host in ("[::1]evil.example", "[::1]:80evil", "localhost:x", "127.0.0.1:", "localhost.evil.example"):
+        assert c.get("/v1/models", headers={"host": host}).status_code == 403, host
+      for host in ("[::1]:8000", "[::1]", "localhost:1", "127.0.0.1"):
+        assert c.get("/v1/models", headers={"host": host}).status_code == 200, host
+  finally: srv.stop()
+
+
+def test_a_non_ascii_api_key_can_match(fake):
+  """Headers arrive as latin-1 text: the key is compared as bytes (its UTF-8), so a key like this one works."""
+  srv = BackgroundServer(create_app(fake, api_key="clé-ü")).start()
+  try:
+    with httpx.Client(base_url=srv.url, timeout=20) as c:
+      assert c.get("/v1/models", headers={"authorization": "Bearer clé-ü".encode()}).status_code == 200
+      assert c.get("/v1/models", headers={"authorization": "Bearer clé-u".encode()}).status_code == 401
+  finally: srv.stop()
+
+
+def test_uvicorns_own_400_carries_the_security_headers(fake):
+  srv = BackgroundServer(create_app(fake)).start()
+  try:
+    raw = raw_exchange(srv, b"NOT A REQUEST\x00\r\n\r\n")
+    head = raw.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+    assert head.startswith("http/1.1 400") and "content-security-policy: default-src 'self'" in head and "x-content-type-options: nosniff" in head
+  finally: srv.stop()

@@ -20,10 +20,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import socket
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 from pyruntime import errors
@@ -31,23 +33,30 @@ from pyruntime.transport.ring import HEADER_LEN, Reader, Writer, check_header, e
 
 HEARTBEAT_S = 0.25      # a sender with nothing to send says it is alive this often
 LOST_S = 2.0            # a receiver that hears nothing for this long declares its peer lost (well inside the 5 s bound)
-HANDSHAKE_S = 5.0       # a peer gets this long to prove itself
+HANDSHAKE_S = 5.0       # a peer gets this long, in all, to prove itself
+MAX_PENDING = 16        # handshakes under way at once on a listener; one more turns the oldest away
+MAX_REFUSED = 100       # refusals a receiver remembers (stats); each is logged once
 BATCH = 64              # records a sender takes from its ring per send
 MAGIC = b"PYRTBRG1"     # the listener's greeting, then a 16-byte nonce
 HEARTBEAT, END = 0, 0xFFFFFFFF
 _U32 = struct.Struct("<I")
 MAX_HELLO = 1 << 16
+log = logging.getLogger("pyruntime.bridge")
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
   buf = bytearray(n)
-  _recv_into(sock, memoryview(buf))
+  _recv_into(sock, memoryview(buf), deadline)
   return bytes(buf)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+  """Fill `view`; with a `deadline` (monotonic) the whole read must end by then, however the peer trickles its bytes."""
   got = 0
   while got < len(view):
+    if deadline is not None:
+      if (left := deadline - time.monotonic()) <= 0: raise TimeoutError("the peer did not finish its handshake in time")
+      sock.settimeout(left)
     k = sock.recv_into(view[got:])
     if k == 0: raise ConnectionResetError("the peer closed the connection")
     got += k
@@ -106,15 +115,18 @@ def connect(address: tuple[str, int], secret: bytes, hello: dict, timeout: float
     raise
 
 
-def accept(sock: socket.socket, secret: bytes, hello: dict) -> dict:
-  """The listener's half of the handshake on a new connection; returns the peer's hello. BridgeAuthFailed (no secret),
-  BridgeMismatch (another version, ABI, model or link) or BridgeFrameInvalid (not the protocol); the peer is told why."""
-  sock.settimeout(HANDSHAKE_S)
+def accept(sock: socket.socket, secret: bytes, hello: dict, timeout: float | None = None) -> dict:
+  """The listener's half of the handshake on a new connection, done within `timeout` seconds in all (TimeoutError
+  after); returns the peer's hello. BridgeAuthFailed (no secret), BridgeMismatch (another version, ABI, model or link)
+  or BridgeFrameInvalid (not the protocol); the peer is told why."""
+  timeout = HANDSHAKE_S if timeout is None else timeout
+  deadline = time.monotonic() + timeout
+  sock.settimeout(timeout)
   nonce = os.urandom(16)
   sock.sendall(MAGIC + nonce)
-  (n,) = _U32.unpack(_recv_exact(sock, 4))
+  (n,) = _U32.unpack(_recv_exact(sock, 4, deadline))
   if n > MAX_HELLO: raise errors.BridgeFrameInvalid(f"a hello of {n} bytes (at most {MAX_HELLO})")
-  body, mac = _recv_exact(sock, n), _recv_exact(sock, 32)
+  body, mac = _recv_exact(sock, n, deadline), _recv_exact(sock, 32, deadline)
   if not hmac.compare_digest(mac, _mac(secret, nonce, body)):
     _send_json(sock, {"ok": False, "error": "BridgeAuthFailed", "message": "the peer does not hold this pipeline's secret"})
     raise errors.BridgeAuthFailed("a peer without this pipeline's secret was turned away")
@@ -162,20 +174,59 @@ class BridgeReceiver:
       self._finish(error)
 
   def _accept(self) -> socket.socket | None:
-    while not self._stop:
-      try: conn, _ = self.listener.accept()
+    """The one peer that proves itself. Connections are taken as they come and each shakes hands in a thread of its
+    own against a total deadline (HANDSHAKE_S), at most MAX_PENDING at once (one more turns the oldest away): silent,
+    slow and wrong peers cannot delay the right one. The first to pass wins; the listener closes then."""
+    lock, won = threading.Lock(), threading.Event()
+    pending: dict[socket.socket, Any] = {}   # connection -> its address, oldest first
+    hung: dict[socket.socket, str] = {}      # connections we ended -> why
+    winner: list[socket.socket] = []
+
+    def handshake(conn: socket.socket, addr: Any) -> None:
+      try: accept(conn, self.secret, self.hello)
+      except (errors.PyruntimeError, OSError, struct.error) as e:
+        with lock:
+          pending.pop(conn, None)
+          why = hung.pop(conn, None)
+        self._refuse(addr, why or (f"BridgeHandshakeTimeout: no whole handshake within {HANDSHAKE_S:g} s" if isinstance(e, TimeoutError)
+                                   else f"{getattr(e, 'code', type(e).__name__)}: {e}"))
+        conn.close()
+        return
+      with lock:
+        pending.pop(conn, None)
+        if winner or self._stop:
+          conn.close()
+          return
+        winner.append(conn)
+      won.set()
+      try: self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept below: one peer per bridge
+      except OSError: pass
+
+    while not self._stop and not won.is_set():
+      try: conn, addr = self.listener.accept()
       except TimeoutError: continue
       except OSError:
-        if self._stop: return None
+        if self._stop or won.is_set(): break
         raise
-      try:
-        accept(conn, self.secret, self.hello)
-        self.listener.close()  # one peer per bridge: nobody else may connect now
-        return conn
-      except (errors.PyruntimeError, OSError, struct.error) as e:
-        self.refused.append(f"{getattr(e, 'code', type(e).__name__)}: {e}")
-        conn.close()
-    return None
+      with lock:
+        if len(pending) >= MAX_PENDING:  # the oldest has had the most time: it goes
+          oldest = next(iter(pending))
+          del pending[oldest]
+          hung[oldest] = "BridgeBusy: more handshakes under way than a listener takes; the oldest was turned away"
+          _hang_up(oldest)
+        pending[conn] = addr
+      threading.Thread(target=handshake, args=(conn, addr), name=f"{self.name}-handshake", daemon=True).start()
+    self.listener.close()
+    with lock:
+      for conn in pending:
+        hung[conn] = "BridgeTaken: the bridge has its peer" if winner else "BridgeClosed: the bridge closed"
+        _hang_up(conn)
+      pending.clear()
+    return winner[0] if winner else None
+
+  def _refuse(self, addr: Any, why: str) -> None:
+    log.warning("%s: turned away %s: %s", self.name, addr, why)
+    if len(self.refused) < MAX_REFUSED: self.refused.append(why)
 
   def _pump(self, conn: socket.socket) -> None:
     conn.settimeout(LOST_S)
@@ -300,6 +351,12 @@ class BridgeSender:
   def stats(self) -> dict:
     return {"records": self.records, "bytes": self.bytes, "ended": self.ended.is_set(),
             "error": None if self.error is None else f"{self.error.code}: {self.error}"}
+
+
+def _hang_up(conn: socket.socket) -> None:
+  """End a connection another thread may be reading: shutdown wakes its recv, which close alone would not."""
+  try: conn.shutdown(socket.SHUT_RDWR)
+  except OSError: pass
 
 
 def link_hello(version: str, abi: int, model: str, link: str) -> dict[str, Any]:

@@ -70,7 +70,8 @@ def test_peers_without_the_secret_or_of_another_version_are_turned_away_by_name(
   tx = BridgeSender(rings.reader(0), rx.address, SECRET, HELLO)
   rings.writer(0).write(5, b"abcd")
   assert bytes(rings.reader(1).next_record(timeout=5).payload) == b"abcd"
-  assert [r.split(":")[0] for r in rx.stats()["refused"]] == ["BridgeAuthFailed", "BridgeMismatch", "BridgeMismatch", "BridgeFrameInvalid"]
+  got = sorted(r.split(":")[0] for r in rx.stats()["refused"])  # each shakes hands on its own: in any order
+  assert got == ["BridgeAuthFailed", "BridgeFrameInvalid", "BridgeMismatch", "BridgeMismatch"]
   tx.close(); rx.close()
 
 
@@ -126,3 +127,63 @@ def test_a_lost_receiver_ends_the_sender_by_name(rings):
   assert isinstance(ends[0], errors.BridgeLost) and "receiver went away" in str(ends[0])
   with pytest.raises((errors.RingClosed, errors.RingTimeout)):  # the upstream stage learns its ring is read no more
     for i in range(10_000): w0.write(i, b"x" * 4000, timeout=1)
+
+
+def test_strangers_on_the_port_do_not_delay_the_right_peer(rings, monkeypatch, caplog):
+  """50 silent connections and a slowloris trickling its hello a byte at a time are there first: the right peer still
+  completes its handshake at once (each handshake runs on its own, against a total deadline), and each stranger is
+  turned away and logged once with its address."""
+  import threading
+  import time
+  monkeypatch.setattr(bridge, "HANDSHAKE_S", 1.5)
+  w0, r1 = rings.writer(0), rings.reader(1)
+  rx = BridgeReceiver(rings.writer(1), SECRET, HELLO)
+  idle = [socket.create_connection(rx.address) for _ in range(50)]
+  stop = threading.Event()
+  def slowloris() -> None:
+    with socket.create_connection(rx.address) as s:
+      s.recv(24)
+      while not stop.is_set():
+        try: s.sendall(b"\x00")  # a hello of 0 bytes, then its MAC a byte at a time
+        except OSError: return
+        time.sleep(0.3)
+  loris = threading.Thread(target=slowloris)
+  loris.start()
+  try:
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    tx = BridgeSender(rings.reader(0), rx.address, SECRET, HELLO)
+    w0.write(7, b"through!")
+    assert bytes(r1.next_record(timeout=10).payload) == b"through!"
+    assert time.monotonic() - t0 < bridge.HANDSHAKE_S  # within its own handshake's bound, not behind the strangers'
+    deadline = time.monotonic() + 10
+    while len(rx.stats()["refused"]) < 51 and time.monotonic() < deadline: time.sleep(0.05)
+    refused = rx.stats()["refused"]
+    assert len(refused) == 51, refused  # the 50 and the slowloris, each once
+    kinds = sorted({r.split(":")[0] for r in refused})
+    assert "BridgeBusy" in kinds and ("BridgeHandshakeTimeout" in kinds or "BridgeTaken" in kinds), refused
+    assert sum("turned away" in rec.getMessage() for rec in caplog.records) == 51
+    tx.close()
+  finally:
+    stop.set(); loris.join(5)
+    for s in idle: s.close()
+    rx.close()
+
+
+def test_a_hello_trickled_a_byte_at_a_time_is_cut_at_the_total_deadline(rings, monkeypatch):
+  import time
+  monkeypatch.setattr(bridge, "HANDSHAKE_S", 1.0)
+  a, b = socket.socketpair()
+  try:
+    def trickle() -> None:
+      a.recv(24)
+      for _ in range(20):
+        try: a.sendall(b"\x00")
+        except OSError: return
+        time.sleep(0.2)
+    import threading
+    threading.Thread(target=trickle, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError): accept(b, SECRET, HELLO)
+    assert time.monotonic() - t0 < 2.0  # the per-recv timeout alone would have let it go on for 4 s
+  finally: a.close(); b.close()

@@ -22,6 +22,17 @@ MAX_SCHEMA_BYTES = 32 << 10   # a schema's JSON
 MAX_GRAMMAR_BYTES = 64 << 10  # the grammar made from it, sent to the tail over its control channel (SetGrammar)
 # compact JSON: no free whitespace between tokens, so a weak model cannot spend its budget on blanks
 JSON_OPTIONS = {"whitespace_flexible": False}
+# A grammar's work per token is capped (llguidance's lexer fuel and Earley items per mask: ~15 ms and ~2.5 ms at most,
+# at its stated speeds) and so is its build (initial lexer fuel, lexer states, grammar size); a grammar past a cap
+# fails at the door or ends its stream with GrammarError. The tail masks one stream's row while every stream's step
+# waits, so this is what one stream's grammar can cost the others per token.
+LIMITS = {"step_lexer_fuel": 200_000, "step_max_items": 50_000, "initial_lexer_fuel": 1_000_000, "max_lexer_states": 250_000,
+          "max_grammar_size": 500_000}
+
+
+def _limits() -> Any:
+  from llguidance import LLParserLimits
+  return LLParserLimits(**LIMITS)
 
 
 def grammar_for(response_format: Any) -> str | None:
@@ -76,11 +87,11 @@ def check(grammar: str, tok: Any, field: str = "response_format") -> None:
   checked: dict[str, None] = tok.__dict__.setdefault("_llguidance_checked", {})
   if grammar in checked: return
   from llguidance import LLMatcher
-  is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, vocabulary(tok)[1])
+  is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, vocabulary(tok)[1], limits=_limits())
   if is_error: raise errors.InvalidOption(field, f"the schema cannot be enforced: {messages[0][:300]}")
   # a grammar that builds may still admit nothing: `$ref`s that only refer to each other fail at the first token, and
   # the answer would be empty with finish_reason "stop"
-  m = LLMatcher(vocabulary(tok)[1], grammar)
+  m = LLMatcher(vocabulary(tok)[1], grammar, limits=_limits())
   m.compute_bitmask()
   if m.is_error() or m.is_stopped():
     why = "its `$ref`s only refer to each other" if "$ref" in grammar or "#/" in grammar else "it accepts only an empty answer"
@@ -95,7 +106,7 @@ class Constraint:
 
   def __init__(self, grammar: str, tok: Any, vocab_size: int):
     from llguidance import LLMatcher
-    self.matcher = LLMatcher(vocabulary(tok)[1], grammar)
+    self.matcher = LLMatcher(vocabulary(tok)[1], grammar, limits=_limits())
     if self.matcher.is_error(): raise errors.InvalidOption("response_format", self.matcher.get_error()[:300])
     self.vocab_size, self.n_tok = vocab_size, tok.vocab_size
     self.add = np.zeros(vocab_size, np.float32)  # 0 where allowed, -inf elsewhere: added to the row's logits

@@ -1,0 +1,101 @@
+"""Does one stream's grammar delay another stream's tokens? A free-text stream's inter-token gaps alone, then beside
+structured requests with hostile schemas (pathological patterns, `format: email`, `patternProperties`, recursion),
+side by side in one run on the same launcher: its median and p99 gap in each, their ratio, and the target (p99 beside
+the hostile ones ≤ 2× its median alone).
+
+  python bench/grammar_stall.py [--model PATH] [--stages 2] [--tokens 160] [--hostile 3] [--repeats 2] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+HOSTILE = [{"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a|aa)*b$"}}, "required": ["s"]},
+           {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(\\w+\\s?)*$"}}, "required": ["s"]},
+           {"type": "object", "properties": {"s": {"type": "string", "pattern": "(a|b)*a(a|b){20}"}}, "required": ["s"]},
+           {"type": "object", "properties": {"s": {"type": "string", "format": "email"}}, "required": ["s"]},
+           {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}}},
+           {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#"}}, "required": ["v"]}]
+
+
+def victim_gaps(lm, tokens: int) -> list[float]:
+  """The free stream's gaps between tokens (s), from its second token on."""
+  from pyruntime.engine.events import Delta, Done
+  times: list[float] = []
+  done = threading.Event()
+  def on(ev) -> None:
+    if isinstance(ev, Delta) and ev.token_ids: times.append(time.monotonic())
+    if isinstance(ev, (Done, BaseException)): done.set()
+  lm.submit("Tell me a long story about a lighthouse keeper.", max_tokens=tokens, ignore_eos=True, temperature=0, prefix_cache=False, on_event=on)
+  done.wait(600)
+  return [b - a for a, b in zip(times[1:], times[2:], strict=False)]
+
+
+def hostile_load(lm, n: int, stop: threading.Event) -> list[int]:
+  count = [0]
+  def loop(i: int) -> None:
+    k = i
+    while not stop.is_set():
+      schema = HOSTILE[k % len(HOSTILE)]
+      k += 1
+      try:
+        for _ in lm.generate(messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=48, prefix_cache=False,
+                             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}): pass
+        count[0] += 1
+      except Exception as e:  # noqa: BLE001 - a refused schema is a result too
+        print(f"  hostile request refused: {type(e).__name__}: {str(e)[:100]}")
+  threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(n)]
+  for t in threads: t.start()
+  return count
+
+
+def figures(gaps: list[float]) -> dict:
+  q = statistics.quantiles(gaps, n=100)
+  return {"median_ms": round(1000 * statistics.median(gaps), 2), "p99_ms": round(1000 * q[98], 2), "max_ms": round(1000 * max(gaps), 2)}
+
+
+def machine_line() -> str:
+  """The CPU model and the vector flags that matter here (machines differ: AVX-512/AMX Xeons, AVX2-only EPYCs)."""
+  import os
+  info = open("/proc/cpuinfo").read()
+  model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
+  flags = next((set(ln.split(":", 1)[1].split()) for ln in info.splitlines() if ln.startswith("flags")), set())
+  vec = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+  return f"{model}, {os.cpu_count()} CPUs, {' '.join(vec) or 'no AVX2'}"
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--model", default=None)
+  ap.add_argument("--stages", type=int, default=2)
+  ap.add_argument("--tokens", type=int, default=160)
+  ap.add_argument("--hostile", type=int, default=3, help="hostile structured requests in flight at once")
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--json", action="store_true")
+  a = ap.parse_args()
+  from pyruntime.engine.launcher import Launcher
+  print(machine_line())
+  with Launcher(a.model, stages=a.stages, max_streams=8, warmup=True) as lm:
+    victim_gaps(lm, 16)  # first-use costs out of the way
+    rows = []
+    for r in range(a.repeats):
+      alone = figures(victim_gaps(lm, a.tokens))
+      stop = threading.Event()
+      count = hostile_load(lm, a.hostile, stop)
+      time.sleep(0.5)
+      beside = figures(victim_gaps(lm, a.tokens))
+      stop.set()
+      time.sleep(1.0)
+      rows.append({"repeat": r, "alone": alone, "beside_hostile": beside, "hostile_done": count[0],
+                   "p99_beside_over_median_alone": round(beside["p99_ms"] / alone["median_ms"], 2)})
+      print(f"repeat {r}: alone median {alone['median_ms']} ms p99 {alone['p99_ms']} ms | beside {a.hostile} hostile streams "
+            f"({count[0]} answered): median {beside['median_ms']} ms p99 {beside['p99_ms']} ms max {beside['max_ms']} ms | "
+            f"p99 beside / median alone {rows[-1]['p99_beside_over_median_alone']}x (target <= 2x)")
+  if a.json: print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+  main()

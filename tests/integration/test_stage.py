@@ -234,7 +234,7 @@ def test_profiler_samples_the_data_loop_thread(tiny):
     sp.send(Command.INITIALIZE_WORKER, device="CPU")
     sp.expect(Event.WORKER_READY)
     report = sp.expect(Event.PROFILE_REPORT, timeout=30)
-    assert report["samples"] > 0 and report["lines"] and "stage.py" in " ".join(x["where"] for x in report["lines"])
+    assert report["samples"] > 0 and report["lines"] and "stage/worker.py" in " ".join(x["where"] for x in report["lines"])
   finally:
     sp.close()
 

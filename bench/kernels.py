@@ -3,7 +3,7 @@ matmuls at the same row count, and decode steps; then the loop schedules on and 
 the schedules being chosen when a kernel compiles), with every logit's bits compared.
 
   python bench/kernels.py [--model PATH] [--rows 32,64,128,256] [--decode 1,8] [--repeats 5]
-  python bench/kernels.py --report [--device CL,NULL:CUDA:sm_90] [--model PATH]
+  python bench/kernels.py --report [--device CL,NULL:CUDA:sm_90] [--weights float32,quantized] [--model PATH]
 
 --report is the launch report (a count, not a timing): per one-row decode step of a whole-model stage on each device
 beside the CPU's, the kernels it launches and the threads each reduction kernel (the projections, attention, norms)
@@ -84,7 +84,7 @@ def numpy_floor(model: str, rows: list[int], repeats: int) -> dict:
   return out
 
 
-def launch_report(model: str, device: str) -> dict:
+def launch_report(model: str, device: str, weights: str = "float32") -> dict:
   """Kernels of a one-row decode step (the rows path's decode-1 graph) on `device`, each with its threads."""
   import numpy as np
   from tinygrad.helpers import Context
@@ -94,7 +94,7 @@ def launch_report(model: str, device: str) -> dict:
   from pyruntime.stage.launch_report import launches
   from pyruntime.stage.model import StageModel
   with Context(NULL_ALLOW_COPYOUT=1):
-    m = StageModel.load(model, 0, num_blocks(read_header(model)), device=device, max_context=256, slots=1)
+    m = StageModel.load(model, 0, num_blocks(read_header(model)), device=device, max_context=256, slots=1, weights=weights)
     m.reset_slot(0); m.prefill_rows(0, np.arange(8, dtype=np.uint32) + 100, 0)
     m.forward_batch([0], np.asarray([7], np.uint32), [8]).numpy()
   ks = [k for k in launches(m.graph("decode-1")) if k.device.split(":")[0] == m.device.split(":")[0]]
@@ -112,15 +112,16 @@ def main() -> None:
   ap.add_argument("--side", help=argparse.SUPPRESS)
   ap.add_argument("--report", action="store_true", help="the launch report (kernels and threads per decode step) instead")
   ap.add_argument("--device", default="CL,NULL:CUDA:sm_90", help="--report: devices beside the CPU, comma-separated")
+  ap.add_argument("--weights", default="float32,quantized", help="--report: weight modes, comma-separated (float32: a CPU's default)")
   a = ap.parse_args()
   if a.report:
     from pyruntime.devices import cpu_device, nvidia_compilers
     from pyruntime.modelfile.source import default_model_path
     nvidia_compilers()
     model = a.model or str(default_model_path())
-    for dev in [cpu_device(), *a.device.split(",")]:
+    for dev, weights in [(d, w) for d in [cpu_device(), *a.device.split(",")] for w in a.weights.split(",")]:
       code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); from kernels import launch_report; "
-              f"print(json.dumps(launch_report({model!r}, {dev!r})))")
+              f"print(json.dumps(launch_report({model!r}, {dev!r}, {weights!r})))")
       p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
       if p.returncode: print(f"{dev}: failed: {p.stderr.strip().splitlines()[-1:]}"); continue
       r = json.loads(p.stdout.strip().splitlines()[-1])

@@ -134,6 +134,28 @@ _TRACE_REUSE = bool(getenv("PYRUNTIME_TRACE_REUSE", 1))
 def _buffers(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.BUFFER]
 
 
+# Projections that read the same input, kept as one column-blocked matrix: the rows path computes them in one kernel
+# (rows._projections). Each output's sum is the one it was alone (same inputs, same order), so the bits do not change.
+FUSED = {"rows_qkv": ("attn_q", "attn_k", "attn_v"), "rows_gate_up": ("ffn_gate", "ffn_up")}
+
+
+def _fuse_projections(b: Any) -> None:
+  """Join each FUSED group's column blocks into one buffer; every member's `rows_blocked` and `weight` become views of
+  its part (no second copy)."""
+  for attr, names in FUSED.items():
+    lins = [getattr(b, n, None) for n in names]
+    blocks = [getattr(lin, "rows_blocked", None) for lin in lins]
+    if any(w is None for w in blocks) or len({w.shape[1:] for w in blocks}) != 1: continue
+    fused = Tensor.cat(*blocks, dim=0).contiguous().realize()
+    at = 0
+    for lin, w in zip(lins, blocks, strict=True):
+      n, K, vec = w.shape
+      lin.rows_blocked = fused[at:at + n]
+      lin.weight.replace(lin.rows_blocked.permute(1, 0, 2).reshape(K, n * vec).T)
+      at += n
+    setattr(b, attr, fused)
+
+
 def _linears(b: FFNBlock) -> list[nn.Linear]:
   """A block's dense projections (the rows path keeps their matrices in column blocks)."""
   return [m for m in (getattr(b, n, None) for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"))
@@ -311,6 +333,8 @@ class StageModel:
             p.replace(lin.rows_blocked.permute(1, 0, 2).reshape(p.shape[1], p.shape[0]).T)
           else: p.replace(w.contiguous())
         Tensor.realize(*[getattr(linears.get(id(p)), "rows_blocked", p) for p in group])
+      if self.batched:
+        for b in self.blk: _fuse_projections(b)
       params = [getattr(linears.get(id(p)), "rows_blocked", p) for g in groups for p in g]
       self.resident_bytes = sum(p.nbytes() for p in dict.fromkeys(params))
 

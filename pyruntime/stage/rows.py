@@ -53,6 +53,22 @@ def _linear(lin: Any, x: Tensor) -> Tensor:
   return y if lin.bias is None else y + lin.bias
 
 
+def _projections(b: Any, x: Tensor, fused: str, names: tuple[str, ...]) -> list[Tensor]:
+  """The projections `names` of x: from the block's fused matrix `fused` (StageModel's FUSED) in one kernel when it has
+  one, cut into each projection's outputs (+ its bias), else one _linear each. Every output is the same sum either way."""
+  if (wb := getattr(b, fused, None)) is None: return [_linear(getattr(b, n), x) for n in names]
+  *lead, K = x.shape
+  y = (x.reshape(*lead, 1, K, 1) * wb).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
+  out, at = [], 0
+  for n in names:
+    lin = getattr(b, n)
+    width = lin.rows_blocked.shape[0] * lin.rows_blocked.shape[2]
+    part = y[..., at:at + width]
+    out.append(part if lin.bias is None else part + lin.bias)
+    at += width
+  return out
+
+
 def _put(dsts: tuple[Tensor, ...], arrays: tuple[np.ndarray, ...]) -> None:
   """Each host array into the first bytes of its staging tensor (the rest keeps what it held: rows no graph reads)."""
   for dst, arr in zip(dsts, arrays, strict=True): device_memory.write(dst.uop.buffer, arr)
@@ -170,7 +186,7 @@ class RowPath:
     c = b.config
     B, T, _ = x.shape
     x = x.contiguous()  # normed: see _blocks
-    q, k, v = _linear(b.attn_q, x), _linear(b.attn_k, x), _linear(b.attn_v, x)
+    q, k, v = _projections(b, x, "rows_qkv", ("attn_q", "attn_k", "attn_v"))
     if c.qk_norm and c.qk_norm != c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
     q = q.reshape(B, T, c.n_heads, c.head_dim).transpose(1, 2)
     k = k.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
@@ -212,7 +228,8 @@ class RowPath:
         h = x + _linear(b.attn_output, attention(b, b.attn_norm(x)))
         n = b.ffn_norm(h).contiguous()
         # tinygrad's dense feed-forward (FFNBlock._feed_forward), through the column-blocked matrices
-        return (h + _linear(b.ffn_down, _linear(b.ffn_gate, n).silu().contiguous() * _linear(b.ffn_up, n))).contiguous()
+        gate, up = _projections(b, n, "rows_gate_up", ("ffn_gate", "ffn_up"))
+        return (h + _linear(b.ffn_down, gate.silu().contiguous() * up)).contiguous()
       return _run(x)
     return self.m._blocks(x, call)
 

@@ -35,20 +35,47 @@ def _limits() -> Any:
   return LLParserLimits(**LIMITS)
 
 
+_OPENERS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties", "unevaluatedItems")
+
+
+def closed(schema: Any) -> Any:
+  """`schema` with every object that lists `properties` closed (`additionalProperties: false`) unless the schema says
+  otherwise (it gives `additionalProperties`, `unevaluatedProperties` or `patternProperties`): what a tool's author
+  means, and what OpenAI's strict mode requires. Without it the grammar lets a model add keys nobody named, the same
+  key twice among them, and ramble to `length`. An object without `properties` stays free-form."""
+  if isinstance(schema, list): return [closed(x) for x in schema]
+  if not isinstance(schema, dict): return schema
+  out = dict(schema)
+  if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPENERS): out["additionalProperties"] = False
+  for k in _SUBSCHEMA_LISTS:
+    if isinstance(out.get(k), list): out[k] = [closed(x) for x in out[k]]
+  for k in _SUBSCHEMA_MAPS:
+    if isinstance(out.get(k), dict): out[k] = {name: closed(x) for name, x in out[k].items()}
+  for k in _SUBSCHEMAS:
+    if isinstance(out.get(k), (dict, list)): out[k] = closed(out[k])
+  return out
+
+
 def grammar_for(response_format: Any) -> str | None:
   """The grammar of an OpenAI `response_format` (None: free text). InvalidOption naming what is wrong."""
   if response_format is None: return None
   if not isinstance(response_format, dict): raise errors.InvalidOption("response_format", "must be an object with a 'type'")
   kind = response_format.get("type")
   if kind == "text": return None
-  if kind == "json_object": schema: Any = {"type": "object"}
+  if kind == "json_object":
+    # llama.cpp's server and vLLM take a schema here too (instructor's JSON_SCHEMA mode sends it): honoured, never dropped
+    schema: Any = response_format.get("schema", {"type": "object"})
+    if not isinstance(schema, dict): raise errors.InvalidOption("response_format", "json_object's 'schema' must be a JSON schema object")
   elif kind == "json_schema":
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
       raise errors.InvalidOption("response_format", "json_schema must be an object whose 'schema' is a JSON schema object")
     schema = spec.get("schema", {})
   else: raise errors.InvalidOption("response_format", f"type must be 'text', 'json_object' or 'json_schema', not {str(kind)[:40]!r}")
-  text = json.dumps(schema)
+  text = json.dumps(closed(schema))
   if len(text) > MAX_SCHEMA_BYTES: raise errors.InvalidOption("response_format", f"the schema is over {MAX_SCHEMA_BYTES} bytes")
   from llguidance import LLMatcher
   try: grammar = LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)

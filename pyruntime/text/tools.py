@@ -120,9 +120,10 @@ def check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 # --- families -----------------------------------------------------------------------------------------------------
 def _call_schema(req: ToolRequest, key: str) -> dict[str, Any]:
   """The JSON schema of one call: {"name": <a function>, key: <its parameters>}, the name first."""
-  from pyruntime.text.grammar import JSON_OPTIONS
+  from pyruntime.text.grammar import JSON_OPTIONS, closed
   names = [req.name] if req.choice == "function" else list(req.parameters)
-  one = [{"type": "object", "properties": {"name": {"const": n}, key: req.parameters[n]}, "required": ["name", key],
+  # the client's argument schema closed too (grammar.closed), not only the wrapper: no keys the function never named
+  one = [{"type": "object", "properties": {"name": {"const": n}, key: closed(req.parameters[n])}, "required": ["name", key],
           "additionalProperties": False} for n in names]
   # compact JSON (no free whitespace between tokens: a weak model would spend its budget on blanks), as grammar.py's
   return (one[0] if len(one) == 1 else {"anyOf": one}) | {"x-guidance": JSON_OPTIONS}

@@ -129,6 +129,45 @@ def test_recursive_schemas_with_a_way_out_are_enforced(tiny, schema):
   assert finished >= 1
 
 
+def test_objects_that_name_their_properties_are_closed_unless_the_schema_opens_them():
+  from pyruntime.text.grammar import closed
+  schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                             "free": {"type": "object"},
+                                             "open": {"type": "object", "properties": {"x": {}}, "additionalProperties": True},
+                                             "list": {"type": "array", "items": {"properties": {"y": {}}}}},
+            "$defs": {"d": {"anyOf": [{"properties": {"z": {}}}, {"type": "string"}]}}}
+  c = closed(schema)
+  assert c["additionalProperties"] is False and c["properties"]["a"]["additionalProperties"] is False
+  assert "additionalProperties" not in c["properties"]["free"]                  # free-form: no properties named
+  assert c["properties"]["open"]["additionalProperties"] is True                # the schema opened it
+  assert c["properties"]["list"]["items"]["additionalProperties"] is False
+  assert c["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
+  assert "additionalProperties" not in schema                                  # the caller's schema is not changed
+
+
+def test_a_walk_never_adds_keys_the_schema_did_not_name(tiny):
+  """The grammar of a schema whose objects list their properties admits no other key (and none twice)."""
+  from pyruntime.text.grammar import closed
+  tok = Tokenizer.from_gguf(tiny)
+  schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}}, "required": ["city"]}
+  grammar = grammar_for(fmt(schema))
+  for seed in range(4):
+    rng, c, out = np.random.default_rng(seed), Constraint(grammar, tok, tok.vocab_size), []
+    while not c.done and len(out) < 200:
+      allowed = np.flatnonzero(c.mask() == 0)
+      out.append(int(rng.choice(allowed)))
+      c.take(out[-1])
+    assert c.done
+    jsonschema.validate(json.loads(tok.decode(out)), closed(schema))
+
+
+def test_json_object_with_a_schema_is_that_schema():
+  """instructor's JSON_SCHEMA mode (and llama.cpp's and vLLM's servers): the schema is honoured, never dropped."""
+  schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+  assert grammar_for({"type": "json_object", "schema": schema}) == grammar_for(fmt(schema)) != grammar_for({"type": "json_object"})
+  with pytest.raises(errors.InvalidOption): grammar_for({"type": "json_object", "schema": "not a schema"})
+
+
 def test_free_text_has_no_grammar():
   assert grammar_for(None) is None and grammar_for({"type": "text"}) is None
 

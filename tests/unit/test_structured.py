@@ -5,6 +5,7 @@ are the same alone and beside others; bad schemas are refused by name before any
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -166,6 +167,61 @@ def test_json_object_with_a_schema_is_that_schema():
   schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
   assert grammar_for({"type": "json_object", "schema": schema}) == grammar_for(fmt(schema)) != grammar_for({"type": "json_object"})
   with pytest.raises(errors.InvalidOption): grammar_for({"type": "json_object", "schema": "not a schema"})
+
+
+# Every keyword family the grammar engine enforces, and every one it refuses (llguidance 1.9: "Unimplemented keys"):
+# a schema with an unenforced keyword is refused by name, never answered as if the keyword were not there.
+CLAIMED = {
+  "type+enum+const": {"type": "object", "properties": {"t": {"enum": ["a", "b", 3]}, "c": {"const": {"x": 1}}}, "required": ["t", "c"]},
+  "string bounds+pattern": {"type": "string", "minLength": 2, "maxLength": 8, "pattern": "^[a-c]+$"},
+  "formats": {"type": "object", "properties": {"d": {"type": "string", "format": "date"}, "u": {"type": "string", "format": "uuid"},
+                                               "e": {"type": "string", "format": "email"}}, "required": ["d", "u", "e"]},
+  "numbers": {"type": "object", "properties": {"i": {"type": "integer", "minimum": -5, "maximum": 5},
+                                               "n": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 10},
+                                               "m": {"type": "integer", "multipleOf": 3}}, "required": ["i", "n", "m"]},
+  "arrays": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 4}], "items": {"type": "boolean"},
+             "minItems": 2, "maxItems": 4},
+  "objects": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "patternProperties": {"^x": {"type": "boolean"}}},
+  "combinators": {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"k": {"type": "string", "maxLength": 3}}, "required": ["k"]}],
+                  "$defs": {"unused": {"type": "null"}}},
+  "allOf": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"]}]},
+}
+REFUSED = {"uniqueItems": {"type": "array", "uniqueItems": True}, "not": {"not": {"type": "string"}},
+           "if": {"if": {"type": "integer"}, "then": {"minimum": 0}}, "contains": {"type": "array", "contains": {"type": "integer"}},
+           "dependentRequired": {"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}},
+           "propertyNames": {"type": "object", "propertyNames": {"pattern": "^a"}},
+           # oneOf only where its branches cannot overlap (llguidance; anyOf otherwise)
+           "oneOf": {"oneOf": [{"properties": {"a": {"maximum": 0}}}, {"properties": {"a": {"minimum": 1}}}]},
+           # min/maxProperties only with every listed property required
+           "maxProperties": {"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^x": {}}, "maxProperties": 2}}
+
+
+@pytest.mark.parametrize("family", sorted(CLAIMED))
+def test_every_keyword_family_claimed_validates(tiny, family):
+  from pyruntime.text.grammar import closed
+  tok, schema = Tokenizer.from_gguf(tiny), CLAIMED[family]
+  grammar = grammar_for(fmt(schema))
+  check(grammar, tok)
+  finished = 0
+  for seed in range(4):
+    rng, c, out = np.random.default_rng(seed), Constraint(grammar, tok, tok.vocab_size), []
+    while not c.done and len(out) < 300:
+      allowed = np.flatnonzero(c.mask() == 0)
+      out.append(int(rng.choice(allowed)))
+      c.take(out[-1])
+    if c.done:
+      answer = json.loads(tok.decode(out))
+      # `format: date` is enforced by its shape (YYYY-MM-DD, a day up to the month's longest): Feb 29 of any year passes
+      jsonschema.validate(answer, closed(schema), format_checker=jsonschema.FormatChecker(formats=("email", "uuid")))
+      if family == "formats": assert re.fullmatch(r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])", answer["d"]), answer
+      finished += 1
+  assert finished >= 2, f"{family}: {finished} of 4 walks ended within 300 tokens"
+
+
+@pytest.mark.parametrize("keyword", sorted(REFUSED))
+def test_every_keyword_not_enforced_is_refused_by_name(tiny, keyword):
+  with pytest.raises(errors.InvalidOption) as e: check(grammar_for(fmt(REFUSED[keyword])), Tokenizer.from_gguf(tiny))
+  assert e.value.field == "response_format" and keyword in str(e.value)
 
 
 def test_free_text_has_no_grammar():

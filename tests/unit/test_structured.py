@@ -94,6 +94,18 @@ def test_a_schema_that_cannot_be_enforced_is_refused_by_name(tiny, bad):
   assert e.value.field == "response_format"
 
 
+def walk(grammar: str, tok: Tokenizer, seed: int, limit: int, closing_bias: float = 0.0) -> tuple[bool, list[int]]:
+  """Tokens the masks allow, picked at random (with `closing_bias`, a closing bracket that often when one is allowed, so
+  an open recursion ends), until the grammar is done or `limit` tokens: (done, tokens)."""
+  rng, c, out = np.random.default_rng(seed), Constraint(grammar, tok, tok.vocab_size), []
+  while not c.done and len(out) < limit:
+    allowed = np.flatnonzero(c.mask() == 0)
+    closing = [t for t in allowed if tok.decode([int(t)]).strip() in ("}", "]", "}]", "]}", "}}")] if closing_bias else []
+    out.append(int(closing[0] if closing and rng.random() < closing_bias else rng.choice(allowed)))
+    c.take(out[-1])
+  return c.done, out
+
+
 RECURSIVE_OK = {"type": "object", "properties": {"value": {"type": "integer"}, "next": {"$ref": "#"}}, "required": ["value"]}
 MUTUAL_OK = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}},
                                             "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "maxItems": 2}}}
@@ -116,15 +128,8 @@ def test_recursive_schemas_with_a_way_out_are_enforced(tiny, schema):
   check(grammar, tok)
   finished = 0
   for seed in range(3):
-    rng, c, out = np.random.default_rng(seed), Constraint(grammar, tok, tok.vocab_size), []
-    while not c.done and len(out) < 600:
-      allowed = np.flatnonzero(c.mask() == 0)
-      # prefer closing over opening so the walk ends (a random walk of an open recursion may not)
-      closing = [t for t in allowed if tok.decode([int(t)]).strip() in ("}", "]", "}]", "]}", "}}")]
-      t = int(closing[0] if closing and rng.random() < 0.7 else rng.choice(allowed))
-      c.take(t)
-      out.append(t)
-    if c.done:
+    done, out = walk(grammar, tok, seed, 600, closing_bias=0.7)
+    if done:
       jsonschema.validate(json.loads(tok.decode(out)), schema)
       finished += 1
   assert finished >= 1
@@ -153,12 +158,8 @@ def test_a_walk_never_adds_keys_the_schema_did_not_name(tiny):
   schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}}, "required": ["city"]}
   grammar = grammar_for(fmt(schema))
   for seed in range(4):
-    rng, c, out = np.random.default_rng(seed), Constraint(grammar, tok, tok.vocab_size), []
-    while not c.done and len(out) < 200:
-      allowed = np.flatnonzero(c.mask() == 0)
-      out.append(int(rng.choice(allowed)))
-      c.take(out[-1])
-    assert c.done
+    done, out = walk(grammar, tok, seed, 200)
+    assert done
     jsonschema.validate(json.loads(tok.decode(out)), closed(schema))
 
 
@@ -204,12 +205,8 @@ def test_every_keyword_family_claimed_validates(tiny, family):
   check(grammar, tok)
   finished = 0
   for seed in range(4):
-    rng, c, out = np.random.default_rng(seed), Constraint(grammar, tok, tok.vocab_size), []
-    while not c.done and len(out) < 300:
-      allowed = np.flatnonzero(c.mask() == 0)
-      out.append(int(rng.choice(allowed)))
-      c.take(out[-1])
-    if c.done:
+    done, out = walk(grammar, tok, seed, 300)
+    if done:
       answer = json.loads(tok.decode(out))
       # `format: date` is enforced by its shape (YYYY-MM-DD, a day up to the month's longest): Feb 29 of any year passes
       jsonschema.validate(answer, closed(schema), format_checker=jsonschema.FormatChecker(formats=("email", "uuid")))

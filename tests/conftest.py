@@ -158,7 +158,9 @@ def smollm2_launcher(smollm2_path):
   `pyruntime generate` does; started in the main thread, so the stages' parent-death signal follows the test
   process. Tests must not kill its stages."""
   from pyruntime.engine.launcher import Launcher
-  lm = Launcher(None, stages=2, max_context=SMOLLM2_CONTEXT).start()
+  # a stage that never loads fails here by name (StageFailed, its stderr) well before the suite's 600 s timeout, whose
+  # stack dump would say nothing of why
+  lm = Launcher(None, stages=2, max_context=SMOLLM2_CONTEXT, load_timeout_s=300).start()
   yield lm
   lm.close()
   assert not any(lm.alive())

@@ -1,7 +1,8 @@
-"""Does one stream's grammar delay another stream's tokens? A free-text stream's inter-token gaps alone, then beside
-structured requests with hostile schemas (pathological patterns, `format: email`, `patternProperties`, recursion),
-side by side in one run on the same launcher: its median and p99 gap in each, their ratio, and the target (p99 beside
-the hostile ones ≤ 2× its median alone).
+"""Does one stream's grammar delay another stream's tokens? A free-text stream's inter-token gaps alone, beside the
+same requests unconstrained, and beside them under hostile schemas (pathological patterns, `format: email`,
+`patternProperties`, recursion), side by side in one run on the same launcher: its median and p99 gap in each. Other
+streams cost it gaps anyway (their prompts' steps, bigger batches): what a grammar adds is the hostile row against the
+free row; the issue's target is p99 beside the hostile ones ≤ 2× its median there.
 
   python bench/grammar_stall.py [--model PATH] [--stages 2] [--tokens 160] [--hostile 3] [--repeats 2] [--json]
 """
@@ -34,16 +35,17 @@ def victim_gaps(lm, tokens: int) -> list[float]:
   return [b - a for a, b in zip(times[1:], times[2:], strict=False)]
 
 
-def hostile_load(lm, n: int, stop: threading.Event) -> list[int]:
+def other_load(lm, n: int, stop: threading.Event, hostile: bool) -> list[int]:
+  """`n` streams in a loop: the hostile structured requests, or the same requests free (ignore_eos: as many tokens)."""
   count = [0]
   def loop(i: int) -> None:
     k = i
     while not stop.is_set():
       schema = HOSTILE[k % len(HOSTILE)]
       k += 1
+      way = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}} if hostile else {"ignore_eos": True}
       try:
-        for _ in lm.generate(messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=48, prefix_cache=False,
-                             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}): pass
+        for _ in lm.generate(messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=48, prefix_cache=False, **way): pass
         count[0] += 1
       except Exception as e:  # noqa: BLE001 - a refused schema is a result too
         print(f"  hostile request refused: {type(e).__name__}: {str(e)[:100]}")
@@ -72,7 +74,7 @@ def main() -> None:
   ap.add_argument("--model", default=None)
   ap.add_argument("--stages", type=int, default=2)
   ap.add_argument("--tokens", type=int, default=160)
-  ap.add_argument("--hostile", type=int, default=3, help="hostile structured requests in flight at once")
+  ap.add_argument("--hostile", type=int, default=3, help="other requests in flight at once (hostile structured, or the same free)")
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
@@ -82,18 +84,19 @@ def main() -> None:
     victim_gaps(lm, 16)  # first-use costs out of the way
     rows = []
     for r in range(a.repeats):
-      alone = figures(victim_gaps(lm, a.tokens))
-      stop = threading.Event()
-      count = hostile_load(lm, a.hostile, stop)
-      time.sleep(0.5)
-      beside = figures(victim_gaps(lm, a.tokens))
-      stop.set()
-      time.sleep(1.0)
-      rows.append({"repeat": r, "alone": alone, "beside_hostile": beside, "hostile_done": count[0],
-                   "p99_beside_over_median_alone": round(beside["p99_ms"] / alone["median_ms"], 2)})
-      print(f"repeat {r}: alone median {alone['median_ms']} ms p99 {alone['p99_ms']} ms | beside {a.hostile} hostile streams "
-            f"({count[0]} answered): median {beside['median_ms']} ms p99 {beside['p99_ms']} ms max {beside['max_ms']} ms | "
-            f"p99 beside / median alone {rows[-1]['p99_beside_over_median_alone']}x (target <= 2x)")
+      row: dict = {"repeat": r, "alone": figures(victim_gaps(lm, a.tokens))}
+      for hostile in (False, True):
+        stop = threading.Event()
+        count = other_load(lm, a.hostile, stop, hostile)
+        time.sleep(0.5)
+        row["beside_hostile" if hostile else "beside_free"] = {**figures(victim_gaps(lm, a.tokens)), "answered": count[0]}
+        stop.set()
+        time.sleep(1.5)
+      rows.append(row)
+      for k in ("alone", "beside_free", "beside_hostile"):
+        f = row[k]
+        print(f"repeat {r} {k:<15} median {f['median_ms']:>7} ms  p99 {f['p99_ms']:>7} ms  max {f['max_ms']:>7} ms  "
+              f"p99/median {f['p99_ms'] / f['median_ms']:.2f}")
   if a.json: print(json.dumps(rows))
 
 

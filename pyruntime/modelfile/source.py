@@ -94,7 +94,14 @@ def resolve_model(source: str | os.PathLike | None, *, cache_dir: str | os.PathL
   local = pathlib.Path(text).expanduser()
   hf = None if local.exists() or not isinstance(source, str) else parse_hf_source(text)
   if hf is None:
-    if not local.is_file(): raise GgufLocalPathMissing(f"model file not found: {local}")
+    if local.is_dir():
+      found = sorted(x.name for x in local.glob("*.gguf"))[:5]
+      raise GgufLocalPathMissing(f"{local} is a directory: name the GGUF file in it"
+                                 + (f" ({', '.join(found)})" if found else " (it holds no .gguf file)"))
+    if not local.is_file():
+      hint = ("; a Hugging Face model is named owner/repo/file.gguf[@revision]"
+              if isinstance(source, str) and text.count("/") == 1 and not text.startswith((".", "/", "~")) and not text.endswith(".gguf") else "")
+      raise GgufLocalPathMissing(f"model file not found: {local}{hint}")
     _check_magic(local, ModelLoadFailed)
     return local
   return download_hf(hf, cache_dir=cache_dir, on_progress=on_progress, timeout=timeout)

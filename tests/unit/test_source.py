@@ -179,6 +179,9 @@ def test_local_paths(tmp_path):
   missing = tmp_path / "nope" / "m.gguf"
   with pytest.raises(GgufLocalPathMissing, match=str(missing)): resolve_model(str(missing))
   with pytest.raises(GgufLocalPathMissing): resolve_model("./no-such-model.gguf")
+  # a newcomer's first tries: a folder, and a Hugging Face repo without its file
+  with pytest.raises(GgufLocalPathMissing, match="is a directory: name the GGUF file in it .m.gguf"): resolve_model(str(tmp_path))
+  with pytest.raises(GgufLocalPathMissing, match=r"owner/repo/file.gguf\[@revision\]"): resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
   bad = tmp_path / "bad.gguf"
   bad.write_bytes(b"nope")
   with pytest.raises(ModelLoadFailed, match="not a GGUF"): resolve_model(str(bad))

@@ -433,7 +433,9 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
   """Every option's help ends with its default, '(default: X)', unless the help already says what it is."""
   def _get_help_string(self, action: argparse.Action) -> str:
     text = action.help or ""
-    if "(default:" in text or "%(default)" in text or action.default is argparse.SUPPRESS \
+    # a flag's default says nothing a reader can use ("--no-graph-cache (default: True)" reads as "off by default")
+    flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+    if "(default:" in text or "%(default)" in text or action.default is argparse.SUPPRESS or flag \
        or not (action.option_strings or action.nargs in ("?", "*")):
       return text
     return text + " (default: %(default)s)"

@@ -60,7 +60,8 @@ def test_every_option_of_every_command_shows_its_default():
     for action in p._actions:
       if isinstance(action, argparse._HelpAction) or not (action.option_strings or action.nargs == "?"): continue
       text = fmt._get_help_string(action) % {"default": action.default}
-      assert "(default: " in text, f"pyruntime {name} {action.option_strings or action.dest}: {text!r}"
+      flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))  # on or off: no default to show
+      assert ("(default: " in text) != flag, f"pyruntime {name} {action.option_strings or action.dest}: {text!r}"
   out = subprocess.run([*CLI, "serve", "--help"], capture_output=True, text=True, timeout=60)
   help_text = " ".join(out.stdout.split())
   for shown in ("--port PORT TCP port (default: 8000)", "(default: 4194304)", "(default: 10.0)", "(default: 60.0)", "(default: 5.0)",
@@ -230,4 +231,5 @@ def test_every_help_renders(capsys):
   for argv in ([], *([n] for n in names)):
     with pytest.raises(SystemExit) as e: build_parser().parse_args([*argv, "--help"])
     assert e.value.code == 0
-    assert "usage: pyruntime" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "usage: pyruntime" in out and "(default: True)" not in out and "(default: False)" not in out  # flags say no default

@@ -4,12 +4,21 @@ run it under each in turn, side by side in one shell loop (bench/results/2026-12
 
   python bench/decode_step.py [--model PATH] [--weights float32] [--steps 30]
   for i in 1 2 3; do PYTHONPATH=/tmp/before python bench/decode_step.py; python bench/decode_step.py; done
+
+or two settings of the environment, alternated in pairs of processes, with each pair's ratio (B over A):
+
+  python bench/decode_step.py --sides PYRUNTIME_NATIVE_GRAPH=0 PYRUNTIME_NATIVE_GRAPH=1 --pairs 3
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -18,16 +27,21 @@ import numpy as np
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default=None)
-  ap.add_argument("--weights", default="float32")
+  ap.add_argument("--weights", default=os.environ.get("PYRUNTIME_WEIGHTS", "float32"))
   ap.add_argument("--steps", type=int, default=30)
+  ap.add_argument("--device", default=os.environ.get("PYRUNTIME_DEVICE"), help="e.g. CPU:CLANGJIT:x86_64,x86-64-v3 (an AVX2 machine's code)")
+  ap.add_argument("--sides", nargs=2, metavar=("A", "B"), help="two VAR=VALUE[,VAR=VALUE] settings to compare")
+  ap.add_argument("--pairs", type=int, default=3)
   a = ap.parse_args()
+  if a.sides: return compare(a)
   import pyruntime
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.modelfile.source import default_model_path
   from pyruntime.stage.model import StageModel
   path = a.model or str(default_model_path())
   t0 = time.monotonic()
-  m = StageModel.load(path, 0, read_header(path).num_blocks, max_context=256, slots=2, decode="batched", weights=a.weights, graph_cache=None)
+  m = StageModel.load(path, 0, read_header(path).num_blocks, max_context=256, slots=2, decode="batched", weights=a.weights, graph_cache=None,
+                     **({"device": a.device} if a.device else {}))
   h = hashlib.sha256()
   lg = m.forward(0, np.arange(100, 140, dtype=np.uint32), 0).numpy()
   h.update(lg.tobytes())
@@ -36,11 +50,41 @@ def main() -> None:
     out = m.forward_batch([0], np.asarray([tok], np.uint32), [pos]).numpy()
     h.update(out.tobytes())
     tok, pos = int(out.reshape(-1, out.shape[-1])[0].argmax()), pos + 1
-  t1 = time.monotonic()
-  for _ in range(a.steps): m.forward_batch([0], np.asarray([tok], np.uint32), [pos]).numpy()
+  t1, each = time.monotonic(), []
+  for _ in range(a.steps):
+    t = time.perf_counter()
+    m.forward_batch([0], np.asarray([tok], np.uint32), [pos]).numpy()
+    each.append(1000 * (time.perf_counter() - t))
   step = (time.monotonic() - t1) / a.steps
-  print(json.dumps({"code": pyruntime.__file__.rsplit("/pyruntime/", 1)[0], "weights": a.weights, "digest": h.hexdigest()[:16],
-                    "load_s": round(t1 - t0, 1), "decode_step_ms": round(1000 * step, 1)}))
+  print(json.dumps({"code": pyruntime.__file__.rsplit("/pyruntime/", 1)[0], "weights": a.weights, "device": a.device or "default",
+                    "digest": h.hexdigest()[:16],
+                    "load_s": round(t1 - t0, 1), "decode_step_ms": round(1000 * step, 1),
+                    "p10_p50_p90_ms": [round(float(x), 1) for x in np.percentile(each, [10, 50, 90])]}))
+
+
+def cpu() -> str:
+  info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+  name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), platform.processor())
+  flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+  return f"{name}, {os.cpu_count()} cores, " + " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "f16c") if f in flags)
+
+
+def compare(a: argparse.Namespace) -> None:
+  """Side A then side B, each a process of its own (the settings are read at import), --pairs times."""
+  print(cpu())
+  args = [sys.executable, __file__, "--steps", str(a.steps)] + (["--weights", a.weights] if "--weights" in sys.argv else [])
+  args += (["--model", a.model] if a.model else []) + (["--device", a.device] if a.device else [])
+  ratios = []
+  for i in range(a.pairs):
+    ms = []
+    for side in a.sides:
+      env = {**os.environ, **dict(kv.split("=", 1) for kv in side.split(","))}
+      r = json.loads(subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+      ms.append(r["decode_step_ms"])
+      print(f"pair {i + 1} {side:32s} {r['decode_step_ms']:7.1f} ms/step  digest {r['digest']}  weights {r['weights']}")
+    ratios.append(ms[1] / ms[0])
+    print(f"pair {i + 1} ratio B/A {ratios[-1]:.2f}")
+  print(f"median ratio B/A {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Build and run the C tests of native/ under sanitizers:
-native/tests/test_ring.c with AddressSanitizer + UndefinedBehaviorSanitizer, and the two-thread
-native/tests/stress_threads.c with ThreadSanitizer.  A test skips only when the compiler cannot
+native/tests/test_ring.c with AddressSanitizer + UndefinedBehaviorSanitizer, the two-thread
+native/tests/stress_threads.c and the launch loop's native/tests/stress_graph.c with ThreadSanitizer.  A test skips only when the compiler cannot
 build or run a program with that sanitizer."""
 from __future__ import annotations
 
@@ -84,6 +84,18 @@ def test_two_thread_stress_tsan(tmp_path):
   assert r.returncode == 0, f"[{cc}] stress_threads failed ({r.returncode}):\n{r.stdout}\n{r.stderr[-4000:]}"
   assert "ThreadSanitizer" not in r.stderr
   assert "delivered exactly once" in r.stdout
+
+
+@pytest.mark.parametrize("helpers,spin_ns", [(3, 0), (1, 100_000)])
+def test_launch_loop_stress_tsan(tmp_path, helpers, spin_ns):
+  """mo_graph_run with helpers that sleep between launches (spin 0) and that spin: every launch sees what every core
+  wrote in the one before, and TSan sees no race."""
+  exe = tmp_path / "stress_graph"
+  prefix, cc = build_with(TSAN, [NATIVE / "tests" / "stress_graph.c", NATIVE / "mo_graph.c"], exe, tmp_path, extra=["-lpthread"])
+  r = _run([*prefix, str(exe), "40", str(helpers), str(spin_ns)], timeout=180)
+  assert r.returncode == 0, f"[{cc}] stress_graph failed ({r.returncode}):\n{r.stdout}\n{r.stderr[-4000:]}"
+  assert "ThreadSanitizer" not in r.stderr
+  assert "every sum right" in r.stdout
 
 
 def test_stress_optimised(tmp_path):

@@ -112,7 +112,7 @@ def main() -> None:
   ap.add_argument("--side", help=argparse.SUPPRESS)
   ap.add_argument("--report", action="store_true", help="the launch report (kernels and threads per decode step) instead")
   ap.add_argument("--device", default="CL,NULL:CUDA:sm_90", help="--report: devices beside the CPU, comma-separated")
-  ap.add_argument("--weights", default="float32,quantized", help="--report: weight modes, comma-separated (float32: a CPU's default)")
+  ap.add_argument("--weights", default="float16,quantized", help="--report: weight modes, comma-separated (float16: a CPU's default)")
   a = ap.parse_args()
   if a.report:
     from pyruntime.devices import cpu_device, nvidia_compilers

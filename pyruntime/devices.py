@@ -1,6 +1,7 @@
 """Which tinygrad device each stage runs on: one GPU per stage when there are GPUs, else the CPU.
 
-A device string is `BASE[:INDEX][:RENDERER[:ARCH]]`: `CUDA`, `CUDA:1`, `CUDA:PTX`, `CUDA:1:PTX`, `NULL:2:CUDA:sm_90`.
+A device string is `BASE[:INDEX][:RENDERER[:ARCH]]`: `CUDA`, `CUDA:1`, `CUDA:PTX`, `CUDA:1:PTX`, `NULL:2:CUDA:sm_90`,
+`CPU:CLANGJIT:x86_64,x86-64-v3` (a CPU target names a cpu and features: commas, dashes and pluses in the ARCH only).
 A numeric second field is the device's index; anything else there is a renderer (and what follows it an architecture).
 tinygrad opens the device `BASE[:INDEX]`, and its `DEV` variable carries only `BASE[:RENDERER[:ARCH]]`: tinygrad reads
 `DEV=CUDA:1` as CUDA with a renderer named `1` (docs/control-channel.md#devices).
@@ -36,6 +37,7 @@ class DeviceSpec:
 
 
 _FIELD = re.compile(r"[A-Za-z0-9_.]+")
+_ARCH = re.compile(r"[A-Za-z0-9_.,+-]+")  # a CPU's target names a cpu and features: x86_64,x86-64-v3 or arm64,apple-m1,-sve
 
 
 def parse_device(spec: str) -> DeviceSpec:
@@ -43,8 +45,10 @@ def parse_device(spec: str) -> DeviceSpec:
   from pyruntime.errors import InvalidOption
   if not isinstance(spec, str): raise InvalidOption("device", f"a device is a string such as 'CUDA:1', not {spec!r}")
   fields = spec.strip().split(":")
-  if not all(_FIELD.fullmatch(f) for f in fields) or not fields[0].isalpha():
-    raise InvalidOption("device", f"{spec!r} is not BASE[:INDEX][:RENDERER[:ARCH]] (e.g. CUDA, CUDA:1, CUDA:1:PTX, NULL:CUDA:sm_90)")
+  if not all(_FIELD.fullmatch(f) for f in fields[:-1]) or not _ARCH.fullmatch(fields[-1]) or not fields[0].isalpha() \
+     or (not _FIELD.fullmatch(fields[-1]) and len(fields) - (fields[1].isdigit() if len(fields) > 1 else 0) != 3):
+    raise InvalidOption("device", f"{spec!r} is not BASE[:INDEX][:RENDERER[:ARCH]] "
+                                  "(e.g. CUDA, CUDA:1, CUDA:1:PTX, NULL:CUDA:sm_90, CPU:CLANGJIT:x86_64,x86-64-v3)")
   base, rest = fields[0].upper(), fields[1:]
   index = int(rest.pop(0)) if rest and rest[0].isdigit() else None
   if len(rest) > 2 or (rest and rest[0].isdigit()):

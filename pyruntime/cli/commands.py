@@ -312,7 +312,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           "experts": h.get("expert_count", 0), "experts_per_token": h.get("expert_used_count", 0),
           "leading_dense_blocks": h.get("leading_dense_block_count", 0), "kv_lora_rank": h.get("attention.kv_lora_rank", 0),
           # the launcher's default: by time per decode step, from the bytes a step reads (weights as stored: GPUs; as
-          # float32: a CPU's default); memory and compute for reference
+          # dequantised, float16 or float32: a CPU default); memory and compute for reference
           "suggested_split": {f"{n}_stages": {"by_time": suggest_split(h, n, by="time"), "by_time_float32": suggest_split(h, n, by="time-float32"),
                                               "by_memory": suggest_split(h, n, by="memory"), "by_compute": suggest_split(h, n, by="compute")}
                               for n in range(1, a.max_stages + 1) if n <= blocks}}

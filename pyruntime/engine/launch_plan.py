@@ -95,16 +95,17 @@ def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, temp
   return hashlib.sha256(json.dumps([model, [list(r) for r in split], dtype, template]).encode()).hexdigest()[:16]
 
 
-def weights_for(options: LaunchOptions, arch: str, device: str, float32_fits: bool) -> str:
+def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool) -> str:
   """How a stage on `device` keeps its weights. "auto": tinygrad's own "quantized" for reference decoding (its exact
-  tokens) and on accelerators; on a CPU, "float32" (several times faster there) when a float32 copy of the whole model
-  takes at most half of the memory available now, every stage sharing it."""
+  tokens) and on accelerators; on a CPU, "float16" (the dequantised values, converted to float32 in the kernels: float32
+  mode's bits at half its bytes, and several times faster than "quantized" there) when a float16 copy of the whole
+  model takes at most half of the memory available now, every stage sharing it."""
   from pyruntime.devices import parse_device
   from pyruntime.modelfile.plan import DENSE_ARCHS
   if options.weights != "auto": return options.weights
   if options.decode == "reference" or parse_device(device).base != "CPU" or arch not in DENSE_ARCHS:
     return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (see stage.py)
-  return "float32" if float32_fits else "quantized"
+  return "float16" if copy_fits else "quantized"
 
 
 def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: int) -> LaunchPlan:
@@ -118,10 +119,11 @@ def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: 
   # that share the CPU would only take cores from each other
   specs = [parse_device(d) for d in devices]
   own = len({s.name for s in specs}) == len(specs) and not any(s.base == "CPU" for s in specs)
-  fits = 4 * sum(math.prod(t.dims) for t in header.tensors.values()) <= memory // 2  # a float32 copy
+  fits = 2 * sum(math.prod(t.dims) for t in header.tensors.values()) <= memory // 2  # a float16 copy
   weights = [weights_for(options, header.arch, d, fits) for d in devices]
   # balanced by what a decode step takes on each stage: the bytes it reads of its weights, in the form it holds them
-  split = plan_split(header, n, options.split, by="time-float32" if all(w == "float32" for w in weights) else "time")
+  # (float16 weights cost half of float32's per parameter: the same proportions, so the same split)
+  split = plan_split(header, n, options.split, by="time-float32" if all(w in ("float16", "float32") for w in weights) else "time")
   name = header.kv.get("general.name") or path.stem
   template = header.kv.get("tokenizer.chat_template") or ""
   return LaunchPlan(path, header, options, name, split, devices, weights, n if own else 1,

@@ -82,7 +82,8 @@ def tensor_cost(header: GGUFHeader, names: list[str], by: str) -> int:
   """by="memory": their bytes; by="compute": the parameters a token touches, of routed experts (`*_exps`) only the
   expert_used_count of expert_count it goes through; by="time": the bytes a decode step reads of them, which is what
   it takes on every device we run (a decode step streams its weights): stored bytes, of routed experts the used share;
-  "time-float32": the same for weights held as float32 (--weights float32, a CPU's default), 4 bytes a parameter."""
+  "time-float32": the same for weights held dequantised, 4 bytes a parameter (--weights float32; float16, a CPU's
+  default, costs 2: the same proportions, so the same split)."""
   used, experts = header.get("expert_used_count", 0), header.get("expert_count", 0)
   def cost(name: str) -> int:
     t = header.tensors[name]
@@ -147,7 +148,7 @@ def plan_split(header: GGUFHeader, stages: int, split: Sequence[tuple[int, int]]
                by: str = "time") -> list[tuple[int, int]]:
   """The split a pipeline runs: the one asked for, checked, or for `stages` stages the one that balances their time
   per decode step (`by`: "time-float32" when the stages hold float32 weights). A stage's memory is its devices' to
-  hold: the launcher takes float32 weights only where a float32 copy of the whole model fits."""
+  hold: the launcher takes float16 weights only where a float16 copy of the whole model fits."""
   ranges = [tuple(r) for r in (split or suggest_split(header, stages, by=by))]
   check_split(ranges, num_blocks(header))
   return ranges  # type: ignore[return-value]

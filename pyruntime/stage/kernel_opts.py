@@ -251,6 +251,30 @@ def _widen_loads() -> bool:
   return True
 
 
+def _split_but_half_casts(ctx, alu: UOp) -> UOp | None:
+  """tinygrad's devectorizer rule (one scalar op per lane), but a float16 -> float32 CAST on a Clang CPU stays a vector."""
+  from tinygrad.codegen.late.devectorizer import no_vectorized_alu
+  from tinygrad.dtype import dtypes
+  if alu.op is Ops.CAST and alu.dtype.count > 1 and alu.dtype.scalar() == dtypes.float and alu.src[0].dtype.scalar() == dtypes.half \
+     and getattr(ctx, "target", None) is not None and ctx.target.device == "CPU" and "Clang" in type(ctx).__name__: return None
+  return no_vectorized_alu(alu)
+
+
+def _keep_half_to_float_vectors() -> None:
+  """Let a CPU kernel convert a loaded vector of float16 weights to float32 as one vector (clang's
+  __builtin_convertvector: vcvtph2ps) instead of one scalar cast per lane, which clang does not vectorise: with rows
+  upcast over it, a float16 projection ran 8x slower than a float32 one. The conversion is exact either way, so
+  float16 weights give float32 weights' bits (tests/integration/test_rows.py)."""
+  from tinygrad import codegen
+  from tinygrad.codegen.late import devectorizer
+  from tinygrad.uop.ops import GroupOp, PatternMatcher, UPat
+  stock = devectorizer.devectorize_alu
+  if codegen.devectorize_alu is not stock: return
+
+  rules = [(pat, fn) for pat, fn in stock.patterns if fn is not devectorizer.no_vectorized_alu]
+  codegen.devectorize_alu = PatternMatcher([*rules, (UPat((*GroupOp.ALU, Ops.CAST, Ops.BITCAST), name="alu"), _split_but_half_casts)])
+
+
 def install() -> bool:
   """Put loop_optimizations in place of tinygrad's heuristic (the rows path needs it whatever PYRUNTIME_LOOP_OPTS says:
   it is what keeps reduce-axis opts out of its kernels) and, unless PYRUNTIME_LOOP_OPTS=0, widen the CPU's float loads.
@@ -258,4 +282,5 @@ def install() -> bool:
   from tinygrad.renderer import Estimates
   Estimates.from_uops = staticmethod(_estimates)  # needed by the rows path's kernels whatever their schedule
   heuristic.hand_coded_optimizations = loop_optimizations
+  if ENABLED: _keep_half_to_float_vectors()
   return ENABLED and _widen_loads()

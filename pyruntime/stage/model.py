@@ -318,8 +318,9 @@ class StageModel:
       groups = [list(dict.fromkeys(get_state_dict(b).values())) for b in self.blk]
       if self.is_tail: groups.append([self.output_norm.weight, self.output.weight])
       linears = {id(lin.weight): lin for b in self.blk for lin in _linears(b)} | ({id(self.output.weight): self.output} if self.is_tail else {})
-      # float32 holds the float16 values exactly (every product is the same); clang's x86 code for float16 loads
-      # is many times slower than for float32 ones, so on a CPU the wider copy is the fast one
+      # float16 (a CPU's default) and float32 hold the same values (every product is the same); the kernels convert
+      # a float16 vector to float32 in one instruction (kernel_opts._keep_half_to_float_vectors), so float16 reads
+      # half the bytes for the same bits
       done: set[int] = set()
       for group in groups:  # a block at a time: blocks of one kind schedule alike, and tinygrad reuses the first's schedule
         group = [p for p in group if id(p) not in done]

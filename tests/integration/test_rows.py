@@ -77,6 +77,24 @@ def test_decode_row_equals_prompt_row(paths, name, weights, device):
       assert np.array_equal(bits(a), bits(b)), f"{name}: keys/values at position {p} differ"
 
 
+@pytest.mark.parametrize("name", DENSE)
+def test_float16_weights_give_float32_bits(paths, name):
+  """A stage holding its weights as float16 (the CPU's default: half the bytes) converts each to float32 inside the
+  kernels, exactly: a prompt's rows, decode rows alone and beside another stream, every key and value, bit for bit the
+  stage that holds them as float32."""
+  runs = []
+  for weights in ("float32", "float16"):
+    m = whole(paths[name], slots=2, weights=weights)
+    prompt = np.asarray(PROMPT, np.uint32)
+    out = [m.prefill_rows(0, prompt, 0).numpy().copy(), m.prefill_rows(1, prompt[:33], 0).numpy().copy()]
+    tok = int(out[0].argmax())
+    out += [m.batch_rows(m.forward_batch([0], np.asarray([tok], np.uint32), [len(PROMPT)]), [0])[0].numpy().copy()]
+    out += [r.numpy().copy() for r in m.batch_rows(m.forward_batch([0, 1], np.asarray([tok, 7], np.uint32), [len(PROMPT) + 1, 33]), [0, 1])]
+    runs.append([bits(a) for a in out + position_kv(m, 0, len(PROMPT)) + position_kv(m, 1, 33)])
+  assert [r.dtype for r in runs[0]] == [r.dtype for r in runs[1]]
+  for i, (a, b) in enumerate(zip(*runs, strict=True)): assert np.array_equal(a, b), f"{name}: output {i} differs"
+
+
 @pytest.mark.parametrize("name", ["llama_tied", "qwen3"])
 def test_where_the_prompt_is_cut_changes_no_bit(paths, name):
   """Pieces of 1, 5, 13, 31 and 100 rows, aligned to nothing, and one piece longer than MAX_ROWS: the same logits."""

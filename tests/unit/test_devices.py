@@ -20,6 +20,8 @@ from pyruntime.devices import DeviceSpec, parse_device, parse_devices
   ("NULL:CUDA:sm_90", DeviceSpec("NULL", None, "CUDA", "sm_90"), "NULL", "NULL:CUDA:sm_90"),
   ("NULL:2:CUDA:sm_90", DeviceSpec("NULL", 2, "CUDA", "sm_90"), "NULL:2", "NULL:CUDA:sm_90"),
   ("CPU:X86", DeviceSpec("CPU", None, "X86"), "CPU", "CPU:X86"),
+  ("CPU:1:CLANGJIT:x86_64,x86-64-v3", DeviceSpec("CPU", 1, "CLANGJIT", "x86_64,x86-64-v3"), "CPU:1", "CPU:CLANGJIT:x86_64,x86-64-v3"),
+  ("CPU:CLANGJIT:arm64,apple-m1,-sve", DeviceSpec("CPU", None, "CLANGJIT", "arm64,apple-m1,-sve"), "CPU", "CPU:CLANGJIT:arm64,apple-m1,-sve"),
 ])
 def test_a_numeric_second_field_is_an_index_anything_else_a_renderer(text, want, name, target):
   spec = parse_device(text)
@@ -27,7 +29,8 @@ def test_a_numeric_second_field_is_an_index_anything_else_a_renderer(text, want,
   assert parse_device(str(spec)) == spec  # the canonical string reads back the same
 
 
-@pytest.mark.parametrize("text", ["", ":1", "CUDA::PTX", "CUDA:1:2", "CUDA:1:PTX:sm_90:x", "CUDA:a:b:c", "x+CUDA", "CU DA", "1:CUDA"])
+@pytest.mark.parametrize("text", ["", ":1", "CUDA::PTX", "CUDA:1:2", "CUDA:1:PTX:sm_90:x", "CUDA:a:b:c", "x+CUDA", "CU DA", "1:CUDA",
+                                  "CPU:x86,a", "CPU:1:a-b", "CPU:a,b:c"])
 def test_a_malformed_device_is_refused_by_name(text):
   with pytest.raises(errors.InvalidOption, match="device"): parse_device(text)
 

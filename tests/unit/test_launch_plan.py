@@ -12,7 +12,7 @@ from pyruntime.engine.launch_plan import LaunchOptions, plan_launch, recipe_dige
 from pyruntime.engine.prefix_cache import BLOCK
 from pyruntime.modelfile.gguf import read_header
 
-PLENTY, LITTLE = 1 << 40, 1 << 10  # bytes available: a float32 copy fits / does not
+PLENTY, LITTLE = 1 << 40, 1 << 10  # bytes available: a float16 copy fits / does not
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,11 @@ def test_an_explicit_split_is_kept_and_a_bad_one_refused_by_name(llama):
 
 
 def test_auto_weights_follow_the_device_the_memory_and_the_decode_mode(llama):
-  assert plan(llama, devices="CPU").weights == ["float32", "float32"]
-  assert plan(llama, devices="CPU", memory=LITTLE).weights == ["quantized", "quantized"]  # a float32 copy would not fit
+  assert plan(llama, devices="CPU").weights == ["float16", "float16"]
+  assert plan(llama, devices="CPU", memory=LITTLE).weights == ["quantized", "quantized"]  # a float16 copy would not fit
   assert plan(llama, devices="CPU", decode="reference").weights == ["quantized", "quantized"]  # tinygrad's own kernels
   assert plan(llama, devices="CUDA:0,CUDA:1").weights == ["quantized", "quantized"]
-  assert plan(llama, devices="CPU", weights="float16").weights == ["float16", "float16"]
+  assert plan(llama, devices="CPU", weights="float32").weights == ["float32", "float32"]
 
 
 def test_micro_batches_only_for_stages_on_devices_of_their_own(llama):

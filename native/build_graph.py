@@ -7,13 +7,11 @@ graphs on it.
 """
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_ring import HERE, make_ffi  # noqa: E402
+from build_ring import HERE, build_inplace, make_ffi  # noqa: E402
 
 
 def make_builder(relative: bool = True):
@@ -23,9 +21,4 @@ def make_builder(relative: bool = True):
 ffibuilder = make_builder()
 
 if __name__ == "__main__":
-  with tempfile.TemporaryDirectory() as tmp:
-    built = Path(make_builder(relative=False).compile(tmpdir=tmp, verbose="-v" in sys.argv))
-    pkg = HERE.parent / "pyruntime"
-    for old in pkg.glob("_graph.*.so"): old.unlink()  # a stale build of another ABI tag would shadow ours
-    shutil.copy2(built, dest := pkg / built.name)
-  print(dest)
+  print(build_inplace(make_builder(relative=False), "_graph", verbose="-v" in sys.argv))

@@ -104,17 +104,21 @@ def build_fast_inplace(verbose: bool = False) -> Path | None:
   return built[-1] if built else None
 
 
-ffibuilder = make_builder()
-
-if __name__ == "__main__":
+def build_inplace(builder: FFI, stem: str, verbose: bool = False) -> Path:
+  """Compile a cffi builder (with absolute paths) and put the extension next to the package as pyruntime/STEM.*.so."""
   import shutil
   import tempfile
   with tempfile.TemporaryDirectory() as tmp:
-    built = Path(make_builder(relative=False).compile(tmpdir=tmp, verbose="-v" in sys.argv))
+    built = Path(builder.compile(tmpdir=tmp, verbose=verbose))
     pkg = HERE.parent / "pyruntime"
-    for old in pkg.glob("_ring.*.so"): old.unlink()  # a stale build of another ABI tag would shadow ours
-    dest = pkg / built.name
-    shutil.copy2(built, dest)
-  print(dest)
+    for old in pkg.glob(f"{stem}.*.so"): old.unlink()  # a stale build of another ABI tag would shadow ours
+    shutil.copy2(built, dest := pkg / built.name)
+  return dest
+
+
+ffibuilder = make_builder()
+
+if __name__ == "__main__":
+  print(build_inplace(make_builder(relative=False), "_ring", verbose="-v" in sys.argv))
   fast = build_fast_inplace(verbose="-v" in sys.argv)
   if fast: print(fast)

@@ -41,7 +41,7 @@ from pyruntime.modelfile.boundary import DTYPES, MLA_POS, ROUTER, StageBoundary
 from pyruntime.modelfile.gguf import GGUFHeader, TensorInfo, read_header
 from pyruntime.modelfile.plan import FFN_NORM_RENAMED, block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
 from pyruntime.protocol import DECODE_MODES, PREFILL_CHUNK, WEIGHT_MODES
-from pyruntime.stage import cpu_graph, device_memory, kernel_opts
+from pyruntime.stage import cpu_graph, cuda_graph, device_memory, kernel_opts
 from pyruntime.stage.graph_cache import GraphCache
 from pyruntime.stage.rows import MAX_ROWS, ROW_UNIT, RowPath
 
@@ -49,6 +49,7 @@ from pyruntime.stage.rows import MAX_ROWS, ROW_UNIT, RowPath
 # prompt is cut changes no bit (tests/integration/test_model.py::test_where_the_prompt_is_cut_changes_no_bit)
 kernel_opts.install()  # before any kernel compiles: the prefill's kernels upcast and threaded (bits unchanged)
 cpu_graph.install()  # a CPU's captured graphs replay from a native loop (the same kernels in the same order)
+cuda_graph.install()  # CUDA's captured graphs can hold kernels whose launch size is a variable's (tinygrad 0.13 cannot)
 BOUNDARY_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16}
 
 

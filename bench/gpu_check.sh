@@ -19,11 +19,16 @@ mode=${1:-run}; dev=${2:-CUDA}
 CARRY=gpu_carry
 if [ "$mode" = prepare ]; then
   mkdir -p "$CARRY/wheels"
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$CARRY/wheels" \
-    tinygrad==0.13.0 cffi pycparser posix_ipc starlette uvicorn h11 click llguidance gguf jsonschema jsonschema-specifications \
-    referencing rpds-py nvidia-cuda-nvrtc-cu12 || exit 1
-  rm -f "$CARRY"/wheels/nvidia_cuda_nvrtc*  # the machine has CUDA's own NVRTC; only for `run NULL` here
+  # the versions installed here (what the tests ran with), not the newest a platform tag allows: an older llguidance
+  # (manylinux_2_28) once came along where the newest is manylinux_2_31, and it lacked a call the code makes
+  pins=$(python3 - <<'PY'
+from importlib.metadata import version
+print(" ".join(f"{n}=={version(n)}" for n in "tinygrad cffi pycparser posix_ipc starlette uvicorn h11 click llguidance gguf jsonschema jsonschema-specifications referencing rpds-py".split()))
+PY
+) || exit 1
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
+    --abi none $(for n in 2014 _2_17 _2_28 _2_31 _2_34; do echo --platform manylinux${n}_x86_64; done) --platform any \
+    -d "$CARRY/wheels" $pins || exit 1
   python3 bench/draft_model.py "$CARRY/smollm2-cut.gguf" --blocks 8 >/dev/null || exit 1
   du -sh "$CARRY"; exit 0
 fi
@@ -55,6 +60,8 @@ for name, split, d in (("2 stages", [(0, n // 2), (n // 2, n)], devs), ("1 stage
   out[name] = {"devices": d, "token_ids": done.token_ids, "ttft_s": done.timings.ttft_s, "decode_tokens_per_s": done.timings.decode_tokens_per_s}
 if dev == "NULL": print(json.dumps(out)); sys.exit(0)  # compiled, never run: tokens are meaningless there
 from tinygrad.llm.model import Transformer
+from pyruntime.stage import cuda_graph
+cuda_graph.install()  # tinygrad 0.13's own CUDA graphs fail on their first variable-sized kernel (see that module)
 try:  # tinygrad's own model can fail where the stages run (on PoCL its SmolLM2 kernels fail tinygrad's UOp verification)
   with Context(DEV=devs.split(",")[0].replace(":0:", ":")):
     model, _ = Transformer.from_gguf(path, max_context=512)

@@ -111,14 +111,19 @@ def install() -> bool:
   """Make NativeCPUGraph the graph of every CPU device, opened already or later. Returns whether it is in use."""
   if not (ENABLED and available()): return False
   from tinygrad.runtime.ops_cpu import CPUDevice
-  if not getattr(CPUDevice.__init__, "_native_graph", False):
-    stock = CPUDevice.__init__
-
-    def init(self, *args, **kwargs) -> None:
-      stock(self, *args, **kwargs)
-      self.graph = NativeCPUGraph
-    init._native_graph = True  # type: ignore[attr-defined]
-    CPUDevice.__init__ = init
-  for name in list(Device._opened_devices):
-    if name.split(":")[0] == "CPU": Device[name].graph = NativeCPUGraph
+  graph_of_every(CPUDevice, "CPU", NativeCPUGraph)
   return True
+
+
+def graph_of_every(device_class: type, base: str, graph: type) -> None:
+  """Make `graph` the graph class of every `device_class` device (backend `base`), opened already or later: the
+  backend's own __init__ sets its graph, so this wraps it (once; a second call changes the graph only)."""
+  stock = getattr(device_class.__init__, "_stock_init", device_class.__init__)
+
+  def init(self, *args, **kwargs) -> None:
+    stock(self, *args, **kwargs)
+    self.graph = graph
+  init._stock_init = stock  # type: ignore[attr-defined]
+  device_class.__init__ = init
+  for name in list(Device._opened_devices):
+    if name.split(":")[0] == base: Device[name].graph = graph

@@ -15,10 +15,11 @@ import contextlib
 import threading
 from typing import Iterator
 
-from tinygrad.device import Device
 from tinygrad.runtime.graph.cuda import CUDAGraph
 from tinygrad.runtime.ops_cuda import CUDADevice
 from tinygrad.uop.ops import ProgramInfo
+
+from pyruntime.stage.cpu_graph import graph_of_every
 
 _building = threading.local()
 _stock_launch_dims = ProgramInfo.launch_dims
@@ -47,13 +48,4 @@ def install() -> None:
   """Make FixedSizeCUDAGraph the graph of every CUDA device, opened already or later (importing tinygrad's CUDA
   backend loads no CUDA library: this runs on any machine)."""
   ProgramInfo.launch_dims = _launch_dims  # type: ignore[method-assign]  # unchanged outside nonempty_launch_sizes()
-  if not getattr(CUDADevice.__init__, "_fixed_size_graph", False):
-    stock = CUDADevice.__init__
-
-    def init(self, *args, **kwargs) -> None:
-      stock(self, *args, **kwargs)
-      self.graph = FixedSizeCUDAGraph
-    init._fixed_size_graph = True  # type: ignore[attr-defined]
-    CUDADevice.__init__ = init  # type: ignore[method-assign]
-  for name in list(Device._opened_devices):
-    if name.split(":")[0] == "CUDA": Device[name].graph = FixedSizeCUDAGraph
+  graph_of_every(CUDADevice, "CUDA", FixedSizeCUDAGraph)

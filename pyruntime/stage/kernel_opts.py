@@ -238,25 +238,42 @@ _NARROW = '([16,8,4,2] if "AMX" in ctx.target.arch else [4,2])'
 _WIDE = f'([{VEC},8,4,2] if ("AMX" in ctx.target.arch or (ctx.target.device == "CPU" and "Clang" in type(ctx).__name__)) else [4,2])'
 
 
+_FOLDED = "buf.dtype.base not in (dtypes.float, dtypes.half, *dtypes.fp8s)"
+# packed weights' 32-bit words fold as well, on a Clang CPU only (other renderers' vector types are float ones)
+_FOLDED_CPU = _FOLDED[:-1] + ', *((dtypes.int32,) if ctx is not None and ctx.target.device == "CPU" and "Clang" in type(ctx).__name__ else ()))'
+
+
 def _widen_loads() -> bool:
   """Let the devectorizer fold a CPU's float loads and stores up to VEC wide (tinygrad 0.13 folds 4 at most but for
-  AMX). The function's code is swapped in place, as its pattern matcher holds the function object itself."""
+  AMX), and packed weights' 32-bit words too. The function's code is swapped in place, as its pattern matcher holds
+  the function object itself."""
   from tinygrad.codegen.late import devectorizer
   fn = devectorizer.split_load_store
   src = inspect.getsource(fn)
-  if _NARROW not in src: return _WIDE in src or fn.__code__.co_name != "split_load_store"
+  if _NARROW not in src or _FOLDED not in src: return _WIDE in src or fn.__code__.co_name != "split_load_store"
   ns: dict = {}
-  exec(compile(src.replace(_NARROW, _WIDE), devectorizer.__file__, "exec"), devectorizer.__dict__, ns)  # noqa: S102
+  exec(compile(src.replace(_NARROW, _WIDE).replace(_FOLDED, _FOLDED_CPU), devectorizer.__file__, "exec"), devectorizer.__dict__, ns)  # noqa: S102
   fn.__code__ = ns["split_load_store"].__code__
   return True
 
 
-def _split_but_half_casts(ctx, alu: UOp) -> UOp | None:
-  """tinygrad's devectorizer rule (one scalar op per lane), but a float16 -> float32 CAST on a Clang CPU stays a vector."""
+# vector operations clang compiles to one instruction but does not vectorise from per-lane scalars: float16 <-> float32
+# conversions (vcvtph2ps, vcvtps2ph) and the integer ops and conversion that unpack packed weights (shift, mask, cvtdq2ps)
+_VECTOR_CASTS = {("half", "float"), ("float", "half"), ("int", "float")}
+_VECTOR_INT_OPS = (Ops.SHR, Ops.AND)
+
+
+def _clang_cpu(ctx) -> bool: return getattr(ctx, "target", None) is not None and ctx.target.device == "CPU" and "Clang" in type(ctx).__name__
+
+
+def _split_but_cheap_vectors(ctx, alu: UOp) -> UOp | None:
+  """tinygrad's devectorizer rule (one scalar op per lane), but on a Clang CPU the operations of _VECTOR_CASTS and
+  _VECTOR_INT_OPS stay vectors. Each is exact, lane by lane, either way: only the instructions change."""
   from tinygrad.codegen.late.devectorizer import no_vectorized_alu
   from tinygrad.dtype import dtypes
-  if alu.op is Ops.CAST and alu.dtype.count > 1 and alu.dtype.scalar() == dtypes.float and alu.src[0].dtype.scalar() == dtypes.half \
-     and getattr(ctx, "target", None) is not None and ctx.target.device == "CPU" and "Clang" in type(ctx).__name__: return None
+  if alu.dtype.count > 1 and _clang_cpu(ctx):
+    if alu.op is Ops.CAST and (alu.src[0].dtype.scalar().name, alu.dtype.scalar().name) in _VECTOR_CASTS: return None
+    if alu.op in _VECTOR_INT_OPS and alu.dtype.scalar() == dtypes.int32: return None
   return no_vectorized_alu(alu)
 
 
@@ -272,7 +289,7 @@ def _keep_half_to_float_vectors() -> None:
   if codegen.devectorize_alu is not stock: return
 
   rules = [(pat, fn) for pat, fn in stock.patterns if fn is not devectorizer.no_vectorized_alu]
-  codegen.devectorize_alu = PatternMatcher([*rules, (UPat((*GroupOp.ALU, Ops.CAST, Ops.BITCAST), name="alu"), _split_but_half_casts)])
+  codegen.devectorize_alu = PatternMatcher([*rules, (UPat((*GroupOp.ALU, Ops.CAST, Ops.BITCAST), name="alu"), _split_but_cheap_vectors)])
 
 
 def install() -> bool:

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--stages", type=int, default=2)
   ap.add_argument("--max-streams", type=int, default=8)
   ap.add_argument("--max-context", type=int, default=2048)
-  ap.add_argument("--weights", default="auto", choices=("auto", "quantized", "float16", "float32"), help="see Launcher(weights=)")
+  ap.add_argument("--weights", default="auto", choices=("auto", "quantized", "packed", "float16", "float32"), help="see Launcher(weights=)")
   ap.add_argument("--prefill-share", default=str(PREFILL_SHARE),
                   help="see Launcher(prefill_share=); a comma list runs one server per value, one after another, in this run")
   ap.add_argument("--concurrency", default="1,2,4,8")

@@ -13,11 +13,12 @@ from pyruntime import errors
 from pyruntime.params import Param
 
 BOUNDARY_DTYPES = ("float32", "float16")
-# How a stage keeps its weights. "quantized": as in the file, dequantised inside every kernel (least memory; tinygrad's
-# default, so `decode="reference"` gives its exact tokens); "float16": dequantised once at load (tinygrad's REALIZE=1);
-# "float32": those float16 values held as float32 (the same products; on x86 CPUs the fastest, as clang's code for
-# float16 loads is several times slower than for float32 ones)
-WEIGHT_MODES = ("quantized", "float16", "float32")
+# How a stage keeps its weights. "quantized": as in the file, dequantised inside every kernel by tinygrad's own code
+# (tinygrad's default, so `decode="reference"` gives its exact tokens); "packed": the file's Q4_0/Q4_1/Q8_0 blocks
+# repacked for the rows path and dequantised in registers to float32 mode's values (its bits at the file's size;
+# pyruntime/stage/packed.py); "float16": dequantised once at load (tinygrad's REALIZE=1); "float32": those float16
+# values held as float32 (the same products)
+WEIGHT_MODES = ("quantized", "packed", "float16", "float32")
 # "batched" runs a dense stage's rows path (many streams per step, prompt and decode rows with the same bits,
 # pyruntime/stage/rows.py); "reference" runs tinygrad's own prefill and T=1 decode kernels, one stream at a time (tinygrad's
 # exact tokens). Other families always run the latter.
@@ -46,9 +47,10 @@ CHOICES = {c.name: c for c in (
   Choice("boundary_dtype", BOUNDARY_DTYPES, "float32", "dtype of activations between stages"),
   Choice("decode", DECODE_MODES, "batched", "batched: many streams per step, batch-invariant tokens; reference: tinygrad's own decode "
          "kernels, one stream at a time, its exact tokens"),
-  Choice("weights", ("auto", *WEIGHT_MODES), "auto", "how stages keep the weights: quantized as in the file (least memory, tinygrad's own "
-         "kernels), or dequantised once at load; auto: float32 on a CPU when the model fits twice over in free memory (several times "
-         "faster there), quantized on GPUs and with --decode reference"),
+  Choice("weights", ("auto", *WEIGHT_MODES), "auto", "how stages keep the weights: quantized as in the file (tinygrad's own kernels), "
+         "packed (the file's Q4_0/Q4_1/Q8_0 blocks dequantised in registers, float32's bits at the file's size), or dequantised once at "
+         "load (float16, float32); auto: packed on a CPU when it takes at most half of free memory, quantized on GPUs and with "
+         "--decode reference"),
   Choice("speculative", ("off", "ngram"), "off", "ngram: draft tokens by looking the stream's last tokens up in its prompt and "
          "output; model:PATH: draft them with a smaller GGUF of the same vocabulary, run as a stage of its own; either way verified by "
          "the pipeline in one step each (exactly plain decoding's tokens; greedy streams; docs/speculation.md)", prefixed=("model:",)),

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from pyruntime import errors
 from pyruntime.engine.prefix_cache import BLOCK
-from pyruntime.modelfile.gguf import GGUFHeader
+from pyruntime.modelfile.gguf import PACKED_TYPES, GGUFHeader
 from pyruntime.options import PREFILL_SHARE, PREFIX_CACHE_TOKENS, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S, check_launch
 from pyruntime.text.tokenizer import Tokenizer
 
@@ -95,17 +95,24 @@ def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, temp
   return hashlib.sha256(json.dumps([model, [list(r) for r in split], dtype, template]).encode()).hexdigest()[:16]
 
 
+def packed_bytes(header: GGUFHeader) -> int:
+  """What a CPU stage holds of the model with weights="packed": the file's bytes of every matrix kept packed, two
+  bytes an element of the rest (float16)."""
+  return sum(t.nbytes if t.ggml_type in PACKED_TYPES and len(t.dims) == 2 else 2 * math.prod(t.dims) for t in header.tensors.values())
+
+
 def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool) -> str:
   """How a stage on `device` keeps its weights. "auto": tinygrad's own "quantized" for reference decoding (its exact
-  tokens) and on accelerators; on a CPU, "float16" (the dequantised values, converted to float32 in the kernels: float32
-  mode's bits at half its bytes, and several times faster than "quantized" there) when a float16 copy of the whole
-  model takes at most half of the memory available now, every stage sharing it."""
+  tokens) and on accelerators; on a CPU, "packed" (Q4_0/Q4_1/Q8_0 projections as the file's blocks, dequantised in the
+  kernels to float32 mode's bits; any other tensor as float16, which gives the same bits) when that copy of the whole
+  model takes at most half of the memory available now, every stage sharing it: at the file's size, as fast as float16
+  for one stream and faster for several (bench/results/2026-12-04-packed-weights.md)."""
   from pyruntime.devices import parse_device
   from pyruntime.modelfile.plan import DENSE_ARCHS
   if options.weights != "auto": return options.weights
   if options.decode == "reference" or parse_device(device).base != "CPU" or arch not in DENSE_ARCHS:
     return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (see stage.py)
-  return "float16" if copy_fits else "quantized"
+  return "packed" if copy_fits else "quantized"
 
 
 def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: int) -> LaunchPlan:
@@ -119,7 +126,7 @@ def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: 
   # that share the CPU would only take cores from each other
   specs = [parse_device(d) for d in devices]
   own = len({s.name for s in specs}) == len(specs) and not any(s.base == "CPU" for s in specs)
-  fits = 2 * sum(math.prod(t.dims) for t in header.tensors.values()) <= memory // 2  # a float16 copy
+  fits = packed_bytes(header) <= memory // 2
   weights = [weights_for(options, header.arch, d, fits) for d in devices]
   # balanced by what a decode step takes on each stage: the bytes it reads of its weights, in the form it holds them
   # (float16 weights cost half of float32's per parameter: the same proportions, so the same split)

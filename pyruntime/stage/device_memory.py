@@ -44,6 +44,14 @@ def copy_to_device(buf: Buffer, arr: np.ndarray) -> None:
   if buf.device.split(":")[0] not in _SOURCE_READ_ON_RETURN: Device[buf.device].synchronize()
 
 
+def upload(arr: np.ndarray, device: str) -> Tensor:
+  """A realized tensor on `device` holding arr (one copy, no tinygrad scheduling)."""
+  from tinygrad.dtype import _from_np_dtype
+  buf = Buffer(device, arr.size, _from_np_dtype(arr.dtype)).allocate()
+  copy_to_device(buf, arr)
+  return Tensor(UOp.from_buffer(buf)).reshape(arr.shape)
+
+
 def write(buf: Buffer, arr: np.ndarray, offset: int = 0) -> None:
   """arr's bytes into `buf` from byte `offset` on; the rest of `buf` keeps what it held."""
   n = arr.nbytes

@@ -43,6 +43,7 @@ from pyruntime.modelfile.plan import FFN_NORM_RENAMED, block_tensor_names, check
 from pyruntime.protocol import DECODE_MODES, PREFILL_CHUNK, WEIGHT_MODES
 from pyruntime.stage import cpu_graph, cuda_graph, device_memory, kernel_opts
 from pyruntime.stage.graph_cache import GraphCache
+from pyruntime.stage.packed import PackedMatrix, packable, repack
 from pyruntime.stage.rows import MAX_ROWS, ROW_UNIT, RowPath
 
 # PREFILL_CHUNK (32) is Transformer.generate's chunk_size; a chunk of any 1..32 tokens runs the same kernels, so where a
@@ -141,21 +142,37 @@ def _buffers(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Op
 FUSED = {"rows_qkv": ("attn_q", "attn_k", "attn_v"), "rows_gate_up": ("ffn_gate", "ffn_up")}
 
 
-def _fuse_projections(b: Any) -> None:
-  """Join each FUSED group's column blocks into one buffer; every member's `rows_blocked` and `weight` become views of
-  its part (no second copy)."""
+def _fuse_projections(b: Any, device: str) -> None:
+  """Join each FUSED group's column blocks into one buffer (packed ones, still on the host: one set of buffers on
+  `device`); every member's `rows_blocked` and `weight` become views of its part (no second copy)."""
   for attr, names in FUSED.items():
     lins = [getattr(b, n, None) for n in names]
     blocks = [getattr(lin, "rows_blocked", None) for lin in lins]
     if any(w is None for w in blocks) or len({w.shape[1:] for w in blocks}) != 1: continue
-    fused = Tensor.cat(*blocks, dim=0).contiguous().realize()
+    if all(isinstance(w, PackedMatrix) for w in blocks):
+      if (fused := PackedMatrix.cat(blocks)) is None: continue
+      fused = fused.upload(device)
+    elif any(isinstance(w, PackedMatrix) for w in blocks): continue
+    else: fused = Tensor.cat(*blocks, dim=0).contiguous().realize()
     at = 0
     for lin, w in zip(lins, blocks, strict=True):
-      n, K, vec = w.shape
-      lin.rows_blocked = fused[at:at + n]
-      lin.weight.replace(lin.rows_blocked.permute(1, 0, 2).reshape(K, n * vec).T)
-      at += n
+      _set_blocks(lin, fused[at:at + w.shape[0]])
+      at += w.shape[0]
     setattr(b, attr, fused)
+
+
+def _set_blocks(lin: nn.Linear, blocks: Tensor | PackedMatrix) -> None:
+  """A linear's column blocks, and its `weight` a view of them (the matrix it was: tinygrad's own kernels read it)."""
+  lin.rows_blocked = blocks
+  n, K, vec = blocks.shape
+  values = blocks.matrix() if isinstance(blocks, PackedMatrix) else blocks
+  lin.weight.replace(values.permute(1, 0, 2).reshape(K, n * vec).T)
+
+
+def _held(lin: Any, p: Tensor) -> list[Tensor]:
+  """The realized buffers that hold parameter p: its linear's column blocks (or packed buffers) when it has them."""
+  held = getattr(lin, "rows_blocked", p)
+  return held.buffers() if isinstance(held, PackedMatrix) else [held]
 
 
 def _linears(b: FFNBlock) -> list[nn.Linear]:
@@ -289,7 +306,6 @@ class StageModel:
       buf = Buffer(self.device, ti.nbytes, dtypes.uint8).allocate()
       device_memory.copy_to_device(buf, mm[ti.offset:ti.offset + ti.nbytes])
       raws[n] = Tensor(UOp.from_buffer(buf))
-    del mm
     self.resident_bytes = sum(r.nbytes() for r in raws.values())
     # each tensor's bytes as in the file: with weights="quantized" the kernels dequantise them (the graph cache names them)
     self.raw_tensors = raws if self.weights == "quantized" else {}
@@ -300,14 +316,17 @@ class StageModel:
                                                            for n in block_tensor_names(header, i)))
                         for i, b in zip(range(self.start, self.end), self.blk, strict=True)]
     freqs_cis = precompute_freqs_cis(cfg.rope_dim, cfg.max_context, cfg.rope_theta, device=self.device).realize()
+    file_name: dict[int, str] = {}  # a parameter's tensor in the file (packed weights are repacked from its bytes)
     for i, b in zip(range(self.start, self.end), self.blk, strict=True):
       self._assign(b, {k: self._weight(raws, self._tensor_name(i, k)) for k in get_state_dict(b)}, f"blk.{i}")
+      file_name.update({id(v): self._tensor_name(i, k) for k, v in get_state_dict(b).items()})
       # set here, not by the block's _init_state, which only runs without a cache
       if not isinstance(b, GatedDeltaNetBlock): b.freqs_cis = freqs_cis
     if self.is_tail:
       with _no_random_init(): self.output_norm, self.output = nn.RMSNorm(cfg.dim, cfg.norm_eps), nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
       self._assign(self.output_norm, {"weight": self._weight(raws, "output_norm.weight")}, "output_norm")
       self._assign(self.output, {"weight": self._weight(raws, output_tensor_name(header))}, "output")
+      file_name[id(self.output.weight)] = output_tensor_name(header)
     if self.is_head:
       ti = header.tensors["token_embd.weight"]
       if ti.shape[0] != cfg.vocab_size or ti.nbytes % cfg.vocab_size:
@@ -323,23 +342,32 @@ class StageModel:
       # a float16 vector to float32 in one instruction (kernel_opts._keep_half_to_float_vectors), so float16 reads
       # half the bytes for the same bits
       done: set[int] = set()
+      row_orders: dict[tuple[str, int], np.ndarray] = {}
       for group in groups:  # a block at a time: blocks of one kind schedule alike, and tinygrad reuses the first's schedule
         group = [p for p in group if id(p) not in done]
         done.update(id(p) for p in group)
         for p in group:
           w = p.float() if self.weights == "float32" else p
-          if self.batched and (lin := linears.get(id(p))) is not None and p.shape[0] % kernel_opts.VEC == 0:
+          lin = linears.get(id(p)) if self.batched else None
+          if lin is not None and self.weights == "packed" and packable(header.tensors[name := file_name[id(p)]].ggml_type, p.shape, kernel_opts.VEC):
+            # the file's blocks, repacked into column blocks and dequantised inside the kernels (pyruntime/stage/packed.py)
+            ti = header.tensors[name]
+            if (key := (name.rsplit(".", 2)[-2], p.shape[0])) not in row_orders:  # the same for every block
+              row_orders[key] = self._rotary(name, Tensor.arange(p.shape[0], device=self.device).reshape(-1, 1)).numpy()[:, 0]
+            lin.rows_blocked = repack(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, row_orders[key], kernel_opts.VEC, self.half)
+          elif lin is not None and p.shape[0] % kernel_opts.VEC == 0:
             # the rows path keeps a projection's matrix in column blocks (outputs / VEC, inputs, VEC): a kernel streams
             # each block's VEC outputs of every input as one run of memory (rows._linear); the block's own
             # `weight` becomes a view of the same bytes, the matrix it was
-            lin.rows_blocked = w.reshape(p.shape[0] // kernel_opts.VEC, kernel_opts.VEC, p.shape[1]).permute(0, 2, 1).contiguous()
-            p.replace(lin.rows_blocked.permute(1, 0, 2).reshape(p.shape[1], p.shape[0]).T)
+            _set_blocks(lin, w.reshape(p.shape[0] // kernel_opts.VEC, kernel_opts.VEC, p.shape[1]).permute(0, 2, 1).contiguous())
           else: p.replace(w.contiguous())
-        Tensor.realize(*[getattr(linears.get(id(p)), "rows_blocked", p) for p in group])
+        Tensor.realize(*[t for p in group for t in _held(linears.get(id(p)), p)])
       if self.batched:
-        for b in self.blk: _fuse_projections(b)
-      params = [getattr(linears.get(id(p)), "rows_blocked", p) for g in groups for p in g]
-      self.resident_bytes = sum(p.nbytes() for p in dict.fromkeys(params))
+        for b in self.blk: _fuse_projections(b, self.device)
+      for lin in linears.values():  # packed matrices no group took: each on the device alone
+        if isinstance(pm := getattr(lin, "rows_blocked", None), PackedMatrix) and pm.on_host: _set_blocks(lin, pm.upload(self.device))
+      params = [t for g in groups for p in g for t in _held(linears.get(id(p)), p)]
+      self.resident_bytes = sum(t.nbytes() for t in dict.fromkeys(params))
 
   def _tensor_name(self, i: int, key: str) -> str:
     """The file's tensor for block i's state_dict key: from_gguf reads glm4moe's and qwen35's post_attention_norm as ffn_norm."""
@@ -349,12 +377,17 @@ class StageModel:
     return name
 
   def _weight(self, raws: dict[str, Tensor], name: str) -> Tensor:
-    """The reference's state_dict entry for `name`: dequantised (lazily), cast to float16, and permuted as from_gguf
-    does: llama's Q/K rotary halves, and for MLA the rotary part of q (q_b) and of the shared key (kv_a_mqa)."""
+    """The reference's state_dict entry for `name`: dequantised (lazily), cast to float16, its rows in the reference's
+    order (_rotary)."""
     if name not in raws: raise errors.ModelLoadFailed(f"{self.path}: tensor {name!r} is missing")
-    ti, cfg = self.header.tensors[name], self.config
+    ti = self.header.tensors[name]
     w = ggml_data_to_tensor(raws[name], prod(ti.dims), ti.ggml_type).reshape(*ti.shape)
-    if self.half: w = w.cast("float16")
+    return self._rotary(name, w.cast("float16") if self.half else w)
+
+  def _rotary(self, name: str, w: Tensor) -> Tensor:
+    """w (the file's rows of `name`) in the reference's order of rows: from_gguf's permutation of llama's Q/K rotary
+    halves, and for MLA of the rotary part of q (q_b) and of the shared key (kv_a_mqa)."""
+    cfg = self.config
     if (name.endswith("attn_q.weight") or name.endswith("attn_q_b.weight")) and (self.arch == "llama" or cfg.kv_lora_rank):
       w = w.reshape(cfg.n_heads, w.shape[0] // cfg.n_heads, -1)
       prefix = cfg.head_dim - cfg.rope_dim
@@ -408,7 +441,8 @@ class StageModel:
     if self.rows is not None: out.update(self.rows.bound_tensors())
     for i, b in zip(range(self.start, self.end), self.blk, strict=True):
       out.update({f"blk.{i}.{k}": t for k, t in get_state_dict(b).items() if k.split(".")[0] not in _GRAPH_STATE})
-    if self.is_tail: out.update({"output_norm.weight": self.output_norm.weight, "output.weight": self.output.weight})
+    if self.is_tail:  # the output's column blocks (or packed buffers) too: its `weight` may only be a view of them
+      out.update({"output_norm.weight": self.output_norm.weight} | {f"output.{k}": t for k, t in get_state_dict(self.output).items()})
     out.update({f"file.{n}": t for n, t in self.raw_tensors.items()})
     return out
 

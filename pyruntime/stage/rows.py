@@ -34,13 +34,24 @@ from pyruntime import errors
 from pyruntime.modelfile.boundary import DTYPES
 from pyruntime.protocol import MAX_CHUNK
 from pyruntime.stage import device_memory, kernel_opts
+from pyruntime.stage.packed import PackedMatrix
 
 MAX_ROWS = MAX_CHUNK  # the most rows one prefill call takes: a stage's largest prompt chunk
 ROW_UNIT = 16    # prompt rows are padded to a multiple of this (kernel_opts.ROWS x two threads)
+STAGED_ROWS = 8  # a packed matrix read by more rows than this is dequantised into a scratch buffer first (_values)
 KV_UNIT = 32     # attended lengths are padded to a multiple of this (kernel_opts.VEC x two threads)
 
 
 def _round(n: int, unit: int) -> int: return -(-n // unit) * unit
+
+
+def _values(wb: Tensor | PackedMatrix, lead: list) -> Tensor:
+  """Column blocks' values for a product with `lead` rows: the buffer itself, or a packed matrix's dequantisation, in
+  the registers of the kernel that reads it for a few rows (a decode step: one pass over the file's bytes), staged
+  through a float16 scratch buffer for more (a prompt chunk: ~7 vector instructions per 16 weights would be repeated for
+  every ROWS rows; 256-row chunks took 1.6x float16's time that way). The same values either way."""
+  if not isinstance(wb, PackedMatrix): return wb
+  return wb.matrix(staged=not all(isinstance(n, int) for n in lead) or prod(lead) > STAGED_ROWS)
 
 
 def _linear(lin: Any, x: Tensor) -> Tensor:
@@ -49,7 +60,7 @@ def _linear(lin: Any, x: Tensor) -> Tensor:
   every input's VEC weights in a row, instead of VEC floats per row of the whole matrix. The same sum over the inputs."""
   if (wb := getattr(lin, "rows_blocked", None)) is None: return lin(x)
   *lead, K = x.shape
-  y = (x.reshape(*lead, 1, K, 1) * wb).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
+  y = (x.reshape(*lead, 1, K, 1) * _values(wb, lead)).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
   return y if lin.bias is None else y + lin.bias
 
 
@@ -58,7 +69,7 @@ def _projections(b: Any, x: Tensor, fused: str, names: tuple[str, ...]) -> list[
   one, cut into each projection's outputs (+ its bias), else one _linear each. Every output is the same sum either way."""
   if (wb := getattr(b, fused, None)) is None: return [_linear(getattr(b, n), x) for n in names]
   *lead, K = x.shape
-  y = (x.reshape(*lead, 1, K, 1) * wb).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
+  y = (x.reshape(*lead, 1, K, 1) * _values(wb, lead)).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
   out, at = [], 0
   for n in names:
     lin = getattr(b, n)

@@ -53,16 +53,16 @@ def model(tmp_path_factory) -> pathlib.Path:
   return write_tiny_gguf(tmp_path_factory.mktemp("gc") / "llama.gguf", **TINY_MODELS["llama_tied"])
 
 
-@pytest.mark.parametrize("decode,weights", [("batched", "float32"), ("batched", "quantized"), ("reference", "quantized")])
+@pytest.mark.parametrize("decode,weights", [("batched", "float32"), ("batched", "packed"), ("batched", "quantized"), ("reference", "quantized")])
 def test_a_new_process_loads_the_graphs_and_computes_the_same_bits(model, tmp_path, decode, weights):
   first = run(model, tmp_path, decode, weights)
   assert first["saved"] == 2 and first["loaded"] == 0 and not first["warnings"]
   files = list(tmp_path.glob("*" + SUFFIX))
   assert len(files) == 2 and all(f.stat().st_mode & 0o077 == 0 for f in files)
   # the weights are named, not copied: every one of the first block's appears by name in the prefill graph's file (as
-  # dequantised once, or as the file's bytes the kernels dequantise)
+  # dequantised once, as packed codes, or as the file's bytes the kernels dequantise)
   prefill = max(files, key=lambda f: f.stat().st_size).read_bytes()
-  named = "blk.0.{}.weight" if weights == "float32" else "file.blk.0.{}.weight"
+  named = {"float32": "blk.0.{}.weight", "packed": "blk.0.{}.rows_blocked.codes"}.get(weights, "file.blk.0.{}.weight")
   # (a fused group, the rows path's q/k/v and gate/up, is one buffer: named once, by one of its members)
   groups = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("attn_output",), ("ffn_down",))
   assert all(any(named.format(w).encode() in prefill for w in g) for g in groups)

@@ -13,7 +13,9 @@ from tinygrad.llm.model import Transformer
 from tinymodels import TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
+from pyruntime.stage.kernel_opts import VEC
 from pyruntime.stage.model import StageModel
+from pyruntime.stage.packed import PackedMatrix, packable
 from pyruntime.stage.rows import MAX_ROWS
 
 DENSE = ["llama_tied", "llama_untied", "llama_gqa", "qwen2", "qwen3"]
@@ -78,21 +80,29 @@ def test_decode_row_equals_prompt_row(paths, name, weights, device):
 
 
 @pytest.mark.parametrize("name", DENSE)
-def test_float16_weights_give_float32_bits(paths, name):
-  """A stage holding its weights as float16 (the CPU's default: half the bytes) converts each to float32 inside the
-  kernels, exactly: a prompt's rows, decode rows alone and beside another stream, every key and value, bit for bit the
-  stage that holds them as float32."""
-  runs = []
-  for weights in ("float32", "float16"):
+def test_float16_and_packed_weights_give_float32_bits(paths, name):
+  """A stage holding its weights as float16 (half the bytes) or packed (the file's Q4_0/Q4_1/Q8_0 blocks, dequantised
+  in the kernels) computes each weight's float32 value inside the kernels, exactly: a prompt's rows, decode rows alone
+  and beside another stream, every key and value, bit for bit the stage that holds them as float32."""
+  runs = {}
+  for weights in ("float32", "float16", "packed"):
     m = whole(paths[name], slots=2, weights=weights)
+    if weights == "packed":  # every block projection the file holds in a packable type is packed; all at the file's size
+      file = {n: m.header.tensors[n] for n in m.tensor_names}
+      for i, b in zip(range(m.start, m.end), m.blk, strict=True):
+        for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+          ti = file[f"blk.{i}.{n}.weight"]
+          assert isinstance(getattr(b, n).rows_blocked, PackedMatrix) == packable(ti.ggml_type, ti.shape, VEC), f"blk.{i}.{n}"
+      assert m.resident_bytes <= 1.25 * sum(ti.nbytes for ti in file.values())
     prompt = np.asarray(PROMPT, np.uint32)
     out = [m.prefill_rows(0, prompt, 0).numpy().copy(), m.prefill_rows(1, prompt[:33], 0).numpy().copy()]
     tok = int(out[0].argmax())
     out += [m.batch_rows(m.forward_batch([0], np.asarray([tok], np.uint32), [len(PROMPT)]), [0])[0].numpy().copy()]
     out += [r.numpy().copy() for r in m.batch_rows(m.forward_batch([0, 1], np.asarray([tok, 7], np.uint32), [len(PROMPT) + 1, 33]), [0, 1])]
-    runs.append([bits(a) for a in out + position_kv(m, 0, len(PROMPT)) + position_kv(m, 1, 33)])
-  assert [r.dtype for r in runs[0]] == [r.dtype for r in runs[1]]
-  for i, (a, b) in enumerate(zip(*runs, strict=True)): assert np.array_equal(a, b), f"{name}: output {i} differs"
+    runs[weights] = [bits(a) for a in out + position_kv(m, 0, len(PROMPT)) + position_kv(m, 1, 33)]
+  for weights in ("float16", "packed"):
+    assert [r.dtype for r in runs["float32"]] == [r.dtype for r in runs[weights]]
+    for i, (a, b) in enumerate(zip(runs["float32"], runs[weights], strict=True)): assert np.array_equal(a, b), f"{name} {weights}: output {i} differs"
 
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen3"])

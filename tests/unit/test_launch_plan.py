@@ -2,17 +2,18 @@
 weights forms and every stage's role out, with no process, no ring and no tinygrad."""
 from __future__ import annotations
 
+import math
 import pathlib
 
 import pytest
 from tinymodels import TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
-from pyruntime.engine.launch_plan import LaunchOptions, plan_launch, recipe_digest
+from pyruntime.engine.launch_plan import LaunchOptions, packed_bytes, plan_launch, recipe_digest
 from pyruntime.engine.prefix_cache import BLOCK
 from pyruntime.modelfile.gguf import read_header
 
-PLENTY, LITTLE = 1 << 40, 1 << 10  # bytes available: a float16 copy fits / does not
+PLENTY, LITTLE = 1 << 40, 1 << 10  # bytes available: the packed copy fits / does not
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,12 @@ def test_an_explicit_split_is_kept_and_a_bad_one_refused_by_name(llama):
 
 
 def test_auto_weights_follow_the_device_the_memory_and_the_decode_mode(llama):
-  assert plan(llama, devices="CPU").weights == ["float16", "float16"]
-  assert plan(llama, devices="CPU", memory=LITTLE).weights == ["quantized", "quantized"]  # a float16 copy would not fit
+  assert plan(llama, devices="CPU").weights == ["packed", "packed"]
+  assert plan(llama, devices="CPU", memory=LITTLE).weights == ["quantized", "quantized"]  # the packed copy would not fit
+  need = packed_bytes(read_header(llama))  # the file's bytes of the packed matrices, float16 of the rest
+  assert 0 < need < 2 * sum(math.prod(t.dims) for t in read_header(llama).tensors.values())
+  assert plan(llama, devices="CPU", memory=2 * need).weights == ["packed", "packed"]
+  assert plan(llama, devices="CPU", memory=2 * need - 2).weights == ["quantized", "quantized"]
   assert plan(llama, devices="CPU", decode="reference").weights == ["quantized", "quantized"]  # tinygrad's own kernels
   assert plan(llama, devices="CUDA:0,CUDA:1").weights == ["quantized", "quantized"]
   assert plan(llama, devices="CPU", weights="float32").weights == ["float32", "float32"]

@@ -97,7 +97,8 @@ class StreamHandle:
       if rest := self.stopper.flush(self.decoder.flush()): self.emit(self._delta(rest, []))
       if self.stopper.matched is not None: reason, stop_hit = "stop", self.stopper.matched  # the last bytes completed a stop string
     if self.parser is not None and ((d := self._delta("", [], last=True)).text or d.tool_calls): self.emit(d)
-    if self.calls and reason == "stop": reason = "tool_calls"
+    # calls and nothing after them: the answer was the calls, also where the budget cut only a closing marker
+    if self.calls and (reason == "stop" or (reason == "length" and d.tool_calls and not d.text.strip())): reason = "tool_calls"
     self.emit(self.final(reason, stop_hit))
     return True
 

@@ -152,6 +152,10 @@ class CallFormat:
     body = f'"\\n"? %json {json.dumps(_call_schema(req, self.key))} "\\n"? {cl}'
     more = f'\nmore: "\\n"? {op} {body}' if req.parallel and req.choice != "function" else ""
     rest = " more*" if more else ""
+    if req.choice != "auto" and not more:
+      # one forced call: the answer is over when its JSON closes (the closing marker would only spend the budget: the
+      # parser takes an unclosed call whose JSON is whole, and a history renders calls from tool_calls, not this text)
+      return f'%llguidance {{}}\nstart: {op} "\\n"? %json {json.dumps(_call_schema(req, self.key))}\n'
     if req.choice == "auto":
       return (f'%llguidance {{}}\nstart: TEXT | first{rest}\nTEXT: /(.|\\n)*/\ntrig[lazy]: TEXT {op}\nfirst: trig {body}{more}\n')
     return f"%llguidance {{}}\nstart: first{rest}\nfirst: {op} {body}{more}\n"
@@ -329,8 +333,13 @@ class ToolCallParser:
     return text, []
 
   def finish(self) -> tuple[str, list[ToolCall]]:
+    """What is still held at the end: an open call whose JSON is whole is a call (its closing marker was cut by the
+    budget, or never due: a forced call ends with its JSON), anything else text."""
     text, self.buf = self.buf, ""
     if self.in_call and self.whole and (got := self._parse(text)) is not None: return "", got
+    if self.in_call and not self.whole:
+      span = text[len(self.fmt.open):].rstrip()
+      if (got := self._parse(span[:len(span) - _partial_suffix(span, self.fmt.close)])) is not None: return "", got
     return "" if self.calls and not text.strip() else text, []
 
   def _parse(self, span: str) -> list[ToolCall] | None:

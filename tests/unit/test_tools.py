@@ -83,6 +83,18 @@ def test_hermes_calls_are_parsed_wherever_the_text_is_cut():
   assert content == "Let me look.\n" and len(calls) == 2 and len({c.id for c in calls}) == 2
 
 
+@pytest.mark.parametrize("end", ["", "\n", "\n</tool", "</tool_call"])
+def test_a_call_whose_json_is_whole_is_a_call_without_its_closing_marker(end):
+  """A forced single call ends with its JSON (the grammar), and a budget can cut the closing marker: a call either way.
+  A call cut inside its JSON stays text, as written."""
+  text = 'x<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}' + end
+  for cut in range(len(text) + 1):
+    content, calls = parse_in_pieces("hermes", text, [cut])
+    assert content == "x" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})], cut
+  cut_short = '<tool_call>{"name": "get_time", "arguments": {"zone": "U'
+  assert parse_in_pieces("hermes", cut_short, []) == (cut_short, [])
+
+
 def test_what_is_not_a_call_stays_content():
   for text in ("a < b and <tool_ and <tool_call", "x <tool_call>{not json}</tool_call> y", "cut <tool_call>{\"name\": \"f\", \"argu"):
     assert parse_in_pieces("hermes", text, [3, 9]) == (text, [])
@@ -216,6 +228,7 @@ def test_required_and_named_calls_are_whole_and_valid(lm, choice):
     assert call.name == choice if choice in SCHEMA else call.name in SCHEMA
     jsonschema.validate(json.loads(call.arguments), SCHEMA[call.name])
     assert [c for x in deltas for c in x.tool_calls] == d.tool_calls and "".join(x.text for x in deltas) == d.text
+    assert "</tool_call>" not in lm.tokenizer.decode(d.token_ids)  # one call may come: the answer ends with its JSON
 
 
 @pytest.mark.integration

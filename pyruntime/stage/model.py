@@ -175,10 +175,12 @@ def _held(lin: Any, p: Tensor) -> list[Tensor]:
   return held.buffers() if isinstance(held, PackedMatrix) else [held]
 
 
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
 def _linears(b: FFNBlock) -> list[nn.Linear]:
   """A block's dense projections (the rows path keeps their matrices in column blocks)."""
-  return [m for m in (getattr(b, n, None) for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"))
-          if isinstance(m, nn.Linear)]
+  return [m for m in (getattr(b, n, None) for n in _PROJECTIONS) if isinstance(m, nn.Linear)]
 
 
 # block attributes a graph sets while it is traced (caches, views of them): not weights, named by their owners instead
@@ -299,14 +301,17 @@ class StageModel:
     # each owned tensor's own byte range, straight from (an mmap of) the file into a device buffer: one copy each,
     # nothing else of the file is read, and no tinygrad scheduling is involved
     mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+    # projections kept packed are repacked from the mmap below: no device copy of their bytes, no dequantising graph
+    self._packed = {n for n in names if self._keeps_packed(n)}
     raws: dict[str, Tensor] = {}
     for n in names:
       ti = header.tensors[n]
       if ti.offset + ti.nbytes > mm.shape[0]: raise errors.ModelLoadFailed(f"{self.path}: tensor {n!r} runs past the end of the file")
+      if n in self._packed: continue
       buf = Buffer(self.device, ti.nbytes, dtypes.uint8).allocate()
       device_memory.copy_to_device(buf, mm[ti.offset:ti.offset + ti.nbytes])
       raws[n] = Tensor(UOp.from_buffer(buf))
-    self.resident_bytes = sum(r.nbytes() for r in raws.values())
+    self.resident_bytes = sum(r.nbytes() for r in raws.values())  # the quantized mode's; the others' are set below
     # each tensor's bytes as in the file: with weights="quantized" the kernels dequantise them (the graph cache names them)
     self.raw_tensors = raws if self.weights == "quantized" else {}
     self.tensor_names = names
@@ -379,10 +384,19 @@ class StageModel:
   def _weight(self, raws: dict[str, Tensor], name: str) -> Tensor:
     """The reference's state_dict entry for `name`: dequantised (lazily), cast to float16, its rows in the reference's
     order (_rotary)."""
+    ti = self.header.tensors.get(name)
+    if ti is not None and name in self._packed:  # replaced by its packed matrix's values (_set_blocks): never realized
+      return Tensor.empty(*ti.shape, dtype=dtypes.float16 if self.half else dtypes.float32, device=self.device)
     if name not in raws: raise errors.ModelLoadFailed(f"{self.path}: tensor {name!r} is missing")
-    ti = self.header.tensors[name]
     w = ggml_data_to_tensor(raws[name], prod(ti.dims), ti.ggml_type).reshape(*ti.shape)
     return self._rotary(name, w.cast("float16") if self.half else w)
+
+  def _keeps_packed(self, name: str) -> bool:
+    """Whether the stage keeps tensor `name` as the file's blocks (weights="packed": the rows path's projections)."""
+    if self.weights != "packed" or not self.batched: return False
+    ti = self.header.tensors[name]
+    projection = name.rsplit(".", 2)[-2] in _PROJECTIONS or (self.is_tail and name == output_tensor_name(self.header))
+    return projection and packable(ti.ggml_type, ti.shape, kernel_opts.VEC)
 
   def _rotary(self, name: str, w: Tensor) -> Tensor:
     """w (the file's rows of `name`) in the reference's order of rows: from_gguf's permutation of llama's Q/K rotary

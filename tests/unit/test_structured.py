@@ -1,7 +1,8 @@
 """Structured output (response_format, pyruntime/text/grammar.py): every answer parses and validates against its schema —
 under a random walk of the grammar's masks over a real GGUF vocabulary (20 schemas), and through real stage processes
-on a tiny model, greedy and seeded, streamed and not, through the official openai client; a constrained stream's tokens
-are the same alone and beside others; bad schemas are refused by name before anything runs."""
+on a tiny model (each of the 20 within 96 tokens), greedy and seeded, streamed and not, through the official openai
+client; a constrained stream's tokens are the same alone and beside others; bad schemas are refused by name before
+anything runs."""
 from __future__ import annotations
 
 import json
@@ -233,12 +234,12 @@ def lm(tiny):
 
 
 def answer(lm: Launcher, schema: dict, **kw) -> Done:
-  kw.setdefault("max_tokens", 300)
+  kw.setdefault("max_tokens", 96)  # every schema here is bounded: its answer closes within 96 tokens (issue #37's bound)
   return next(ev for ev in lm.generate("Give me the answer.", raw=True, response_format=fmt(schema), **kw) if isinstance(ev, Done))
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("i", [0, 6, 8, 13, 17, 19])
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
 def test_answers_parse_and_validate_greedy_and_seeded(lm, i):
   for sampling in ({}, {"temperature": 0.9, "seed": 3}, {"temperature": 1.3, "top_k": 50, "seed": 4}):
     d = answer(lm, SCHEMAS[i], **sampling)

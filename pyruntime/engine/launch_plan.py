@@ -101,17 +101,30 @@ def packed_bytes(header: GGUFHeader) -> int:
   return sum(t.nbytes if t.ggml_type in PACKED_TYPES and len(t.dims) == 2 else 2 * math.prod(t.dims) for t in header.tensors.values())
 
 
-def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool) -> str:
+# CPU renderers that compile with clang (kernel_opts' vector rules are written for them); tinygrad's own X86 backend,
+# what a machine without clang gets (devices.cpu_device), cannot encode packed weights' integer shifts (SAR) and crashes
+# on float16 conversions: there float32 runs (a decode step 1.4x clang's, a 256-row prompt chunk 9.5x) and quantized
+# 10x slower still (bench/results/2026-12-04-packed-weights.md)
+CLANG_RENDERERS = ("", "CLANG", "CLANGJIT")
+
+
+def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool, float32_fits: bool = False) -> str:
   """How a stage on `device` keeps its weights. "auto": tinygrad's own "quantized" for reference decoding (its exact
   tokens) and on accelerators; on a CPU, "packed" (Q4_0/Q4_1/Q8_0 projections as the file's blocks, dequantised in the
   kernels to float32 mode's bits; any other tensor as float16, which gives the same bits) when that copy of the whole
   model takes at most half of the memory available now, every stage sharing it: at the file's size, as fast as float16
-  for one stream and faster for several (bench/results/2026-12-04-packed-weights.md)."""
+  for one stream and faster for several (bench/results/2026-12-04-packed-weights.md). On a CPU without clang (CPU:X86)
+  "float32" when that copy fits, else "quantized"; "packed" and "float16" are refused there by name."""
   from pyruntime.devices import parse_device
   from pyruntime.modelfile.plan import DENSE_ARCHS
+  spec = parse_device(device)
+  x86 = spec.base == "CPU" and spec.renderer not in CLANG_RENDERERS
+  if x86 and options.weights in ("packed", "float16"):
+    raise errors.InvalidOption("weights", f"{options.weights!r} needs clang's CPU kernels; {device} runs 'float32' or 'quantized'")
   if options.weights != "auto": return options.weights
-  if options.decode == "reference" or parse_device(device).base != "CPU" or arch not in DENSE_ARCHS:
+  if options.decode == "reference" or spec.base != "CPU" or arch not in DENSE_ARCHS:
     return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (see stage.py)
+  if x86: return "float32" if float32_fits else "quantized"
   return "packed" if copy_fits else "quantized"
 
 
@@ -127,7 +140,8 @@ def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: 
   specs = [parse_device(d) for d in devices]
   own = len({s.name for s in specs}) == len(specs) and not any(s.base == "CPU" for s in specs)
   fits = packed_bytes(header) <= memory // 2
-  weights = [weights_for(options, header.arch, d, fits) for d in devices]
+  float32_fits = 4 * sum(math.prod(t.dims) for t in header.tensors.values()) <= memory // 2
+  weights = [weights_for(options, header.arch, d, fits, float32_fits) for d in devices]
   # balanced by what a decode step takes on each stage: the bytes it reads of its weights, in the form it holds them
   # (float16 weights cost half of float32's per parameter: the same proportions, so the same split)
   split = plan_split(header, n, options.split, by="time-float32" if all(w in ("float16", "float32") for w in weights) else "time")

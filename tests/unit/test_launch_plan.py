@@ -55,6 +55,17 @@ def test_auto_weights_follow_the_device_the_memory_and_the_decode_mode(llama):
   assert plan(llama, devices="CPU", weights="float32").weights == ["float32", "float32"]
 
 
+def test_a_cpu_without_clang_gets_the_weights_its_backend_runs(llama):
+  """tinygrad's X86 backend cannot encode packed weights' shifts and crashes on float16 conversions (both seen)."""
+  assert plan(llama, devices="CPU:X86").weights == ["float32", "float32"]
+  assert plan(llama, devices="CPU:X86", memory=LITTLE).weights == ["quantized", "quantized"]
+  assert plan(llama, devices="CPU:CLANGJIT").weights == ["packed", "packed"]
+  for mode in ("packed", "float16"):
+    with pytest.raises(errors.InvalidOption) as e: plan(llama, devices="CPU:X86", weights=mode)
+    assert e.value.field == "weights"
+  assert plan(llama, devices="CPU:X86", weights="quantized").weights == ["quantized", "quantized"]
+
+
 def test_micro_batches_only_for_stages_on_devices_of_their_own(llama):
   assert plan(llama, devices="CPU").micro_batches == 1
   assert plan(llama, devices="CUDA:0,CUDA:1").micro_batches == 2

@@ -1,6 +1,7 @@
 """The GPU path off the GPU, through real stage processes and the rings (docs/control-channel.md#devices).
 
 - Indexed devices: two stages on `CPU:0,CPU:1` (a stage on `CUDA:1` takes the same path: DEV without the index).
+- A CPU without clang (`CPU:X86`): float32 weights by default, two stages equal one.
 - The CL lane: tinygrad's OpenCL backend on the CPU through PoCL, a GPU-style device (local memory, host <-> device
   copies that complete later, no buffer views): splits equal one stage and tinygrad's own model on the same device,
   the prefix cache's hit equals a cold run, speculation on equals off, a MoE and an MLA family, SmolLM2 in 2 stages.
@@ -58,6 +59,16 @@ def test_two_stages_on_indexed_devices_equal_one(tiny):
     got = generate(two)
     assert sorted(devices_of(two)) == ["CPU:0", "CPU:1"]
   assert got.token_ids == want.token_ids and len(got.token_ids) == N
+
+
+def test_a_cpu_without_clang_answers_with_float32_weights(tiny):
+  """CPU:X86 (what a machine without clang gets): auto weights are float32 there (tinygrad's x86 backend cannot run
+  packed or float16 weights), and two stages equal one."""
+  with Launcher(tiny, split=[(0, 5)], devices="CPU:X86", max_context=128) as one:
+    want = generate(one)
+    assert one.planned.weights == ["float32"]
+  with Launcher(tiny, split=[(0, 2), (2, 5)], devices="CPU:X86", max_context=128) as two:
+    assert generate(two).token_ids == want.token_ids and len(want.token_ids) == N
 
 
 def test_cl_splits_cache_and_speculation_are_exact(tiny):

@@ -307,10 +307,7 @@ class StageModel:
     for n in names:
       ti = header.tensors[n]
       if ti.offset + ti.nbytes > mm.shape[0]: raise errors.ModelLoadFailed(f"{self.path}: tensor {n!r} runs past the end of the file")
-      if n in self._packed: continue
-      buf = Buffer(self.device, ti.nbytes, dtypes.uint8).allocate()
-      device_memory.copy_to_device(buf, mm[ti.offset:ti.offset + ti.nbytes])
-      raws[n] = Tensor(UOp.from_buffer(buf))
+      if n not in self._packed: raws[n] = device_memory.upload(mm[ti.offset:ti.offset + ti.nbytes], self.device)
     self.resident_bytes = sum(r.nbytes() for r in raws.values())  # the quantized mode's; the others' are set below
     # each tensor's bytes as in the file: with weights="quantized" the kernels dequantise them (the graph cache names them)
     self.raw_tensors = raws if self.weights == "quantized" else {}
@@ -354,7 +351,7 @@ class StageModel:
         for p in group:
           w = p.float() if self.weights == "float32" else p
           lin = linears.get(id(p)) if self.batched else None
-          if lin is not None and self.weights == "packed" and packable(header.tensors[name := file_name[id(p)]].ggml_type, p.shape, kernel_opts.VEC):
+          if lin is not None and (name := file_name.get(id(p))) in self._packed:
             # the file's blocks, repacked into column blocks and dequantised inside the kernels (pyruntime/stage/packed.py)
             ti = header.tensors[name]
             if (key := (name.rsplit(".", 2)[-2], p.shape[0])) not in row_orders:  # the same for every block
@@ -384,10 +381,10 @@ class StageModel:
   def _weight(self, raws: dict[str, Tensor], name: str) -> Tensor:
     """The reference's state_dict entry for `name`: dequantised (lazily), cast to float16, its rows in the reference's
     order (_rotary)."""
-    ti = self.header.tensors.get(name)
-    if ti is not None and name in self._packed:  # replaced by its packed matrix's values (_set_blocks): never realized
-      return Tensor.empty(*ti.shape, dtype=dtypes.float16 if self.half else dtypes.float32, device=self.device)
+    if name in self._packed:  # replaced by its packed matrix's values (_set_blocks): never realized
+      return Tensor.empty(*self.header.tensors[name].shape, dtype=dtypes.float16 if self.half else dtypes.float32, device=self.device)
     if name not in raws: raise errors.ModelLoadFailed(f"{self.path}: tensor {name!r} is missing")
+    ti = self.header.tensors[name]
     w = ggml_data_to_tensor(raws[name], prod(ti.dims), ti.ggml_type).reshape(*ti.shape)
     return self._rotary(name, w.cast("float16") if self.half else w)
 

@@ -49,8 +49,8 @@ CHOICES = {c.name: c for c in (
          "kernels, one stream at a time, its exact tokens"),
   Choice("weights", ("auto", *WEIGHT_MODES), "auto", "how stages keep the weights: quantized as in the file (tinygrad's own kernels), "
          "packed (the file's Q4_0/Q4_1/Q8_0 blocks dequantised in registers, float32's bits at the file's size), or dequantised once at "
-         "load (float16, float32); auto: packed on a CPU when it takes at most half of free memory, quantized on GPUs and with "
-         "--decode reference"),
+         "load (float16, float32); auto: packed on a CPU when it takes at most half of free memory (float32 on CPU:X86, which has no "
+         "clang kernels), quantized on GPUs and with --decode reference"),
   Choice("speculative", ("off", "ngram"), "off", "ngram: draft tokens by looking the stream's last tokens up in its prompt and "
          "output; model:PATH: draft them with a smaller GGUF of the same vocabulary, run as a stage of its own; either way verified by "
          "the pipeline in one step each (exactly plain decoding's tokens; greedy streams; docs/speculation.md)", prefixed=("model:",)),

@@ -7,6 +7,7 @@ penalties [-2, 2]); the rest follow llama.cpp's meaning. No tinygrad, no numpy: 
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields
@@ -98,6 +99,13 @@ class SamplingParams:
 
 SAMPLING: dict[str, Param] = {f.name: Param(f.name, default=f.default, **f.metadata) for f in fields(SamplingParams)}
 MAX_TOKENS = Param("max_tokens", int, 256, "most tokens to generate", lo=1, nullable=True)  # None: up to the context
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+  """The seed of choice `index` of a request that asks for several (OpenAI's `n`): choice 0 keeps the request's seed, so
+  n=1 is unchanged, and every choice is reproducible whatever n. None (a random seed) stays random."""
+  if seed is None or index == 0: return seed
+  return int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest(), "little")
 
 
 def check_request(max_tokens: int | None, sampling: Mapping[str, Any], stop: str | Sequence[str] | None = None) -> SamplingParams:

@@ -17,7 +17,11 @@ A stream's life on the rings, launcher → head → … → tail → launcher:
            at position prompt_tokens + n - 1. Between stages: the residual (tokens x dim, boundary dtype)
            of one prefill chunk (at most MAX_CHUNK tokens, at the chunk's first position) or of one
            decode token. Tail egress: one u32 token id per step, END when it is an end token (or float32
-           logits when the stream asked for them), at the position of the input token it came from.
+           logits when the stream asked for them), at the position of the input token it came from. A stream
+           that asked for log-probabilities (OpenInfo.logprobs = k >= 0) gets `TokenScore` records instead:
+           the token, its log-probability and the k most likely tokens' (`logprob_payload`); with
+           prompt_logprobs, one more per prompt row before the last (the row at position p scores the
+           prompt's token p + 1, a MORE group per chunk), then the first sampled token as usual.
     CLOSE  flags=CLOSE, empty payload: every stage drops what it still holds of the stream, frees the slot
            and forwards the record; the tail's copy back proves nothing of the stream is in flight.
     ERROR  flags=ERROR, payload = JSON {"stage", "reason", "message"}: a stage could not compute a record
@@ -37,10 +41,12 @@ streams interleave freely.
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-ABI_VERSION = 4  # 2: chunked prefill between stages, ERROR and MORE records, OpenInfo.prompt_tokens; 3: the prefix cache;
-#                 4: speculative records (OpenInfo.speculative)
+ABI_VERSION = 5  # 2: chunked prefill between stages, ERROR and MORE records, OpenInfo.prompt_tokens; 3: the prefix cache;
+#                 4: speculative records (OpenInfo.speculative); 5: log-probabilities (OpenInfo.logprobs, prompt_logprobs)
 
 FLAG_END = 1 << 0     # the tail sampled an end-of-sequence token
 FLAG_OPEN = 1 << 1
@@ -98,8 +104,33 @@ class OpenInfo:
   load: list[list[int]] = field(default_factory=list)
   grammar: bool = False                              # a structured answer: its grammar came to the tail first (SetGrammar)
   speculative: bool = False                          # drafts come as records of up to MAX_VERIFY_ROWS rows, and may rewind
+  logprobs: int = -1                                 # k >= 0: the tail answers with TokenScore records (top k); -1: token ids
+  prompt_logprobs: bool = False                      # ... and scores every prompt row too (needs the rows path at the tail)
 
   def encode(self, alignment: int) -> bytes: return encode_json(asdict(self), alignment)
+
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a TokenScore carries (OpenAI's limit for top_logprobs)
+
+
+@dataclass
+class TokenScore:
+  """A token and how likely the model found it: the log-softmax of the tail's raw logits (before penalties, temperature,
+  truncation or a grammar's mask), with the `top` most likely tokens, most likely first (ties: lower id first)."""
+  token: int
+  logprob: float
+  top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def logprob_payload(score: TokenScore, k: int) -> bytes:
+  """A TokenScore on the tail's ring: u32 token, f64 logprob, then k x (u32 id, f64 logprob), little-endian."""
+  assert len(score.top) == k
+  return struct.pack(f"<Id{'Id' * k}", score.token, score.logprob, *(v for pair in score.top for v in pair))
+
+
+def read_logprob_payload(payload: Any, k: int) -> TokenScore:
+  vals = struct.unpack_from(f"<Id{'Id' * k}", payload)
+  return TokenScore(vals[0], vals[1], [(vals[2 + 2 * i], vals[3 + 2 * i]) for i in range(k)])
 
 
 def error_payload(stage: int | None, reason: str, message: str, alignment: int) -> bytes:
@@ -115,7 +146,7 @@ def ring_bytes(context_length: int, dim: int, itemsize: int, vocab_size: int, ma
   head ingress: a whole prompt as u32 ids, or an OPEN (whose history repeats the prompt as JSON, at most 11 bytes an id,
   and whose prefix-cache blocks take at most 2 bytes a position: a [block, position] pair per 16), or a CACHE record
   between stages: one prefill chunk of residual rows, or an OPEN or CACHE record
-  tail egress: one token (or the logits), an OPEN or CACHE echo, or an ERROR."""
+  tail egress: one token (or the logits, or a TokenScore), an OPEN or CACHE echo, or an ERROR."""
   open_max = 1024 + 13 * context_length
   head = max(4 * context_length, open_max)
   mid = max(MAX_CHUNK * dim * itemsize, open_max)

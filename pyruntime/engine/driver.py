@@ -42,10 +42,13 @@ class StreamHandle:
   """One stream: its request, its text state and where its events go. Its methods but `cancel` run under the driver's
   lock, on the driver thread."""
 
-  def __init__(self, driver: Driver, sid: int, req: Request, sink: Callable[[Any], None]):
+  def __init__(self, driver: Driver, sid: int, req: Request, sink: Callable[[Any], None], leader: StreamHandle | None = None):
     from pyruntime.text.textstream import StopStream
     from pyruntime.text.tokenizer import IncrementalDecoder
     self.driver, self.id, self.req, self.sink = driver, sid, req, sink
+    # another choice of the same request (OpenAI's n): this one waits in the queue until the leader's prompt is in the
+    # prefix cache, then reads it from there instead of computing it again
+    self.leader = leader if leader is not None and driver.prefix is not None and req.prefix_cache and not req.prompt_logprobs else None
     self.ids, self.n_max, self.params, self.want_logits, self.end_ids = req.ids, req.n_max, req.params, req.want_logits, req.end_ids
     self.stopper, self.decoder = StopStream(req.stops), IncrementalDecoder(driver.tokenizer)
     self.parser = ToolCallParser(req.calls) if req.calls is not None else None  # reads tool calls out of the text
@@ -57,10 +60,19 @@ class StreamHandle:
     self.slot, self.state, self.ended = -1, "waiting", False   # state: waiting -> open -> closing -> done
     self.out: list[int] = []
     self.text: list[str] = []
+    self.k = req.logprobs  # >= 0: the tail answers with TokenScores of the top k
+    self.scores: list[protocol.TokenScore] = []         # the generated tokens' (with logprobs)
+    self.prompt_scores: list[protocol.TokenScore] = []  # the prompt's tokens after the first (with prompt_logprobs)
     self.t_submit = time.monotonic()
     self.t_admitted: float | None = None
     self.t_first: float | None = None
     self.t_last: float | None = None
+
+  def follows(self) -> bool:
+    """Waits for its leader's prompt (it still runs and has not answered it yet)."""
+    ld = self.leader
+    if ld is not None and (ld.state == "done" or ld.state == "closing" or ld.computed >= len(ld.ids)): self.leader = ld = None
+    return ld is not None
 
   def cancel(self) -> None:
     """Stop this stream: a waiting one leaves the queue, a running one is closed in every stage. Idempotent."""
@@ -80,14 +92,19 @@ class StreamHandle:
         self.sink_failed = True
         log.warning("stream %d: its on_event callback raised %s: %s (dropped, and any later ones)", self.id, type(e).__name__, e)
 
-  def push(self, token: int, end: bool, now: float | None = None) -> bool:
-    """One sampled token (that arrived at `now`, monotonic); True when the stream is finished (its Done went out)."""
+  def push(self, token: int, end: bool, now: float | None = None, score: protocol.TokenScore | None = None) -> bool:
+    """One sampled token (that arrived at `now`, monotonic; `score`: its TokenScore, with logprobs); True when the
+    stream is finished (its Done went out)."""
     self.t_last = time.monotonic() if now is None else now
     if self.t_first is None: self.t_first = self.t_last
+    if self.n_max == 0: return self.finish("length", None)  # a scored prompt alone (max_tokens 0): the prompt was the work
     if end: return self.finish("stop", None)
     self.out.append(token)
+    if score is not None: self.scores.append(score)
     safe, stop_hit = self.stopper.push(self.decoder.push(token))
-    self.emit(self._delta(safe, [token]))  # "" while held back (a possible stop string, half a UTF-8 character or marker)
+    d = self._delta(safe, [token], [score] if score is not None else [])
+    if len(self.out) == 1: d.prompt_token_ids, d.prompt_logprobs = self.ids, self.prompt_scores if self.req.prompt_logprobs else None
+    self.emit(d)  # "" while held back (a possible stop string, half a UTF-8 character or marker)
     if stop_hit is not None: return self.finish("stop", stop_hit)
     if len(self.out) >= self.n_max: return self.finish("length", None)
     return False
@@ -96,13 +113,13 @@ class StreamHandle:
     if stop_hit is None:
       if rest := self.stopper.flush(self.decoder.flush()): self.emit(self._delta(rest, []))
       if self.stopper.matched is not None: reason, stop_hit = "stop", self.stopper.matched  # the last bytes completed a stop string
-    if self.parser is not None and ((d := self._delta("", [], last=True)).text or d.tool_calls): self.emit(d)
+    if self.parser is not None and ((d := self._delta("", [], None, last=True)).text or d.tool_calls): self.emit(d)
     # calls and nothing after them: the answer was the calls, also where the budget cut only a closing marker
     if self.calls and (reason == "stop" or (reason == "length" and d.tool_calls and not d.text.strip())): reason = "tool_calls"
     self.emit(self.final(reason, stop_hit))
     return True
 
-  def _delta(self, text: str, token_ids: list[int], last: bool = False) -> Delta:
+  def _delta(self, text: str, token_ids: list[int], scores: list[protocol.TokenScore] | None = None, last: bool = False) -> Delta:
     """The Delta of newly final text: with tools offered, the parser takes the calls out of it (`last`: and what it
     still holds, an unclosed span as text)."""
     calls: list[ToolCall] = []
@@ -111,7 +128,7 @@ class StreamHandle:
       if last: text, calls = text + (fin := self.parser.finish())[0], calls + fin[1]
       self.calls += calls
     if text: self.text.append(text)
-    return Delta(text, token_ids, calls)
+    return Delta(text, token_ids, calls, scores or [])
 
   def final(self, reason: str, stop_hit: str | None = None) -> Done:
     """The stream's one Done, its timings up to now: the stream has ended."""
@@ -126,7 +143,8 @@ class StreamHandle:
     kept = self.spec.prediction_kept
     usage = Usage(len(self.ids), len(out), self.cached, kept, max(0, len(self.spec.predicted) - kept))
     return Done(reason, usage, timings, self.ids, list(out), "".join(self.text), stop_hit,
-                list(self.calls))
+                list(self.calls), list(self.scores) if self.k >= 0 else None,
+                list(self.prompt_scores) if self.req.prompt_logprobs else None)
 
   def fail(self, e: BaseException) -> None:
     if not self.ended:
@@ -228,8 +246,8 @@ class Driver:
   def _admit(self) -> None:
     """Under self.lock: waiting streams into free slots. A stream whose records cannot be built fails alone, before
     anything of it reaches a stage, and its slot goes to the next; only a failed write (the pipeline's) raises."""
-    while self.waiting and self.free_slots:
-      st = self.waiting.popleft()
+    while self.free_slots and (st := next((s for s in self.waiting if not s.follows()), None)) is not None:
+      self.waiting.remove(st)
       st.slot = self.free_slots.pop(0)  # the lowest free slot: a batch spans rows 0..highest slot in use
       try: records = self._open_records(st)
       except Exception as e:  # noqa: BLE001 - one request's bug must not take the slot, the queue or the driver with it
@@ -247,11 +265,13 @@ class Driver:
 
   def _open_records(self, st: StreamHandle) -> list[tuple[int, bytes, int]]:
     """The stream's OPEN and prompt records, built whole before any is written (a failure here leaves no trace)."""
-    blocks = self.prefix.match(st.ids, st.req.cache_salt) if self.prefix is not None and st.req.prefix_cache else []
+    # a scored prompt computes every row (a cached row's logits are not kept): it fills the cache but never reads it
+    reads = self.prefix is not None and st.req.prefix_cache and not st.req.prompt_logprobs
+    blocks = self.prefix.match(st.ids, st.req.cache_salt) if reads else []
     cached = len(blocks) * BLOCK
     info = protocol.OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
                              sorted(st.end_ids), st.want_logits, cached, [[b, i * BLOCK] for i, b in enumerate(blocks)],
-                             st.req.grammar is not None, st.spec.length is not None)
+                             st.req.grammar is not None, st.spec.length is not None, st.k, st.req.prompt_logprobs)
     rest = st.ids[cached:]
     records = [(object_id(st.id, 0), info.encode(4), FLAG_OPEN), (object_id(st.id, cached), struct.pack(f"<{len(rest)}I", *rest), 0)]
     st.cached = st.computed = cached
@@ -260,16 +280,22 @@ class Driver:
   def cancel(self, st: StreamHandle) -> None:
     """A stream that has not ended gets its one final event here, a Done with finish reason "cancelled", delivered from
     the cancelling thread (no Delta of it follows: the driver passes over a stream that is not open)."""
+    box: list[tuple[StreamHandle, Any]] = []
     with self.delivering:
       with self.lock:
         if st.state == "waiting":
           self.waiting.remove(st)
           st.state = "done"
+          if self.waiting and not self.closed:  # choices that waited for it go their own way
+            self.outbox, self.outbox_owner = box, threading.get_ident()
+            try: self._admit()
+            finally: self.outbox = None
         elif st.state == "open" and not self.closed:
           self._close_stream(st)
         else: return
         done = None if st.ended else st.final("cancelled")
       if done is not None: st.deliver(done)
+      for s, ev in box: s.deliver(ev)
 
   def _close_stream(self, st: StreamHandle, save: bool = True) -> None:
     """Under self.lock: what the stream computed goes to the prefix cache, then the CLOSE goes out; the slot is free
@@ -376,19 +402,26 @@ class Driver:
       st.emit(Logits(pos, values))
       token = int(values.argmax())
       end = token in st.end_ids
+    elif st.k >= 0:
+      score = protocol.read_logprob_payload(rec.payload, st.k)
+      if pos < len(st.ids) - 1: return st.prompt_scores.append(score)  # a scored prompt's row: the answer comes after
+      if not self._commit(st, pos, score.token, bool(rec.flags & FLAG_END), now, score): self._queue_next(st, score.token)
+      return None
     else:
       token, end = int.from_bytes(rec.payload[:4], "little"), bool(rec.flags & FLAG_END)
     if st.spec.verify is not None: return self._verified(st, pos, token, end, now)
     if not self._commit(st, pos, token, end, now): self._queue_next(st, token)
 
-  def _commit(self, st: StreamHandle, pos: int, token: int, end: bool, now: float) -> bool:
+  def _commit(self, st: StreamHandle, pos: int, token: int, end: bool, now: float, score: protocol.TokenScore | None = None) -> bool:
     """The token after position `pos` is the stream's: text out; True when that finished it (Done went out)."""
     self.tally.tokens += 1
     self.tally.token_times.append(now)
     first = st.computed < len(st.ids)
     st.computed = pos + 1
-    if first: self._save_prefix(st, len(st.ids))  # the prompt is in every stage: streams arriving meanwhile can share it
-    if st.push(token, end, now):
+    if first:
+      self._save_prefix(st, len(st.ids))  # the prompt is in every stage: streams arriving meanwhile can share it
+      if self.waiting: self._admit()      # the choices that waited for it (their OPENs follow its CACHE record)
+    if st.push(token, end, now, score):
       self._close_stream(st)  # finished: free the slot
       return True
     return False

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
   import numpy as np
 
+  from pyruntime.protocol import TokenScore
   from pyruntime.text.tools import ToolCall
 
 
@@ -18,6 +19,9 @@ class Delta:
   text: str
   token_ids: list[int]
   tool_calls: list[ToolCall] = field(default_factory=list)  # calls whose closing marker arrived with this token
+  logprobs: list[TokenScore] = field(default_factory=list)  # with logprobs asked for: one per token id, in order
+  prompt_token_ids: list[int] | None = None         # on a stream's first Delta: its prompt (an echo starts with it)
+  prompt_logprobs: list[TokenScore] | None = None   # ... and with prompt_logprobs its scores (one per token after the first)
 
 
 @dataclass
@@ -61,3 +65,5 @@ class Done:
   text: str
   stop: str | None = None            # the stop string that ended it, if one did
   tool_calls: list[ToolCall] = field(default_factory=list)  # every call parsed out of the answer (then `text` is the rest)
+  logprobs: list[TokenScore] | None = None         # with logprobs asked for: one per token id
+  prompt_logprobs: list[TokenScore] | None = None  # with prompt_logprobs: one per prompt token after the first

@@ -12,6 +12,8 @@ decode text and apply stop strings), so the head never waits on a token the laun
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -41,6 +43,7 @@ if TYPE_CHECKING:  # the ring hands out arrays; the launcher itself needs no num
   from pyruntime.engine.hosts import RayPlacement
   from pyruntime.transport.ring import Arena, RingSpec
 
+MAX_CHOICES = 128      # the most choices (OpenAI's n) one request may ask for (OpenAI's own limit)
 STOP_GRACE_S = 5.0     # how long a stage gets to stop in order before it is killed
 FAIL_GRACE_S = 0.5     # after a failure the survivors get SIGTERM and this long before SIGKILL
 
@@ -326,14 +329,23 @@ class Launcher:
              ignore_eos: bool = False, cache_salt: str | None = None, prefix_cache: bool = True,
              response_format: dict | None = None, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
              parallel_tool_calls: bool | None = None, speculative: bool = True, prediction: str | None = None,
-             on_event: Callable[[Any], None], **sampling: Any) -> StreamHandle:
+             logprobs: int | None = None, prompt_logprobs: bool = False, prompt_ids: list[int] | None = None, n: int = 1,
+             on_event: Callable[..., None], **sampling: Any) -> StreamHandle | list[StreamHandle]:
     """Start one stream without a thread of its own: `on_event` is called from the launcher's driver thread with each
     `Delta` / `Logits`, then exactly one final `Done` or exception instance (a `PyruntimeError`). It must not block
     (an asyncio caller hands events over with `loop.call_soon_threadsafe`). Validation and tokenisation run here, in
     the caller's thread, and raise before anything is queued. With `tools` (OpenAI's function tools, `tool_choice`,
     `parallel_tool_calls`; docs/tools.md) calls are parsed out of the text: `Delta.tool_calls` and `Done.tool_calls`,
-    finish reason "tool_calls"."""
+    finish reason "tool_calls". `logprobs=k` (0..20) gives every token its log-probability and the k most likely tokens'
+    (`Delta.logprobs`, `Done.logprobs`); `prompt_logprobs=True` scores the prompt too (`Done.prompt_logprobs`; with
+    max_tokens=0 nothing is generated); `prompt_ids` is the prompt as token ids (in place of prompt and messages).
+
+    `n` > 1 (OpenAI's n): n streams of one request, a list of their handles; `on_event(i, ev)` names the choice. The
+    prompt is tokenized once and, with the prefix cache, computed once: the other choices wait until the first one's
+    prompt is in the cache and read it from there. Choice i samples with params.choice_seed(seed, i)."""
     if not callable(on_event): raise TypeError(f"submit(): on_event must be callable, got {on_event!r:.80}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+      raise errors.InvalidOption("n", f"must be an integer from 1 to {MAX_CHOICES}, got {n!r:.80}")
     if self.requests is None:  # not planned: a bad option is still named before that is said
       from pyruntime.params import check_request
       check_request(max_tokens, sampling, stop)
@@ -341,11 +353,28 @@ class Launcher:
     req = self.requests.build(prompt, messages, raw=raw, max_tokens=max_tokens, stop=stop, logits=logits, ignore_eos=ignore_eos,
                               cache_salt=cache_salt, prefix_cache=prefix_cache, response_format=response_format, tools=tools,
                               tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, speculative=speculative,
-                              prediction=prediction, sampling=sampling)
+                              prediction=prediction, sampling=sampling, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              prompt_ids=prompt_ids)
     if self._closed or self.driver is None: raise errors.LauncherClosed("the launcher is not running")
-    st = StreamHandle(self.driver, next(self.driver.stream_ids), req, on_event)
-    self.driver.enqueue(st)
-    return st
+    return self._enqueue(req, n, on_event)
+
+  def _enqueue(self, req: Any, n: int, on_event: Callable[..., None]) -> StreamHandle | list[StreamHandle]:
+    if n == 1:
+      st = StreamHandle(self.driver, next(self.driver.stream_ids), req, on_event)
+      self.driver.enqueue(st)
+      return st
+    from pyruntime.params import choice_seed
+    handles: list[StreamHandle] = []
+    for i in range(n):
+      r = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=choice_seed(req.params.seed, i)))
+      handles.append(StreamHandle(self.driver, next(self.driver.stream_ids), r, functools.partial(on_event, i), handles[0] if handles else None))
+    queued = 0
+    try:
+      for st in handles: self.driver.enqueue(st); queued += 1
+    except BaseException:
+      for st in handles[:queued]: st.cancel()
+      raise
+    return handles
 
   def _iterate(self, st: StreamHandle, events: queue.SimpleQueue) -> Iterator[Delta | Logits | Done]:
     try:

@@ -25,6 +25,21 @@ class Request:
   calls: CallFormat | None = None  # the tool-call format its text is parsed with, when the request offered tools
   predicted: list[int] = field(default_factory=list)  # OpenAI's `prediction`, tokenized: a drafter of its own
   speculate: bool = False          # drafts are verified for it (exactly: greedy, free, every stage on the rows path)
+  logprobs: int = -1               # k >= 0: every token comes with its log-probability and the k most likely tokens'
+  prompt_logprobs: bool = False    # ... and every prompt token after the first with its own (scoring a prompt)
+
+
+def check_logprobs(logprobs: Any, prompt_logprobs: Any, logits: bool, max_tokens: Any) -> int:
+  """The log-probabilities asked for: k (the alternatives per token, 0..MAX_TOP_LOGPROBS) or -1 for none."""
+  from pyruntime.protocol import MAX_TOP_LOGPROBS
+  if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+    raise errors.InvalidOption("logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS} (the alternatives per token), got {logprobs!r:.80}")
+  if not isinstance(prompt_logprobs, bool): raise errors.InvalidOption("prompt_logprobs", f"must be true or false, got {prompt_logprobs!r:.80}")
+  if prompt_logprobs and logprobs is None: raise errors.InvalidOption("prompt_logprobs", "needs logprobs (the alternatives per token, 0 for none)")
+  if logits and logprobs is not None: raise errors.InvalidOption("logprobs", "not with logits=True (the logits themselves come back)")
+  if max_tokens == 0 and not prompt_logprobs:
+    raise errors.InvalidOption("max_tokens", "must be a positive integer (0 only when scoring a prompt: prompt_logprobs)")
+  return -1 if logprobs is None else logprobs
 
 
 def check_salt(salt: Any) -> None:
@@ -54,10 +69,15 @@ class RequestBuilder:
   def build(self, prompt: str | None, messages: list[dict] | None, *, raw: bool, max_tokens: int | None, stop: str | Sequence[str] | None,
             logits: bool, ignore_eos: bool, cache_salt: str | None, prefix_cache: bool, response_format: dict | None,
             tools: list[dict] | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None, speculative: bool,
-            prediction: str | None, sampling: dict[str, Any]) -> Request:
+            prediction: str | None, sampling: dict[str, Any], logprobs: int | None = None, prompt_logprobs: bool = False,
+            prompt_ids: list[int] | None = None) -> Request:
     from pyruntime.params import check_request
     from pyruntime.text.textstream import budget
-    params = check_request(max_tokens, sampling, stop)
+    k = check_logprobs(logprobs, prompt_logprobs, logits, max_tokens)
+    scoring_only = max_tokens == 0
+    params = check_request(None if scoring_only else max_tokens, sampling, stop)
+    if prompt_logprobs and not self.rows_everywhere:
+      raise errors.InvalidOption("prompt_logprobs", "scoring a prompt needs every stage on the rows path (decode='batched', a dense model)")
     check_salt(cache_salt)
     if not isinstance(prefix_cache, bool): raise errors.InvalidOption("prefix_cache", f"must be true or false, got {prefix_cache!r:.80}")
     if not isinstance(speculative, bool): raise errors.InvalidOption("speculative", f"must be true or false, got {speculative!r:.80}")
@@ -66,18 +86,27 @@ class RequestBuilder:
     offered = check_tools(tools, tool_choice, parallel_tool_calls)
     calls = offered is not None and offered.calls_allowed
     grammar = self._tool_grammar(offered, response_format, logits) if calls else self._grammar(response_format, logits)
-    ids = self.prompt_ids(prompt, messages, raw, tools=offered)
-    n_max = budget(max_tokens if max_tokens is not None else self.context_length, self.context_length, len(ids))
+    ids = self._checked_ids(prompt_ids) if prompt_ids is not None else self.prompt_ids(prompt, messages, raw, tools=offered)
+    n_max = 0 if scoring_only else budget(max_tokens if max_tokens is not None else self.context_length, self.context_length, len(ids))
+    if scoring_only: budget(None, self.context_length, len(ids))  # the prompt must still fit
     # only its first n_max tokens can ever be drafted: cut the text to what they can span before tokenizing it
     cut = (n_max + 16) * self.tokenizer.max_token_bytes
     predicted = self.tokenizer.encode(prediction[:cut], parse_special=False)[:n_max + 16] if prediction is not None else []
     # drafts (n-grams, or the caller's prediction) are verified exactly for greedy, free streams on the rows path
     # (docs/speculation.md); others decode plainly
     wanted = self.speculative != "off" or bool(predicted)
-    speculate = speculative and wanted and self.rows_everywhere and params.greedy and grammar is None and not logits
+    speculate = speculative and wanted and self.rows_everywhere and params.greedy and grammar is None and not logits and k < 0
     return Request(ids, n_max, params, [stop] if isinstance(stop, str) else list(stop or []), logits,
                    frozenset() if ignore_eos else self.tokenizer.end_ids, cache_salt, prefix_cache, grammar,
-                   self.tool_format()[0] if calls else None, predicted, speculate)
+                   self.tool_format()[0] if calls else None, predicted, speculate, k, prompt_logprobs)
+
+  def _checked_ids(self, ids: Any) -> list[int]:
+    """A prompt given as token ids: each an id of the vocabulary, at least one."""
+    if not isinstance(ids, (list, tuple)) or not ids: raise errors.InvalidOption("prompt", "token ids: a non-empty list of integers")
+    for i, t in enumerate(ids):
+      if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.tokenizer.vocab_size:
+        raise errors.InvalidOption("prompt", f"token id {t!r:.40} at index {i} is not in the vocabulary (0..{self.tokenizer.vocab_size - 1})")
+    return list(ids)
 
   def _grammar(self, response_format: dict | None, logits: bool) -> str | None:
     """A structured answer's grammar (pyruntime/text/grammar.py), checked against the vocabulary here: a schema that cannot

@@ -20,6 +20,7 @@ from typing import Any
 from pyruntime import errors
 from pyruntime.params import INT64_MAX, MAX_TOKENS, SAMPLING, Param
 from pyruntime.params import show as _show
+from pyruntime.protocol import MAX_TOP_LOGPROBS
 
 CHAT, COMPLETION = "chat", "completion"
 
@@ -32,18 +33,20 @@ SAMPLING_FIELDS = tuple(SAMPLING)
 _COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "ignore_eos", "cache_salt", "prefix_cache",
            "response_format", "speculative", "prediction", *SAMPLING_FIELDS}
 # tools, tool_choice, parallel_tool_calls: function tools (pyruntime/text/tools.py, docs/tools.md); chat only
-SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"},
-             COMPLETION: _COMMON | {"prompt"}}
+# logprobs / top_logprobs (chat), logprobs / echo (completions): docs/serving.md#log-probabilities
+SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs"},
+             COMPLETION: _COMMON | {"prompt", "logprobs", "echo"}}
 
 # OpenAI features we refuse by name. A value that asks for nothing (the field's neutral value) is
 # accepted: a client that spells out a default is not asking for a feature.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
   "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-  "parallel_tool_calls": (), "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "best_of": (1,), "echo": (False,),
+  "parallel_tool_calls": (), "logit_bias": ({},), "best_of": (1,),
   "suffix": ("",), "store": (False,), "metadata": (), "modalities": (["text"],), "audio": (),
   "reasoning_effort": (), "service_tier": ("auto", "default"), "web_search_options": (),
 }
-UNSUPPORTED_VALUE_FIELDS = {"n", "stream_options"}
+UNSUPPORTED_VALUE_FIELDS = {"stream_options"}
+MAX_CHOICES = 128  # n times the prompts of a batch: the most streams one request may start (OpenAI's limit for n)
 
 
 class MalformedRequest(errors.PyruntimeError):
@@ -115,6 +118,13 @@ class ParsedRequest:
   include_usage: bool = False
   model: str | None = None               # what the client asked for (any name is accepted)
   generate: dict[str, Any] = field(default_factory=dict)   # keyword arguments of Launcher.generate
+  n: int = 1                             # choices per prompt
+  prompts: list[str | list[int]] = field(default_factory=list)  # completions: each prompt of the batch (text or ids)
+  echo: bool = False                     # completions: the prompt comes back before the answer
+  logprobs: bool = False                 # the answer carries log-probabilities (generate's logprobs: how many alternatives)
+
+  @property
+  def choices(self) -> int: return self.n * max(1, len(self.prompts))
 
 
 # --- parsing ------------------------------------------------------------------------------------
@@ -184,8 +194,7 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
   if model is not None and not isinstance(model, str): raise errors.InvalidOption("model", f"must be a string, got {_show(model)}")
   req.model = model
   if (user := body.get("user")) is not None and not isinstance(user, str): raise errors.InvalidOption("user", "must be a string")
-  n = _int(body, "n", lo=1)
-  if n is not None and n != 1: raise errors.UnsupportedFeature("n", f"only n=1 is supported, got n={n}")
+  req.n = _int(body, "n", lo=1, hi=MAX_CHOICES) or 1
   req.stream = bool(_bool(body, "stream"))
   opts = body.get("stream_options")
   if opts is not None:
@@ -198,8 +207,8 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     req.include_usage = bool(usage)
 
   gen: dict[str, Any] = {}
-  max_tokens = _param(body, MAX_TOKENS)
   if kind == CHAT:
+    max_tokens = _param(body, MAX_TOKENS)
     mct = _param(body, replace(MAX_TOKENS, name="max_completion_tokens"))
     if mct is not None and max_tokens is not None and mct != max_tokens:
       raise errors.InvalidOption("max_completion_tokens", f"is {mct} but max_tokens is {max_tokens}: give one of them")
@@ -212,9 +221,20 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     from pyruntime.text.tools import check_tools
     if check_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")) is not None:
       gen.update({k: body[k] for k in ("tools", "tool_choice", "parallel_tool_calls") if body.get(k) is not None})
+    if _bool(body, "logprobs"):
+      req.logprobs, gen["logprobs"] = True, _int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS) or 0
+    elif body.get("top_logprobs"): raise errors.InvalidOption("top_logprobs", "needs logprobs: true")
   else:
+    req.echo = bool(_bool(body, "echo"))
+    if "max_tokens" in body and body["max_tokens"] == 0 and _is_int(body["max_tokens"]) and req.echo: max_tokens = 0  # scoring the prompt alone
+    else: max_tokens = _param(body, MAX_TOKENS)
     gen["max_tokens"] = 16 if max_tokens is None else max_tokens   # OpenAI's default for /v1/completions
-    gen["prompt"], gen["raw"] = _prompt(body.get("prompt")), True
+    req.prompts, gen["raw"] = _prompts(body.get("prompt")), True
+    if (k := _int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)) is not None: req.logprobs, gen["logprobs"] = True, k
+    # echo with logprobs scores the prompt; max_tokens 0 generates nothing, which only scoring makes sense of
+    if req.echo and (req.logprobs or max_tokens == 0): gen["prompt_logprobs"], gen["logprobs"] = True, gen.get("logprobs", 0)
+  if req.n * max(1, len(req.prompts)) > MAX_CHOICES:
+    raise errors.InvalidOption("n", f"n times the prompts is {req.n * len(req.prompts)}: at most {MAX_CHOICES} choices per request")
 
   if _bool(body, "ignore_eos"): gen["ignore_eos"] = True
   if (salt := body.get("cache_salt")) is not None:
@@ -247,16 +267,57 @@ def _prediction(p: Any) -> str:
   return _content(p.get("content"), "prediction.content")
 
 
-def _prompt(prompt: Any) -> str:
+def _prompts(prompt: Any) -> list[str | list[int]]:
+  """The prompts of a completions request: a string, a list of token ids, or a batch of either (OpenAI's forms)."""
   if prompt is None: raise errors.InvalidOption("prompt", "is required")
-  if isinstance(prompt, list):
-    if prompt and (all(_is_int(t) for t in prompt) or all(isinstance(t, list) for t in prompt)):
-      raise errors.UnsupportedFeature("prompt", "token-id prompts are not supported; send the prompt as a string")
-    if len(prompt) != 1: raise errors.UnsupportedFeature("prompt", f"batched prompts are not supported (got {len(prompt)}); send one string")
-    prompt = prompt[0]
-  if not isinstance(prompt, str): raise errors.InvalidOption("prompt", f"must be a string, got {type(prompt).__name__}")
-  if not prompt: raise errors.EmptyPrompt("the prompt is empty")
+  if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)): prompt = [prompt]
+  if not isinstance(prompt, list) or not prompt:
+    raise errors.InvalidOption("prompt", "must be a string, a list of token ids, or a non-empty list of either")
+  for i, p in enumerate(prompt):
+    where = f"prompt[{i}]" if len(prompt) > 1 else "prompt"
+    if isinstance(p, str):
+      if not p: raise errors.EmptyPrompt(f"{where} is empty")
+    elif not (isinstance(p, list) and p and all(_is_int(t) for t in p)):
+      raise errors.InvalidOption("prompt", f"{where} must be a string or a non-empty list of token ids")
   return prompt
+
+
+# --- the tokenizer, served (vLLM's /tokenize, /detokenize; lm-eval's remote tokenizer reads /tokenizer_info) ----------
+def tokenize(body: dict[str, Any], launcher: Any) -> dict[str, Any]:
+  """`{"prompt": text, "add_special_tokens": true}` or `{"messages": [...]}` (rendered with the chat template) ->
+  `{"tokens", "count", "max_model_len"}`. Special tokens written in the text are parsed, as in a completions prompt."""
+  for name in body:
+    if name not in ("model", "prompt", "messages", "add_special_tokens"):
+      raise errors.UnsupportedFeature(name, "unrecognized request argument for /tokenize")
+  add = _bool(body, "add_special_tokens")
+  if (messages := body.get("messages")) is not None:
+    if "prompt" in body: raise errors.InvalidOption("prompt", "give prompt or messages, not both")
+    from pyruntime.text.chat import validate_messages
+    validate_messages(messages)
+    ids = launcher.prompt_ids(messages=messages)
+  else:
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str): raise errors.InvalidOption("prompt", f"must be a string, got {_show(prompt)}")
+    ids = launcher.tokenizer.encode(prompt, parse_special=True, add_special=True if add is None else add)
+  return {"tokens": ids, "count": len(ids), "max_model_len": launcher.context_length}
+
+
+def detokenize(body: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+  """`{"tokens": [ids]}` -> `{"prompt": text}` (special tokens spelled out, as /tokenize reads them back)."""
+  for name in body:
+    if name not in ("model", "tokens"): raise errors.UnsupportedFeature(name, "unrecognized request argument for /detokenize")
+  ids = body.get("tokens")
+  if not isinstance(ids, list) or not all(_is_int(t) for t in ids): raise errors.InvalidOption("tokens", "must be a list of token ids")
+  try: return {"prompt": tokenizer.decode(ids, special=True)}
+  except errors.TokenIdInvalid as e: raise errors.InvalidOption("tokens", str(e)) from None
+
+
+def tokenizer_info(tokenizer: Any, context_length: int) -> dict[str, Any]:
+  """The special tokens' text and the chat template: what a client needs to tokenize and stop as the server does."""
+  def text(i: int | None) -> str | None: return None if i is None else tokenizer.token_text(i)
+  return {"tokenizer_class": "gguf-bpe", "bos_token": text(tokenizer.bos_id), "eos_token": text(tokenizer.eot_id or tokenizer.eos_id),
+          "pad_token": None, "add_bos_token": tokenizer.add_bos, "chat_template": tokenizer.chat_template,
+          "model_max_length": context_length, "vocab_size": tokenizer.vocab_size}
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -269,10 +330,11 @@ def error_body(exc: BaseException, kind: str | None = None) -> tuple[int, dict[s
     has = f"at least {exc.prompt_tokens}" if exc.at_least else f"{exc.prompt_tokens}"
     message = (f"This model's maximum context length is {exc.context} tokens. However, your prompt has {has} tokens; "
                f"shorten it to at most {exc.context - 1} tokens.")
-    return shape(400, message, bad, "messages" if kind == CHAT else "prompt", "context_length_exceeded")
+    return shape(400, message, bad, {CHAT: "messages", "responses": "input"}.get(kind or "", "prompt"), "context_length_exceeded")
   if isinstance(exc, errors.InvalidOption):
     param = exc.field
-    if kind == CHAT and param == "prompt": param = "messages"   # the launcher's name for what the client sent as messages
+    # the launcher's name for what the client sent as messages (or a Responses request's input)
+    if param == "prompt" and kind in (CHAT, "responses"): param = "messages" if kind == CHAT else "input"
     return shape(400, str(exc), bad, param, "invalid_value")
   if isinstance(exc, errors.UnsupportedFeature):
     code = "unsupported_value" if exc.feature in UNSUPPORTED_VALUE_FIELDS or exc.feature == "prompt" else "unsupported_parameter"
@@ -312,15 +374,59 @@ def model_card(model_name: str, created: int, context_length: int | None = None)
   return card
 
 
+def usage_of(dones: list[Any], choices_per_prompt: int) -> dict[str, Any]:
+  """The usage of a request's choices: each prompt counted once (its n choices share it), every choice's tokens."""
+  prompts = dones[::choices_per_prompt]
+  u = {"prompt_tokens": sum(d.usage.prompt_tokens for d in prompts), "completion_tokens": sum(d.usage.completion_tokens for d in dones)}
+  u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+  u["prompt_tokens_details"] = {"cached_tokens": sum(getattr(d.usage, "cached_tokens", 0) for d in prompts)}
+  u["completion_tokens_details"] = {k: sum(getattr(d.usage, k, 0) for d in dones)
+                                    for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
+  return u
+
+
+class TokenText:
+  """A token's spelling in a log-probability entry: its text (control tokens spelled out; a piece of a UTF-8 character
+  shows as U+FFFD, its bytes say what it is) and its bytes."""
+  def __init__(self, tokenizer: Any):
+    self.tokenizer = tokenizer
+
+  def bytes(self, token: int) -> bytes: return self.tokenizer.token_bytes(token, special=True)
+  def text(self, token: int) -> str: return self.bytes(token).decode("utf-8", "replace")
+
+  def chat_entry(self, s: Any) -> dict[str, Any]:
+    """One entry of a chat choice's `logprobs.content`."""
+    return {"token": self.text(s.token), "logprob": s.logprob, "bytes": list(self.bytes(s.token)),
+            "top_logprobs": [{"token": self.text(t), "logprob": lp, "bytes": list(self.bytes(t))} for t, lp in s.top]}
+
+  def legacy(self, scores: list[Any | None], tokens: list[int], offset: int) -> dict[str, Any]:
+    """A completions choice's `logprobs` (OpenAI's legacy shape): per token its text, log-probability, the top ones as
+    a dict (None where there is no score: a prompt's first token) and its offset in the text from `offset` on."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, s in zip(tokens, scores, strict=True):
+      text = self.text(t)
+      out["tokens"].append(text)
+      out["token_logprobs"].append(None if s is None else s.logprob)
+      top: dict[str, float] | None = None if s is None else {}
+      for a, lp in (s.top if s is not None else []): top.setdefault(self.text(a), lp)  # two tokens spelled alike: the likelier
+      out["top_logprobs"].append(top)
+      out["text_offset"].append(offset)
+      offset += len(text)
+    return out
+
+
 class _Shaper:
-  """Builds one request's response (non-streamed) or chunks (streamed)."""
-  prefix = ""
+  """Builds one request's response (non-streamed) or chunks (streamed), for each of its choices (by index)."""
+  prefix = kind = ""
   object_full = object_chunk = ""
 
-  def __init__(self, model: str, fingerprint: str, include_usage: bool = False, created: int | None = None):
+  def __init__(self, model: str, fingerprint: str, include_usage: bool = False, created: int | None = None, *, tokenizer: Any = None,
+               n: int = 1, logprobs: bool = False):
     self.id = f"{self.prefix}-{uuid.uuid4().hex}"
     self.created = int(time.time()) if created is None else created
     self.model, self.fingerprint, self.include_usage = model, fingerprint, include_usage
+    self.n, self.logprobs = n, logprobs
+    self.spell = TokenText(tokenizer) if tokenizer is not None else None
 
   def _envelope(self, obj: str) -> dict[str, Any]:
     return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
@@ -331,71 +437,116 @@ class _Shaper:
     if self.include_usage: c["usage"] = None   # OpenAI: null on every chunk but the last
     return c
 
-  def usage_chunk(self, done: Any) -> dict[str, Any]:
+  def usage_chunk(self, dones: list[Any]) -> dict[str, Any]:
     c = self._envelope(self.object_chunk)
-    c["choices"], c["usage"] = [], usage_dict(done)
+    c["choices"], c["usage"] = [], usage_of(dones, self.n)
     return c
 
-  def first_chunks(self) -> list[dict[str, Any]]: return []
-  def delta_chunk(self, text: str) -> dict[str, Any]: raise NotImplementedError
-  def final_chunk(self, done: Any) -> dict[str, Any]: raise NotImplementedError
-  def response(self, done: Any) -> dict[str, Any]: raise NotImplementedError
+  done_marker = b"data: [DONE]\n\n"  # after the last chunk (OpenAI's chat and completions streams)
 
-  def end_chunks(self, done: Any) -> list[dict[str, Any]]:
-    out = [self.final_chunk(done)]
-    if self.include_usage: out.append(self.usage_chunk(done))
-    return out
+  def first_chunks(self, choices: int) -> list[dict[str, Any]]: return []
+  def delta_chunks(self, index: int, delta: Any) -> list[dict[str, Any]]: raise NotImplementedError
+  def final_chunks(self, index: int, done: Any) -> list[dict[str, Any]]: raise NotImplementedError
+  def choice(self, index: int, done: Any) -> dict[str, Any]: raise NotImplementedError
+  def error_chunks(self, e: BaseException) -> list[dict[str, Any]]: return [error_body(e, self.kind)[1]]
+
+  def response(self, dones: list[Any]) -> dict[str, Any]:
+    r = self._envelope(self.object_full)
+    r["choices"] = [self.choice(i, d) for i, d in enumerate(dones)]
+    r["usage"] = usage_of(dones, self.n)
+    return r
 
 
 class ChatShaper(_Shaper):
-  prefix, object_full, object_chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
-  n_calls = 0  # tool calls streamed so far: the next one's index
+  prefix, object_full, object_chunk, kind = "chatcmpl", "chat.completion", "chat.completion.chunk", CHAT
 
-  def first_chunks(self) -> list[dict[str, Any]]:
-    return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
+  def __init__(self, *args: Any, **kw: Any):
+    super().__init__(*args, **kw)
+    self.n_calls: dict[int, int] = {}  # per choice: tool calls streamed so far, the next one's index
 
-  def delta_chunk(self, text: str) -> dict[str, Any]:
-    return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
+  def first_chunks(self, choices: int) -> list[dict[str, Any]]:
+    return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            for i in range(choices)]
 
-  def tool_calls_chunk(self, calls: list[Any]) -> dict[str, Any]:
-    """Calls go out whole, each in one delta (id, name and all its arguments): a call is parsed when its closing
-    marker arrives, and OpenAI's clients join a call's deltas by `index` either way."""
-    first, self.n_calls = self.n_calls, self.n_calls + len(calls)
-    return self._chunk({"index": 0, "delta": {"tool_calls": [{"index": first + i, **c.to_openai()} for i, c in enumerate(calls)]},
-                        "logprobs": None, "finish_reason": None})
+  def _logprobs(self, scores: list[Any] | None) -> dict[str, Any] | None:
+    return {"content": [self.spell.chat_entry(s) for s in scores or []], "refusal": None} if self.logprobs else None
 
-  def final_chunk(self, done: Any) -> dict[str, Any]:
-    return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": done.finish_reason})
+  def delta_chunks(self, index: int, delta: Any) -> list[dict[str, Any]]:
+    out = []
+    if delta.text or (self.logprobs and delta.logprobs):
+      out.append(self._chunk({"index": index, "delta": {"content": delta.text}, "logprobs": self._logprobs(delta.logprobs), "finish_reason": None}))
+    if delta.tool_calls:
+      # calls go out whole, each in one delta (id, name and all its arguments): a call is parsed when its closing marker
+      # arrives, and OpenAI's clients join a call's deltas by `index` either way
+      first = self.n_calls.get(index, 0)
+      self.n_calls[index] = first + len(delta.tool_calls)
+      calls = [{"index": first + i, **c.to_openai()} for i, c in enumerate(delta.tool_calls)]
+      out.append(self._chunk({"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}))
+    return out
 
-  def response(self, done: Any) -> dict[str, Any]:
-    r = self._envelope(self.object_full)
+  def final_chunks(self, index: int, done: Any) -> list[dict[str, Any]]:
+    return [self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": done.finish_reason})]
+
+  def choice(self, index: int, done: Any) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": done.text}
     if done.tool_calls:  # OpenAI: content null when the answer is only calls
       message = {"role": "assistant", "content": done.text if done.text.strip() else None,
                  "tool_calls": [c.to_openai() for c in done.tool_calls]}
-    r["choices"] = [{"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}]
-    r["usage"] = usage_dict(done)
-    return r
+    return {"index": index, "message": message, "logprobs": self._logprobs(done.logprobs), "finish_reason": done.finish_reason}
 
 
 class CompletionShaper(_Shaper):
-  prefix, object_full, object_chunk = "cmpl", "text_completion", "text_completion"
+  """Completions, with `echo` (the prompt's text, and with logprobs its scores, before the answer)."""
+  prefix, object_full, object_chunk, kind = "cmpl", "text_completion", "text_completion", COMPLETION
 
-  def delta_chunk(self, text: str) -> dict[str, Any]:
-    return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+  def __init__(self, *args: Any, echo: bool = False, prompts: list[str | list[int]] | None = None, **kw: Any):
+    super().__init__(*args, **kw)
+    self.echo, self.prompts = echo, prompts or []
+    self.offset: dict[int, int] = {}  # per choice: characters streamed so far (text_offset)
 
-  def final_chunk(self, done: Any) -> dict[str, Any]:
-    return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": done.finish_reason})
+  def _prompt_text(self, index: int, prompt_ids: list[int]) -> str:
+    p = self.prompts[index // self.n] if self.prompts else None
+    return p if isinstance(p, str) else self.spell.tokenizer.decode(prompt_ids, special=True)
 
-  def response(self, done: Any) -> dict[str, Any]:
-    r = self._envelope(self.object_full)
-    r["choices"] = [{"index": 0, "text": done.text, "logprobs": None, "finish_reason": done.finish_reason}]
-    r["usage"] = usage_dict(done)
-    return r
+  def _echo(self, index: int, prompt_ids: list[int], scores: list[Any] | None) -> tuple[str, dict[str, Any] | None]:
+    text = self._prompt_text(index, prompt_ids)
+    lp = self.spell.legacy([None, *scores], prompt_ids, 0) if self.logprobs and scores is not None else None
+    return text, lp
+
+  def delta_chunks(self, index: int, delta: Any) -> list[dict[str, Any]]:
+    out = []
+    if self.echo and index not in self.offset and delta.prompt_token_ids is not None:
+      text, lp = self._echo(index, delta.prompt_token_ids, delta.prompt_logprobs)
+      out.append(self._chunk({"index": index, "text": text, "logprobs": lp, "finish_reason": None}))
+      self.offset[index] = len(text)
+    if delta.text or (self.logprobs and delta.logprobs):
+      off = self.offset.get(index, 0)
+      lp = self.spell.legacy(delta.logprobs, delta.token_ids, off) if self.logprobs else None
+      out.append(self._chunk({"index": index, "text": delta.text, "logprobs": lp, "finish_reason": None}))
+      self.offset[index] = off + (sum(len(t) for t in lp["tokens"]) if lp else len(delta.text))
+    return out
+
+  def final_chunks(self, index: int, done: Any) -> list[dict[str, Any]]:
+    text, lp = "", None
+    if self.echo and index not in self.offset:  # nothing was generated (max_tokens 0): the echo goes out with the end
+      text, lp = self._echo(index, done.prompt_token_ids, done.prompt_logprobs)
+    return [self._chunk({"index": index, "text": text, "logprobs": lp, "finish_reason": done.finish_reason})]
+
+  def choice(self, index: int, done: Any) -> dict[str, Any]:
+    text, lp = done.text, None
+    if self.logprobs: lp = self.spell.legacy(done.logprobs or [], done.token_ids, 0)
+    if self.echo:
+      prompt, plp = self._echo(index, done.prompt_token_ids, done.prompt_logprobs)
+      text = prompt + text
+      if lp is not None and plp is not None:
+        lp = self.spell.legacy([None, *done.prompt_logprobs, *(done.logprobs or [])], done.prompt_token_ids + done.token_ids, 0)
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": done.finish_reason}
 
 
-def shaper_for(kind: str, model: str, fingerprint: str, include_usage: bool = False) -> _Shaper:
-  return (ChatShaper if kind == CHAT else CompletionShaper)(model, fingerprint, include_usage)
+def shaper_for(req: ParsedRequest, model: str, fingerprint: str, tokenizer: Any = None) -> _Shaper:
+  kw: dict[str, Any] = {"tokenizer": tokenizer, "n": req.n, "logprobs": req.logprobs}
+  if req.kind == CHAT: return ChatShaper(model, fingerprint, req.include_usage, **kw)
+  return CompletionShaper(model, fingerprint, req.include_usage, echo=req.echo, prompts=req.prompts, **kw)
 
 
 def sse(obj: Any) -> bytes:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -40,13 +41,12 @@ from starlette.routing import Route
 from pyruntime import errors
 from pyruntime.engine.events import Delta, Done
 from pyruntime.serving import openai_api as api
-from pyruntime.serving import page
+from pyruntime.serving import page, responses_api
 from pyruntime.serving.metrics import CONTENT_TYPE, Metrics, Sampler
 from pyruntime.serving.metrics import parse_expert_load as parse_expert_load  # `inspect --server` reads a server's expert load back
 from pyruntime.serving.openai_api import (
   CHAT,
   COMPLETION,
-  SSE_DONE,
   MalformedRequest,
   ModelNotFound,
   QueueFull,
@@ -61,6 +61,7 @@ from pyruntime.serving.openai_api import (
   parse_request,
   sse,
 )
+from pyruntime.serving.responses_api import RESPONSES
 
 CLIENT_CLOSED = 499   # nginx's status for "the client closed the request"; only ever seen in /metrics
 
@@ -98,11 +99,13 @@ class LauncherLike(Protocol):
 
 
 class Job:
-  """One accepted request: its stream's events, handed from the launcher's driver thread to the request's asyncio queue."""
-  def __init__(self, loop: asyncio.AbstractEventLoop, admission: Admission, launcher: Any = None):
+  """One accepted request: its streams' events (one stream per choice: OpenAI's n, a batch of prompts), handed from the
+  launcher's driver thread to the request's asyncio queue as (kind, choice index, event)."""
+  def __init__(self, loop: asyncio.AbstractEventLoop, admission: Admission, launcher: Any = None, choices: int = 1):
     self.loop, self.admission, self.launcher = loop, admission, launcher
-    self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    self.stream: Any = None
+    self.events: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
+    self.streams: list[Any] = []
+    self.choices = self.open_choices = choices
     self.on_finished: Callable[[Job], None] | None = None   # the server's registry of running requests
     self.accepted = time.monotonic()
     self.first = True
@@ -110,8 +113,9 @@ class Job:
     self.ended = False
     self._end_lock = threading.Lock()
 
-  def on_event(self, ev: Any) -> None:
-    """Called by the launcher (its driver thread): metrics, then the request's queue. Never blocks."""
+  def on_event(self, index: int, ev: Any) -> None:
+    """Called by the launcher (its driver thread) with choice `index`'s events: metrics, then the request's queue.
+    Never blocks."""
     m, now = self.admission.metrics, time.monotonic()
     if isinstance(ev, Delta) and ev.token_ids:
       m.completion_tokens.inc(len(ev.token_ids))
@@ -123,8 +127,10 @@ class Job:
     elif isinstance(ev, BaseException):
       m.error(ev.code if isinstance(ev, errors.PyruntimeError) else type(ev).__name__)
       self.admission.note_error(ev)
-    if isinstance(ev, (Done, BaseException)) and not self.end(): return  # ended already (aborted by the server)
-    try: self.loop.call_soon_threadsafe(self.events.put_nowait, ("error" if isinstance(ev, BaseException) else "event", ev))
+    if isinstance(ev, (Done, BaseException)):
+      with self._end_lock: self.open_choices -= 1
+      if self.ended or (not self.open_choices and not self.end()): return  # ended already (aborted by the server)
+    try: self.loop.call_soon_threadsafe(self.events.put_nowait, ("error" if isinstance(ev, BaseException) else "event", index, ev))
     except RuntimeError: pass  # the event loop is gone (server shutting down)
 
   def end(self) -> bool:
@@ -137,9 +143,9 @@ class Job:
 
   def cancel(self) -> None:
     """The response is over (its handler's `finally`): stop the stream if it still runs, free its place."""
-    if not self.ended and self.stream is not None:
+    if not self.ended and self.streams:
       self.admission.metrics.cancelled.inc()
-    if self.stream is not None: self.stream.cancel()  # frees the stream's slot in every stage; a no-op once it ended
+    for st in self.streams: st.cancel()  # frees the stream's slot in every stage; a no-op once it ended
     self.end()
     if self.on_finished is not None: self.on_finished(self)
 
@@ -148,11 +154,11 @@ class Job:
     `e` (streaming: an SSE error event, then [DONE]). From any thread."""
     if not self.end(): return
     self.admission.metrics.error(e.code if isinstance(e, errors.PyruntimeError) else type(e).__name__)
-    if self.stream is not None:
-      try: self.stream.cancel()
+    for st in self.streams:
+      try: st.cancel()
       except Exception as x:  # noqa: BLE001 - a launcher that already failed has nothing left to stop
         log.debug("cancelling an aborted request's stream: %s", x)
-    try: self.loop.call_soon_threadsafe(self.events.put_nowait, ("abort", e))
+    try: self.loop.call_soon_threadsafe(self.events.put_nowait, ("abort", -1, e))
     except RuntimeError: pass  # the event loop is gone
 
 
@@ -215,20 +221,23 @@ class SSEResponse:
       await out({"type": "http.response.start", "status": 200,
                  "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                              (b"x-accel-buffering", b"no")]})
-      for c in self.shaper.first_chunks(): await chunk(sse(c))
+      for c in self.shaper.first_chunks(self.job.choices): await chunk(sse(c))
+      dones: dict[int, Done] = {}
       while not closed:
-        kind, ev = await self.job.events.get()
+        kind, index, ev = await self.job.events.get()
         if kind in ("error", "abort"):
-          await chunk(sse(error_body(ev, self.kind)[1]))
-          if kind == "abort": await chunk(SSE_DONE)   # the server ended it: a clean end of the stream, not a cut
+          for c in self.shaper.error_chunks(ev): await chunk(sse(c))
+          if kind == "abort": await chunk(self.shaper.done_marker)   # the server ended it: a clean end of the stream, not a cut
           break
         if isinstance(ev, Delta):
-          if ev.text: await chunk(sse(self.shaper.delta_chunk(ev.text)))
-          if ev.tool_calls: await chunk(sse(self.shaper.tool_calls_chunk(ev.tool_calls)))
+          for c in self.shaper.delta_chunks(index, ev): await chunk(sse(c))
         elif isinstance(ev, Done):
-          for c in self.shaper.end_chunks(ev): await chunk(sse(c))
-          await chunk(SSE_DONE)
-          break
+          dones[index] = ev
+          for c in self.shaper.final_chunks(index, ev): await chunk(sse(c))
+          if len(dones) == self.job.choices:
+            if self.shaper.include_usage: await chunk(sse(self.shaper.usage_chunk([dones[i] for i in range(len(dones))])))
+            await chunk(self.shaper.done_marker)
+            break
       await out({"type": "http.response.body", "body": b"", "more_body": False})
       finished = not closed
 
@@ -482,17 +491,20 @@ def _unavailable(e: ServiceUnavailable, kind: str | None = None) -> JSONResponse
 async def _generate(state: ServerState, request: Request, kind: str) -> Any:
   """One completion request: parse, admit, submit, then stream (SSE) or collect the answer."""
   try:
-    req = parse_request(parse_json(await request.body()), kind)
+    body = parse_json(await request.body())
+    req = responses_api.parse(body) if kind == RESPONSES else parse_request(body, kind)
     state.check_model(req.model)
   except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-shaped answer
     return _error(e, kind)
   if (refused := state.unavailable()) is not None: return _unavailable(refused, kind)
   launcher = state.launcher
-  job = Job(asyncio.get_running_loop(), state.admission, launcher)
+  job = Job(asyncio.get_running_loop(), state.admission, launcher, req.choices)
   if not state.admission.try_acquire(): return _error(QueueFull(state.admission.queue_size), kind, headers={"retry-after": "1"})
   state.add_job(job)
   if (refused := await _submit(state, launcher, job, req, kind)) is not None: return refused
-  shaper = api.shaper_for(kind, state.model_id, launcher.recipe, req.include_usage)
+  tokenizer = getattr(launcher, "tokenizer", None)
+  if kind == RESPONSES: shaper = responses_api.ResponsesShaper(req, body, state.model_id, tokenizer)
+  else: shaper = api.shaper_for(req, state.model_id, launcher.recipe, tokenizer)
   if req.stream: return SSEResponse(state, job, shaper, kind)
   return await _collect(request, job, shaper, kind)
 
@@ -501,7 +513,7 @@ async def _submit(state: ServerState, launcher: LauncherLike, job: Job, req: Any
   """Start the job's stream on the launcher; the error answer if it cannot start. Validation, tokenisation and the
   context check run off the event loop: one request never stalls the others."""
   try:
-    job.stream = await run_in_threadpool(lambda: launcher.submit(**req.generate, on_event=job.on_event))
+    await run_in_threadpool(_submit_streams, launcher, job, req)
     return None
   except Exception as e:  # noqa: BLE001
     job.cancel()
@@ -513,15 +525,30 @@ async def _submit(state: ServerState, launcher: LauncherLike, job: Job, req: Any
     return _error(e, kind)
 
 
+def _submit_streams(launcher: LauncherLike, job: Job, req: Any) -> None:
+  """Each prompt of the request (one, or a completions batch) as a stream, or n of them: choice p * n + i is choice i of
+  prompt p (OpenAI's order). A prompt refused leaves none of the request's streams running (Job.cancel)."""
+  for p, prompt in enumerate(req.prompts or [None]):
+    gen = dict(req.generate)
+    if isinstance(prompt, str): gen["prompt"] = prompt
+    elif prompt is not None: gen["prompt_ids"] = prompt
+    if req.n == 1: job.streams.append(launcher.submit(**gen, on_event=functools.partial(job.on_event, p)))
+    else: job.streams += launcher.submit(**gen, n=req.n, on_event=lambda i, ev, base=p * req.n: job.on_event(base + i, ev))
+
+
 async def _collect(request: Request, job: Job, shaper: Any, kind: str) -> Response:
   """A non-streaming answer: wait for the stream's end (or the client's going away, which cancels it)."""
   result: dict[str, Any] = {}
 
+  dones: dict[int, Done] = {}
+
   async def collect() -> None:
     while True:
-      what, ev = await job.events.get()
+      what, index, ev = await job.events.get()
       if what in ("error", "abort"): result["error"] = ev; return
-      if isinstance(ev, Done): result["done"] = ev; return
+      if isinstance(ev, Done):
+        dones[index] = ev
+        if len(dones) == job.choices: return
 
   try: gone = await run_until_disconnect(request.receive, collect)
   finally: job.cancel()
@@ -535,7 +562,7 @@ async def _collect(request: Request, job: Job, shaper: Any, kind: str) -> Respon
       return _unavailable(ServerRecovering(f"the pipeline failed before this request was answered ({e}); the server is "
                                            "restarting it, retry shortly", retry_after=1), kind)
     return _error(e, kind)
-  return JSONResponse(shaper.response(result["done"]))
+  return JSONResponse(shaper.response([dones[i] for i in range(job.choices)]))
 
 
 def _health(state: ServerState) -> JSONResponse:
@@ -593,6 +620,7 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
 
   async def chat_completions(request: Request) -> Any: return await _generate(state, request, CHAT)
   async def completions(request: Request) -> Any: return await _generate(state, request, COMPLETION)
+  async def responses(request: Request) -> Any: return await _generate(state, request, RESPONSES)
 
   async def models(request: Request) -> JSONResponse:
     return JSONResponse(api.models_list(state.model_id, state.created, state.launcher.context_length))
@@ -620,10 +648,25 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   async def internal_error(request: Request, exc: Exception) -> JSONResponse:
     return _error(exc)
 
+  async def tokenizer_route(request: Request) -> JSONResponse:
+    """/tokenize, /detokenize (vLLM's), /tokenizer_info: off the event loop, a long text holds the interpreter a while."""
+    lm, path = state.launcher, request.url.path
+    try:
+      if path == "/tokenizer_info": return JSONResponse(api.tokenizer_info(lm.tokenizer, lm.context_length))
+      body = parse_json(await request.body())
+      state.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
+      if path == "/tokenize": return JSONResponse(await run_in_threadpool(api.tokenize, body, lm))
+      return JSONResponse(await run_in_threadpool(api.detokenize, body, lm.tokenizer))
+    except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-shaped answer
+      return _error(e)
+
   routes = [Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
             Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-            Route("/stats", stats, methods=["GET"]), Route("/stats/profile", profile, methods=["GET"])]
+            Route("/stats", stats, methods=["GET"]), Route("/stats/profile", profile, methods=["GET"]),
+            Route("/tokenize", tokenizer_route, methods=["POST"]), Route("/detokenize", tokenizer_route, methods=["POST"]),
+            Route("/tokenizer_info", tokenizer_route, methods=["GET"])]
   routes += page.routes()
   known = {r.path for r in routes if "{" not in r.path}
 

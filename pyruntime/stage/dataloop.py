@@ -27,9 +27,11 @@ from pyruntime.protocol import (
   Event,
   decode_json,
   error_payload,
+  logprob_payload,
   object_id,
   split_object_id,
 )
+from pyruntime.stage.logprobs import score
 from pyruntime.stage.scheduler import StageScheduler, Stream
 
 if TYPE_CHECKING:
@@ -58,6 +60,7 @@ class Egress:
       return self.writer.commit(object_id(sid, pos), flags, publish)
     oid = object_id(sid, pos + n - 1)
     if st.logits: return self.put(oid, out.numpy().astype("<f4", copy=False).reshape(-1), flags, publish)
+    if (lp := st.logprobs) >= 0: logits = out.numpy()  # before the sampler's next use of the device's buffers
     try: mask = None if st.constraint is None else st.constraint.mask()
     except errors.StreamFailed as e: return self.fail_stream(sid, st, e)
     token = st.sampler.sample(out, st.history, mask)
@@ -69,7 +72,18 @@ class Egress:
       else:
         try: st.constraint.take(token)
         except errors.StreamFailed as e: return self.fail_stream(sid, st, e)  # a mask lets no such token through: a bug
-    self.put(oid, token.to_bytes(4, "little"), flags | (FLAG_END if end else 0), publish)
+    payload = token.to_bytes(4, "little") if lp < 0 else logprob_payload(score(logits, token, lp), lp)
+    self.put(oid, payload, flags | (FLAG_END if end else 0), publish)
+
+  def emit_scores(self, sid: int, st: Stream, pos: int, rows: list[Any]) -> None:
+    """A scored prompt's chunk at the tail (prompt_logprobs): for each row before the prompt's last, the TokenScore of
+    the prompt's next token; the last prompt row's answer is the first sampled token, as ever. One MORE group."""
+    last = len(rows) - 1
+    for i, logits in enumerate(rows):
+      p = pos + i
+      if p == st.prompt_tokens - 1: return self.emit(sid, st, p, 1, logits, 0)
+      s = score(logits.numpy(), st.history[p + 1], st.logprobs)
+      self.put(object_id(sid, p), logprob_payload(s, st.logprobs), FLAG_MORE if i < last else 0, publish=i == last)
 
   def emit_rows(self, sid: int, st: Stream, pos: int, rows: list[Any]) -> None:
     """The tail's answers to a speculative record: a token for every row, in order, each sampled with the history of
@@ -227,6 +241,10 @@ class DataLoop:
       st.sampler = Sampler(SamplingParams.from_dict(info.get("sampling", {})), self.model.vocab_size, self.model.device)
       st.history, st.end_ids, st.logits = list(info.get("history", [])), frozenset(info.get("end_ids", [])), bool(info.get("logits"))
       st.history_base = len(st.history)
+      st.logprobs = int(info.get("logprobs", -1))
+      if info.get("prompt_logprobs"):
+        if not self.model.score_rows: raise errors.InvalidOption("prompt_logprobs", "scoring a prompt needs the rows path at the tail")
+        st.score_rows = self.model.score_rows
       if info.get("grammar"): st.constraint = self.constraint(stream_id)
     self.sched.streams[stream_id] = st
 
@@ -316,9 +334,9 @@ class DataLoop:
     items = [(sid, st, *st.pending.popleft()) for sid, st in rows]
     pos, x = self.sched.next_chunk(pst)
     slots = [st.slot for _, st, _, _ in items]
-    verify = self.model.is_tail and pst.is_verify(pos)
+    verify, scores = self.model.is_tail and pst.is_verify(pos), self.model.is_tail and pst.scores_prompt(pos)
     dec, pre = self.model.forward_mixed(slots, np.concatenate([r for *_, r in items]), [p for _, _, p, _ in items], pst.slot, x, pos,
-                                        every_row=verify)
+                                        every_row=verify or scores)
     outs = self.model.mixed_rows(dec, slots)
     self.model.synchronize()
     t1 = time.monotonic()
@@ -327,6 +345,7 @@ class DataLoop:
       self.out.emit(sid, st, p, 1, out, FLAG_MORE if i < last else 0, publish=i == last)
     n = len(x)
     if verify: self.out.emit_rows(psid, pst, pos, pre)
+    elif scores: self.out.emit_scores(psid, pst, pos, pre)
     elif not self.model.is_tail or pos + n == pst.prompt_tokens: self.out.emit(psid, pst, pos, n, pre, 0)
     t2 = time.monotonic()
     self.sched.note_mixed(n, t1 - t0, self.model.shape_ms.get(self.model.slots))
@@ -339,11 +358,13 @@ class DataLoop:
     t0 = time.monotonic()
     pos, x = self.sched.next_chunk(st)
     n = len(x)
-    verify = self.model.is_tail and st.is_verify(pos)
-    out = self.model.prefill_rows(st.slot, x, pos, every_row=True) if verify else self.model.forward(st.slot, x, pos, prefill=True)
+    verify, scores = self.model.is_tail and st.is_verify(pos), self.model.is_tail and st.scores_prompt(pos)
+    if verify or scores: out = self.model.prefill_rows(st.slot, x, pos, every_row=True)
+    else: out = self.model.forward(st.slot, x, pos, prefill=True)
     self.model.synchronize()  # its kernels are queued, not done: the chunk's cost sizes the next one
     t1 = time.monotonic()
     if verify: self.out.emit_rows(sid, st, pos, out)
+    elif scores: self.out.emit_scores(sid, st, pos, out)
     elif not self.model.is_tail or pos + n == st.prompt_tokens: self.out.emit(sid, st, pos, n, out, 0)
     t2 = time.monotonic()
     self.sched.note_prefill(n, t1 - t0)

@@ -572,6 +572,12 @@ class StageModel:
     return out if res is None else res
 
   @property
+  def score_rows(self) -> int:
+    """The most prompt rows a chunk can have when every row's logits are wanted (a scored prompt: the tail's graph keeps
+    the last ROW_UNIT rows' logits); 0: this stage cannot give every row's logits (tinygrad's path)."""
+    return ROW_UNIT if self.rows is not None else 0
+
+  @property
   def max_chunk(self) -> int:
     """The most prompt rows one forward computes at once: the rows path's MAX_ROWS, else tinygrad's chunk."""
     return MAX_ROWS if self.rows is not None else self.chunk

@@ -42,6 +42,8 @@ class Stream:
   constraint: Any = None             # the tail's grammar matcher of a structured answer (pyruntime/text/grammar.py)
   speculative: bool = False          # records past the prompt may hold drafted rows, and may go back (docs/speculation.md)
   history_base: int = 0              # the tail: history entries before the first generated token
+  logprobs: int = -1                 # the tail: k >= 0 answers with TokenScores (protocol.OpenInfo.logprobs)
+  score_rows: int = 0                # the tail: > 0 scores every prompt row, in chunks of at most this many rows
 
   def next_is_decode(self) -> bool:
     return bool(self.pending) and self.prompt_tokens is not None and self.pending[0][0] >= self.prompt_tokens and len(self.pending[0][1]) == 1
@@ -49,6 +51,10 @@ class Stream:
   def is_verify(self, pos: int) -> bool:
     """A record of drafted rows past the prompt (computed as a chunk, every row answered at the tail)."""
     return self.speculative and self.prompt_tokens is not None and pos >= self.prompt_tokens
+
+  def scores_prompt(self, pos: int) -> bool:
+    """A chunk of a prompt whose every row is scored (prompt_logprobs): every row's logits are needed at the tail."""
+    return self.score_rows > 0 and self.prompt_tokens is not None and pos < self.prompt_tokens
 
 
 @dataclass
@@ -123,6 +129,7 @@ class StageScheduler:
     when the step computes it: the decode rows of the same step, computed first, may have changed what it fits."""
     pos, x = st.pending[0]
     n = len(x) if st.is_verify(pos) else min(len(x), self.prefill_size(st))  # drafted rows go whole: each needs its answer
+    if st.scores_prompt(pos): n = min(n, st.score_rows)  # every row's logits: as many rows as the tail's graph keeps
     if n == len(x): st.pending.popleft()
     else: st.pending[0] = (pos + n, x[n:])
     return pos, x[:n]

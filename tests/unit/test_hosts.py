@@ -16,6 +16,7 @@ from tinymodels import write_tiny_gguf
 from pyruntime import errors
 from pyruntime.engine.hosts import RayPlacement, host_ranges, link_name
 from pyruntime.engine.launcher import Done, Launcher
+from pyruntime.protocol import ABI_VERSION
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: bash .ci/setup --test installs it")
 pytestmark = pytest.mark.integration
@@ -36,7 +37,7 @@ def test_host_ranges_are_contiguous_and_even():
 
 def test_a_host_with_another_version_or_model_is_refused_by_name():
   p = RayPlacement.__new__(RayPlacement)  # only its check, on hellos as agents send them
-  ok = {"host": 1, "node": "n" * 40, "ip": "10.0.0.2", "version": "0.1.0", "abi": 4, "model": "abc", "model_path": "/m.gguf"}
+  ok = {"host": 1, "node": "n" * 40, "ip": "10.0.0.2", "version": "0.1.0", "abi": ABI_VERSION, "model": "abc", "model_path": "/m.gguf"}
   p.hosts = [ok | {"host": 0}, ok | {"model": "xyz", "model_path": "/other.gguf"}]
   from pyruntime.engine import hosts
   with pytest.raises(errors.HostMismatch, match=r"host 1 .*10\.0\.0\.2.* model 'xyz', the launcher 'abc' \(its file: /other.gguf\)"):

@@ -52,7 +52,10 @@ class FakeLauncherForUnitTests:
     self.turns = threading.Condition()      # streams run one at a time, in the order they were submitted
     self.tickets, self.now_serving, self.waiting = 0, 0, 0
 
-  def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, on_event: Any, **options: Any) -> Any:
+  def submit(self, prompt: str | None = None, messages: list[dict] | None = None, *, on_event: Any, n: int = 1,
+             prompt_ids: list[int] | None = None, **options: Any) -> Any:
+    if prompt_ids is not None: prompt = " ".join(f"t{i}" for i in prompt_ids)  # token ids "spelled" as words
+    if n > 1: return [self.submit(prompt, messages, on_event=lambda ev, i=i: on_event(i, ev), **options) for i in range(n)]
     gen = self.generate(prompt, messages, **options)  # validates and raises before anything is queued, like the launcher
     handle = FakeStream(self)
     with self.turns:
@@ -226,7 +229,10 @@ def test_parse_chat_maps_fields():
 
 def test_parse_completion_defaults_and_prompt_list():
   r = api.parse_request({"prompt": ["Once upon"]}, api.COMPLETION)
-  assert r.generate == {"prompt": "Once upon", "raw": True, "max_tokens": 16} and not r.stream
+  assert r.generate == {"raw": True, "max_tokens": 16} and r.prompts == ["Once upon"] and r.choices == 1 and not r.stream
+  r = api.parse_request({"prompt": [[1, 2], [3]], "n": 2}, api.COMPLETION)  # a batch of token-id prompts, two choices each
+  assert r.prompts == [[1, 2], [3]] and r.choices == 4
+  assert api.parse_request({"prompt": [5, 6]}, api.COMPLETION).prompts == [[5, 6]]
   r = api.parse_request({"prompt": "x", "max_tokens": 3, "logprobs": None, "echo": False, "best_of": 1}, api.COMPLETION)
   assert r.generate["max_tokens"] == 3
 
@@ -314,8 +320,10 @@ ERRORS = [  # (route, body, param, code)
   ("completions", {"prompt": ""}, "prompt", "invalid_value"),
   ("completions", {"prompt": "   "}, "prompt", "invalid_value"),          # empty after tokenization (the launcher says so)
   ("completions", {}, "prompt", "invalid_value"),
-  ("completions", {"prompt": [1, 2, 3]}, "prompt", "unsupported_value"),
-  ("completions", {"prompt": ["a", "b"]}, "prompt", "unsupported_value"),
+  ("completions", {"prompt": [1, "a"]}, "prompt", "invalid_value"),
+  ("completions", {"prompt": ["a", ""]}, "prompt", "invalid_value"),
+  ("completions", {"prompt": [[1, 2], []]}, "prompt", "invalid_value"),
+  ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_value"),      # 0 only with echo (scoring)
   ("chat", {"model": "m"}, "messages", "invalid_value"),
   ("chat", {"messages": []}, "messages", "invalid_value"),
   ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "invalid_value"),
@@ -340,7 +348,9 @@ ERRORS = [  # (route, body, param, code)
   ("chat", chat(stream_options={"include_usage": True}), "stream_options", "invalid_value"),
   ("chat", chat(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation", "unsupported_parameter"),
   ("chat", chat(model=7), "model", "invalid_value"),
-  ("chat", chat(n=2), "n", "unsupported_value"),
+  ("chat", chat(n=0), "n", "invalid_value"),
+  ("chat", chat(n=129), "n", "invalid_value"),
+  ("completions", {"prompt": ["a"] * 65, "n": 2}, "n", "invalid_value"),                 # 130 choices in all
   ("chat", chat(response_format={"type": "xml"}), "response_format", "invalid_value"),
   ("chat", chat(response_format={"type": "json_schema", "json_schema": {"schema": 5}}), "response_format", "invalid_value"),
   ("chat", chat(response_format="json"), "response_format", "invalid_value"),
@@ -352,16 +362,18 @@ ERRORS = [  # (route, body, param, code)
   ("chat", chat(prediction={"type": "text", "content": "x"}), "prediction", "invalid_value"),
   ("chat", chat(prediction={"type": "content", "content": 3}), "prediction.content", "invalid_value"),
   ("chat", chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
-  ("chat", chat(logprobs=True), "logprobs", "unsupported_parameter"),
-  ("chat", chat(top_logprobs=2), "top_logprobs", "unsupported_parameter"),
+  ("chat", chat(logprobs="yes"), "logprobs", "invalid_value"),
+  ("chat", chat(top_logprobs=2), "top_logprobs", "invalid_value"),                      # without logprobs: true
+  ("chat", chat(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_value"),
   ("chat", chat(logit_bias={"42": 5}), "logit_bias", "unsupported_parameter"),
   ("chat", chat(frobnicate=1), "frobnicate", "unsupported_parameter"),
   ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
    "messages[0].content[0].type=image_url", "unsupported_parameter"),
   ("completions", {"prompt": "x", "best_of": 2}, "best_of", "unsupported_parameter"),
-  ("completions", {"prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
+  ("completions", {"prompt": "x", "echo": 1}, "echo", "invalid_value"),
   ("completions", {"prompt": "x", "suffix": "end"}, "suffix", "unsupported_parameter"),
-  ("completions", {"prompt": "x", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+  ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "invalid_value"),
+  ("completions", {"prompt": "x", "logprobs": True}, "logprobs", "invalid_value"),
   ("completions", {"prompt": "x", "messages": []}, "messages", "unsupported_parameter"),
   ("completions", {"prompt": "x", "max_completion_tokens": 3}, "max_completion_tokens", "unsupported_parameter"),
 ]
@@ -549,7 +561,7 @@ def test_metrics(server):
   seconds, the pipeline's gauges (stages' busy fraction and rows per step from their Heartbeats), the expert load."""
   _, c = server
   for _ in range(2): c.post("/v1/chat/completions", json=chat(max_tokens=4))
-  c.post("/v1/chat/completions", json=chat(n=3))
+  c.post("/v1/chat/completions", json=chat(n=0))
   time.sleep(1.2)  # a second sample of the stages' Heartbeats
   m = c.get("/metrics")
   assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")

@@ -1,0 +1,279 @@
+"""OpenAI's Responses API, its core (`POST /v1/responses`), over the chat path: pure functions, no HTTP.
+
+A Responses request is a chat request in other words: `input` (a string, or items: messages, function calls and their
+outputs) and `instructions` become chat messages, flat function `tools` become chat tools, `text.format` a
+response_format, `max_output_tokens` max_tokens. So everything the chat path does (the template, tools and their
+grammar, structured output, the prefix cache, log-probabilities) holds here unchanged. The answer's text and calls become
+output items, streamed as OpenAI's event sequence (docs/serving.md#the-responses-api). Nothing is stored: `store: true`
+and `previous_response_id` are refused by name (a client sends the whole conversation as `input`, as the Agents SDK
+does); so is every field this module does not name.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from pyruntime import errors
+from pyruntime.params import SAMPLING
+from pyruntime.params import show as _show
+from pyruntime.protocol import MAX_TOP_LOGPROBS
+from pyruntime.serving.openai_api import CHAT, ParsedRequest, TokenText, error_body
+
+RESPONSES = "responses"
+# fields taken: the core, the sampling fields the chat path has (a client may pass any of ours), and fields that ask
+# for nothing we would have to do (metadata and user are echoed; prompt_cache_key and safety_identifier are hints)
+_TAKEN = {"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "text", "stream",
+          "include", "top_logprobs", "metadata", "user", "prompt_cache_key", "safety_identifier", *SAMPLING}
+# OpenAI fields accepted at the value that asks for nothing, refused by name otherwise
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"store": (False,), "previous_response_id": (), "truncation": ("disabled",), "background": (False,),
+                                        "service_tier": ("auto", "default"), "reasoning": ({},), "max_tool_calls": (),
+                                        "stream_options": ({}, {"include_obfuscation": False}), "conversation": (), "prompt": ()}
+_LOGPROBS = "message.output_text.logprobs"
+
+
+def parse(body: dict[str, Any]) -> ParsedRequest:
+  """A Responses request as the chat path's ParsedRequest (kind RESPONSES); InvalidOption / UnsupportedFeature naming
+  the field (`input[2].type`, `text.format.type`, ...)."""
+  from pyruntime.serving.openai_api import parse_request
+  for name, value in body.items():
+    if name in _TAKEN or value is None: continue
+    if name in _NEUTRAL and any(type(value) is type(n) and value == n for n in _NEUTRAL[name]): continue
+    if name == "reasoning" and isinstance(value, dict) and not any(value.values()): continue  # {"effort": null, ...}
+    why = "nothing is stored: send the whole conversation as input" if name in ("store", "previous_response_id", "conversation") else None
+    raise errors.UnsupportedFeature(name, why or f"pyruntime does not support {name}={_dump(value)} on /v1/responses")
+  chat: dict[str, Any] = {k: body[k] for k in ("model", "parallel_tool_calls", "stream", "user", *SAMPLING) if body.get(k) is not None}
+  chat["messages"] = messages(body.get("input"), body.get("instructions"))
+  if body.get("max_output_tokens") is not None: chat["max_tokens"] = body["max_output_tokens"]
+  if body.get("tools") is not None: chat["tools"] = tools(body["tools"])
+  if body.get("tool_choice") is not None: chat["tool_choice"] = tool_choice(body["tool_choice"])
+  if (fmt := text_format(body.get("text"))) is not None: chat["response_format"] = fmt
+  include = body.get("include") or []
+  if not isinstance(include, list): raise errors.InvalidOption("include", "must be a list")
+  for i, what in enumerate(include):
+    if what != _LOGPROBS: raise errors.UnsupportedFeature(f"include[{i}]", f"pyruntime can include only {_LOGPROBS!r}, not {_dump(what)}")
+  if include or body.get("top_logprobs"):
+    k = body.get("top_logprobs") or 0
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+      raise errors.InvalidOption("top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {_dump(k)}")
+    chat["logprobs"], chat["top_logprobs"] = True, k
+  if (meta := body.get("metadata")) is not None and not isinstance(meta, dict): raise errors.InvalidOption("metadata", "must be an object")
+  for name in ("prompt_cache_key", "safety_identifier"):
+    if body.get(name) is not None and not isinstance(body[name], str): raise errors.InvalidOption(name, "must be a string")
+  req = _renamed(parse_request, chat)
+  req.kind = RESPONSES
+  return req
+
+
+def _renamed(parse_request: Any, chat: dict[str, Any]) -> ParsedRequest:
+  """The chat parser's errors, in this API's field names."""
+  names = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+  try: return parse_request(chat, CHAT)
+  except errors.InvalidOption as e:
+    if e.field not in names and not e.field.startswith("messages"): raise
+    raise errors.InvalidOption(names.get(e.field, e.field.replace("messages", "input", 1)), str(e)) from None
+
+
+def _dump(v: Any) -> str:
+  try: return json.dumps(v)[:80]
+  except (ValueError, RecursionError): return _show(v, 80)
+
+
+def _text(content: Any, where: str) -> str:
+  """A message's content: a string, or parts of text (input_text, output_text; images and files refused by name)."""
+  if isinstance(content, str): return content
+  if not isinstance(content, list): raise errors.InvalidOption(where, "must be a string or a list of content parts")
+  texts = []
+  for j, part in enumerate(content):
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_image", "input_file", "input_audio"):
+      raise errors.UnsupportedFeature(f"{where}[{j}].type={kind}", "pyruntime serves text-only models")
+    if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+      raise errors.InvalidOption(f"{where}[{j}]", "must be {'type': 'input_text', 'text': ...}")
+    texts.append(part["text"])
+  return "\n".join(texts)
+
+
+def messages(input_: Any, instructions: Any) -> list[dict[str, Any]]:
+  """`instructions` and `input` as chat messages: a function_call item joins the assistant turn before it (calls in a
+  row are one turn's parallel calls), a function_call_output item is a tool message."""
+  out: list[dict[str, Any]] = []
+  if instructions is not None:
+    if not isinstance(instructions, str): raise errors.InvalidOption("instructions", "must be a string")
+    out.append({"role": "system", "content": instructions})
+  if isinstance(input_, str): return [*out, {"role": "user", "content": input_}]
+  if not isinstance(input_, list) or not input_: raise errors.InvalidOption("input", "must be a string or a non-empty list of items")
+  for i, item in enumerate(input_):
+    where = f"input[{i}]"
+    if not isinstance(item, dict): raise errors.InvalidOption(where, "must be an object")
+    kind = item.get("type", "message")
+    if kind == "message":
+      role = item.get("role")
+      if role not in ("user", "assistant", "system", "developer"):
+        raise errors.InvalidOption(f"{where}.role", f"must be user, assistant, system or developer, got {_dump(role)}")
+      out.append({"role": "system" if role == "developer" else role, "content": _text(item.get("content"), f"{where}.content")})
+    elif kind == "function_call":
+      for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str): raise errors.InvalidOption(f"{where}.{key}", "must be a string")
+      call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+      if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None: out[-1]["tool_calls"].append(call)
+      elif out and out[-1]["role"] == "assistant": out[-1]["tool_calls"] = [call]  # the text of the same turn before its calls
+      else: out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+      if not isinstance(item.get("call_id"), str): raise errors.InvalidOption(f"{where}.call_id", "must be a string")
+      out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), f"{where}.output")})
+    else: raise errors.UnsupportedFeature(f"{where}.type={kind}", "pyruntime takes messages, function_call and function_call_output items")
+  return out
+
+
+def tools(ts: Any) -> list[dict[str, Any]]:
+  """Responses' flat function tools in the chat shape (checked there, by pyruntime/text/tools.py)."""
+  if not isinstance(ts, list): raise errors.InvalidOption("tools", "must be a list of {'type': 'function', 'name': ...}")
+  out = []
+  for i, t in enumerate(ts):
+    if not isinstance(t, dict) or t.get("type") != "function":
+      got = _dump(t.get("type") if isinstance(t, dict) else t)
+      raise errors.UnsupportedFeature(f"tools[{i}].type", f"pyruntime serves function tools, got {got}")
+    out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type" and v is not None}})
+  return out
+
+
+def tool_choice(choice: Any) -> Any:
+  if isinstance(choice, dict) and choice.get("type") == "function": return {"type": "function", "function": {"name": choice.get("name")}}
+  if isinstance(choice, dict):
+    raise errors.UnsupportedFeature("tool_choice", f"pyruntime takes auto, none, required or a function, got {_dump(choice)}")
+  return choice
+
+
+def text_format(text: Any) -> dict[str, Any] | None:
+  """`text.format` as a chat response_format: text (None), json_object, json_schema."""
+  if text is None: return None
+  if not isinstance(text, dict): raise errors.InvalidOption("text", "must be an object like {'format': {'type': 'text'}}")
+  for key, v in text.items():
+    if key not in ("format", "verbosity") or (key == "verbosity" and v not in (None, "medium")): raise errors.UnsupportedFeature(f"text.{key}")
+  fmt = text.get("format")
+  if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"): return None
+  if not isinstance(fmt, dict): raise errors.InvalidOption("text.format", "must be an object with a type")
+  if fmt.get("type") == "json_object": return {"type": "json_object"}
+  if fmt.get("type") != "json_schema":
+    raise errors.InvalidOption("text.format.type", f"must be text, json_object or json_schema, got {_dump(fmt.get('type'))}")
+  return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+
+
+# --- the answer ---------------------------------------------------------------------------------------
+class ResponsesShaper:
+  """One request's Response object, or its stream of events (the same ids in both: a streamed client checks them)."""
+  include_usage = False
+  done_marker = b""  # the stream ends with response.completed, no [DONE]
+
+  def __init__(self, req: ParsedRequest, body: dict[str, Any], model: str, tokenizer: Any = None):
+    self.id, self.created, self.model, self.body = f"resp_{uuid.uuid4().hex}", int(time.time()), model, body
+    self.logprobs = req.logprobs
+    self.spell = TokenText(tokenizer) if tokenizer is not None else None
+    self.seq = 0
+    self.items: list[dict[str, Any]] = []  # output items so far (streaming); the open message is the last while open
+    self.open: dict[str, Any] | None = None
+
+  def envelope(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None, reason: str | None = None) -> dict[str, Any]:
+    b = self.body
+    return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "background": False, "error": None,
+            "incomplete_details": {"reason": reason} if reason else None, "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"), "max_tool_calls": None, "model": self.model, "output": output,
+            "parallel_tool_calls": b.get("parallel_tool_calls") is not False, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": False,
+            "temperature": b.get("temperature", 1.0), "text": b.get("text") or {"format": {"type": "text"}},
+            "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [], "top_logprobs": b.get("top_logprobs") or 0,
+            "top_p": b.get("top_p", 1.0), "truncation": "disabled", "user": b.get("user"), "metadata": b.get("metadata") or {},
+            "usage": usage}
+
+  def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+    ev = {"type": kind, "sequence_number": self.seq, **fields}
+    self.seq += 1
+    return ev
+
+  def _entries(self, scores: list[Any] | None) -> list[dict[str, Any]]:
+    return [self.spell.chat_entry(s) for s in scores or []] if self.logprobs else []
+
+  # streaming: the same interface as openai_api's shapers (server.SSEResponse)
+  def first_chunks(self, choices: int) -> list[dict[str, Any]]:
+    r = self.envelope("in_progress", [])
+    return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
+
+  def delta_chunks(self, index: int, delta: Any) -> list[dict[str, Any]]:
+    out = []
+    if delta.text:
+      if self.open is None:
+        self.open = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+        self.items.append(self.open)
+        out.append(self._event("response.output_item.added", output_index=len(self.items) - 1, item=dict(self.open, content=[])))
+        out.append(self._event("response.content_part.added", item_id=self.open["id"], output_index=len(self.items) - 1, content_index=0,
+                               part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        self.open["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+      part, entries = self.open["content"][0], self._entries(delta.logprobs)
+      part["text"] += delta.text
+      part["logprobs"] += entries
+      out.append(self._event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items) - 1, content_index=0,
+                             delta=delta.text, logprobs=entries))
+    for call in delta.tool_calls:
+      out += self._close_message()
+      item = _call_item(call)
+      self.items.append(item)
+      i = len(self.items) - 1
+      out += [self._event("response.output_item.added", output_index=i, item=dict(item, arguments="", status="in_progress")),
+              self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=item["arguments"]),
+              self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i, arguments=item["arguments"]),
+              self._event("response.output_item.done", output_index=i, item=item)]
+    return out
+
+  def _close_message(self) -> list[dict[str, Any]]:
+    if (m := self.open) is None: return []
+    self.open, i, part = None, self.items.index(m), m["content"][0]
+    m["status"] = "completed"
+    return [self._event("response.output_text.done", item_id=m["id"], output_index=i, content_index=0, text=part["text"], logprobs=part["logprobs"]),
+            self._event("response.content_part.done", item_id=m["id"], output_index=i, content_index=0, part=part),
+            self._event("response.output_item.done", output_index=i, item=m)]
+
+  def final_chunks(self, index: int, done: Any) -> list[dict[str, Any]]:
+    out = self._close_message()
+    if not self.items: self.items.append(_message_item("", []))  # an empty answer is still a message
+    status, reason = _status(done)
+    out.append(self._event(f"response.{status}", response=self.envelope(status, self.items, usage(done), reason)))
+    return out
+
+  def error_chunks(self, e: BaseException) -> list[dict[str, Any]]:
+    """A stream that failed: response.failed, its error as OpenAI's {code, message} (never a top-level "error" key,
+    which the client reads as a broken stream rather than a failed response)."""
+    r = self.envelope("failed", self.items)
+    err = error_body(e, CHAT)[1]["error"]
+    r["error"] = {"code": err.get("code") or "server_error", "message": err["message"]}
+    return [self._event("response.failed", response=r)]
+
+  def response(self, dones: list[Any]) -> dict[str, Any]:
+    done = dones[0]
+    items = []
+    if done.text.strip() or not done.tool_calls: items.append(_message_item(done.text, self._entries(done.logprobs)))
+    items += [_call_item(c) for c in done.tool_calls]
+    status, reason = _status(done)
+    return self.envelope(status, items, usage(done), reason)
+
+
+def _status(done: Any) -> tuple[str, str | None]:
+  """OpenAI's: an answer cut by max_output_tokens is incomplete (with the reason), any other end completed."""
+  return ("incomplete", "max_output_tokens") if done.finish_reason == "length" else ("completed", None)
+
+
+def _message_item(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+  return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "completed",
+          "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
+
+
+def _call_item(call: Any) -> dict[str, Any]:
+  return {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": call.id, "name": call.name, "arguments": call.arguments,
+          "status": "completed"}
+
+
+def usage(done: Any) -> dict[str, Any]:
+  u = done.usage
+  return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens}, "output_tokens": u.completion_tokens,
+          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u.prompt_tokens + u.completion_tokens}

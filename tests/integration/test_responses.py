@@ -113,7 +113,8 @@ def test_logprobs_come_with_the_text_as_on_the_chat_path(live):
   ("input[0].content[0].type=input_image", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
   ("tools[0].type", {"tools": [{"type": "web_search"}]}), ("max_output_tokens", {"max_output_tokens": 0}),
   ("text.format.type", {"text": {"format": {"type": "xml"}}}), ("input", {"input": []}), ("background", {"background": True}),
-  ("include[0]", {"include": ["reasoning.encrypted_content"]}), ("input[1].type=reasoning", {"input": [{"role": "user", "content": "hi"}, {"type": "reasoning"}]}),
+  ("include[0]", {"include": ["reasoning.encrypted_content"]}),
+  ("input[1].type=reasoning", {"input": [{"role": "user", "content": "hi"}, {"type": "reasoning"}]}),
 ])
 def test_what_is_not_served_is_refused_by_name(live, field, body):
   _, srv, _ = live

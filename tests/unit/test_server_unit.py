@@ -312,6 +312,54 @@ def test_official_client_against_the_fake(server):
   assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "p q p" and chunks[-1].usage.completion_tokens == 3
 
 
+def test_n_choices_and_a_batch_of_prompts_come_back_by_index(server, fake):
+  srv, c = server
+  r = c.post("/v1/chat/completions", json=chat("a b", max_tokens=3, n=3)).json()
+  assert [(ch["index"], ch["message"]["content"]) for ch in r["choices"]] == [(i, "a b a") for i in range(3)]
+  assert r["usage"]["prompt_tokens"] == 2 and r["usage"]["completion_tokens"] == 9  # the prompt counted once
+  r = c.post("/v1/completions", json={"prompt": ["x y", [7, 8, 9]], "max_tokens": 2, "n": 2}).json()
+  assert [(ch["index"], ch["text"]) for ch in r["choices"]] == [(0, "x y"), (1, "x y"), (2, "t7 t8"), (3, "t7 t8")]
+  assert r["usage"]["prompt_tokens"] == 2 + 3 and r["usage"]["completion_tokens"] == 8
+  body = c.post("/v1/chat/completions", json=chat("p q", max_tokens=2, n=2, stream=True)).text
+  events = sse_events(body)
+  assert events[-1] == "[DONE]"
+  chunks = [json.loads(e) for e in events[:-1]]
+  texts = {i: "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"][0]["index"] == i) for i in (0, 1)}
+  finish = [ch["choices"][0]["index"] for ch in chunks if ch["choices"][0]["finish_reason"]]
+  assert texts == {0: "p q", 1: "p q"} and sorted(finish) == [0, 1]
+
+
+def test_a_responses_request_is_a_chat_request_and_streams_openais_events(server, fake):
+  srv, c = server
+  r = c.post("/v1/responses", json={"model": "fake-smol", "instructions": "be brief", "input": "u v w", "max_output_tokens": 3}).json()
+  assert fake.calls[-1]["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "u v w"}]
+  assert r["object"] == "response" and r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
+  assert r["output"][0]["content"][0]["text"] == "be brief u" and r["usage"]["output_tokens"] == 3
+  body = c.post("/v1/responses", json={"model": "fake-smol", "input": [{"role": "user", "content": "u v"}], "stream": True,
+                                       "max_output_tokens": 4}).text
+  events = sse_events(body)
+  kinds = [json.loads(e)["type"] for e in events]
+  assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+  assert kinds[-1] == "response.incomplete" and "[DONE]" not in events  # the stand-in always runs to max_output_tokens
+  assert [json.loads(e)["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_responses_input_items_become_the_chat_turns():
+  from pyruntime.serving import responses_api
+  msgs = responses_api.messages([
+    {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+    {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}", "id": "fc_1", "status": "completed"},
+    {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{\"a\": 1}"},
+    {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+     "content": [{"type": "output_text", "text": "It is sunny.", "annotations": [], "logprobs": []}]}], "sys")
+  assert msgs == [{"role": "system", "content": "sys"}, {"role": "user", "content": "weather?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}},
+                    {"id": "c2", "type": "function", "function": {"name": "w", "arguments": "{\"a\": 1}"}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+
+
 # --- errors -----------------------------------------------------------------------------------------
 LONG = "w " * 1200
 ERRORS = [  # (route, body, param, code)

@@ -22,6 +22,8 @@ import os
 import threading
 import time
 
+from pyruntime.bench.machine import cpu
+
 PROMPTS = [
   "Write a short story about a lighthouse keeper who finds a message in a bottle.",
   "Explain how a refrigerator works to a ten-year-old.",
@@ -32,13 +34,6 @@ PROMPTS = [
   "Give three tips for learning a new language quickly.",
   "Summarise the plot of Romeo and Juliet.",
 ]
-
-
-def cpu() -> str:
-  info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-  name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-  flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
-  return f"{name}, {os.cpu_count()} cores, " + " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "f16c") if f in flags)
 
 
 def rss_mb(pids: list[int]) -> float:

@@ -16,13 +16,13 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+from pyruntime.bench.machine import cpu
 
 
 def main() -> None:
@@ -73,13 +73,6 @@ def main() -> None:
                     "load_s": round(t1 - t0, 1), "decode_step_ms": round(1000 * step, 1),
                     "p10_p50_p90_ms": [round(float(x), 1) for x in np.percentile(each, [10, 50, 90])],
                     "prompt_256_ms": round(statistics.median(prompt))}))
-
-
-def cpu() -> str:
-  info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-  name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), platform.processor())
-  flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
-  return f"{name}, {os.cpu_count()} cores, " + " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "f16c") if f in flags)
 
 
 def compare(a: argparse.Namespace) -> None:

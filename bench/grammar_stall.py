@@ -14,6 +14,8 @@ import statistics
 import threading
 import time
 
+from pyruntime.bench.machine import cpu
+
 HOSTILE = [{"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a|aa)*b$"}}, "required": ["s"]},
            {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(\\w+\\s?)*$"}}, "required": ["s"]},
            {"type": "object", "properties": {"s": {"type": "string", "pattern": "(a|b)*a(a|b){20}"}}, "required": ["s"]},
@@ -59,16 +61,6 @@ def figures(gaps: list[float]) -> dict:
   return {"median_ms": round(1000 * statistics.median(gaps), 2), "p99_ms": round(1000 * q[98], 2), "max_ms": round(1000 * max(gaps), 2)}
 
 
-def machine_line() -> str:
-  """The CPU model and the vector flags that matter here (machines differ: AVX-512/AMX Xeons, AVX2-only EPYCs)."""
-  import os
-  info = open("/proc/cpuinfo").read()
-  model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
-  flags = next((set(ln.split(":", 1)[1].split()) for ln in info.splitlines() if ln.startswith("flags")), set())
-  vec = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-  return f"{model}, {os.cpu_count()} CPUs, {' '.join(vec) or 'no AVX2'}"
-
-
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default=None)
@@ -79,7 +71,7 @@ def main() -> None:
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
   from pyruntime.engine.launcher import Launcher
-  print(machine_line())
+  print(cpu())
   with Launcher(a.model, stages=a.stages, max_streams=8, warmup=True) as lm:
     victim_gaps(lm, 16)  # first-use costs out of the way
     rows = []

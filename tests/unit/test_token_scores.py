@@ -39,3 +39,13 @@ def test_choice_seeds_keep_choice_zero_and_differ_per_choice():
   assert len(set(seeds)) == 64 and all(0 <= s < 2 ** 64 for s in seeds)
   assert seeds == [choice_seed(42, i) for i in range(64)]  # reproducible, whatever n
   assert choice_seed(43, 1) != choice_seed(42, 1)
+
+
+def test_score_agrees_with_a_full_sort_of_the_row():
+  rng = np.random.default_rng(1)
+  for _ in range(20):
+    x = rng.integers(-40, 40, size=3000).astype(np.float32) / 4  # many ties
+    lp = log_softmax(x)
+    want = sorted(range(x.size), key=lambda i: (-lp[i], i))[:20]
+    s = score(x, int(want[-1]), 20)
+    assert [t for t, _ in s.top] == want and [v for _, v in s.top] == [float(lp[i]) for i in want] and s.logprob == float(lp[want[-1]])

@@ -106,6 +106,11 @@ def test_scoring_a_prompt_gives_the_logprobs_its_generation_had(live):
   assert slp.token_logprobs[len(ids):len(gen_ids)] == glp.token_logprobs[:n]
   assert slp.top_logprobs[len(ids):len(gen_ids)] == glp.top_logprobs[:n]
   assert scored.choices[0].text.startswith(prompt + gen.choices[0].text)
+  # streamed: the echo (its scores) first, then the answer's chunks, the same numbers
+  chunks = list(client.completions.create(model="default", prompt=[gen_ids], max_tokens=1, temperature=0, echo=True, logprobs=2,
+                                          stream=True))
+  assert "".join(c.choices[0].text for c in chunks) == scored.choices[0].text
+  assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == slp.token_logprobs
   # max_tokens 0: the prompt alone, and the cache never stands in for a scored row
   again = client.completions.create(model="default", prompt=[gen_ids], max_tokens=0, echo=True, logprobs=2)
   assert again.choices[0].logprobs.token_logprobs == slp.token_logprobs[:-1] and again.usage.completion_tokens == 0

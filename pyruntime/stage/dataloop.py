@@ -257,7 +257,9 @@ class DataLoop:
 
   def close_stream(self, stream_id: int) -> None:
     self.grammars.pop(stream_id, None)
-    if (st := self.sched.streams.pop(stream_id, None)) is not None: self.model.reset_slot(st.slot)
+    if (st := self.sched.streams.pop(stream_id, None)) is not None:
+      self.model.reset_slot(st.slot)
+      if st.constraint is not None: st.constraint.close()
 
   # --- progress ---------------------------------------------------------------------------------
   def beat(self, force: bool = False, capturing: bool = False) -> None:

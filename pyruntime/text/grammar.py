@@ -128,8 +128,23 @@ def check(grammar: str, tok: Any, field: str = "response_format") -> None:
   checked[grammar] = None
 
 
+_worker: Any = None  # the tail's one thread computing streams' next masks (made on first use)
+
+
+def _mask_worker() -> Any:
+  global _worker
+  if _worker is None:
+    from concurrent.futures import ThreadPoolExecutor
+    _worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+  return _worker
+
+
 class Constraint:
-  """One stream's matcher at the tail: `mask()` before a sample, `take(token)` after it, until `done`."""
+  """One stream's matcher at the tail: `mask()` before a sample, `take(token)` after it, until `done`.
+
+  The next mask is computed as soon as a token is taken, on a worker thread, while that token goes around the pipeline
+  (a step of every stage at least): the tail's step waits for a mask only if it took longer than the round trip (its
+  work is capped by LIMITS), instead of every stream's step paying for each constrained stream's mask in turn."""
 
   def __init__(self, grammar: str, tok: Any, vocab_size: int):
     from llguidance import LLMatcher
@@ -137,8 +152,15 @@ class Constraint:
     if self.matcher.is_error(): raise errors.InvalidOption("response_format", self.matcher.get_error()[:300])
     self.vocab_size, self.n_tok = vocab_size, tok.vocab_size
     self.add = np.zeros(vocab_size, np.float32)  # 0 where allowed, -inf elsewhere: added to the row's logits
+    self.next: Any = None  # the next mask, being computed (a Future), from take() until mask()
 
   def mask(self) -> np.ndarray:
+    if self.next is not None:
+      fut, self.next = self.next, None
+      return fut.result()  # a GrammarError raised on the worker is raised here
+    return self._compute()
+
+  def _compute(self) -> np.ndarray:
     raw = self.matcher.compute_bitmask()
     if self.matcher.is_error():  # never an empty answer called finished: the stream ends, saying why
       raise errors.StreamFailed(None, "GrammarError", f"the grammar has no way on: {self.matcher.get_error()[:200]}")
@@ -153,6 +175,15 @@ class Constraint:
     return self.matcher.is_stopped() and not self.matcher.is_error()
 
   def take(self, token: int) -> None:
-    """The sampled token goes into the matcher."""
+    """The sampled token goes into the matcher; the next mask starts at once (the previous one was used: the sampler
+    copied it to the device)."""
     if not self.matcher.consume_token(token):
       raise errors.StreamFailed(None, "GrammarViolation", f"token {token} is outside the grammar: {self.matcher.get_error()[:200]}")
+    if not self.matcher.is_stopped(): self.next = _mask_worker().submit(self._compute)
+
+  def close(self) -> None:
+    """The stream ended: a mask still being computed is waited for (it uses the matcher), its result dropped."""
+    if self.next is not None:
+      fut, self.next = self.next, None
+      try: fut.result()
+      except errors.StreamFailed: pass

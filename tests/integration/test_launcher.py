@@ -153,7 +153,10 @@ def test_empty_prompt_and_context_errors(lm):
     lm.generate("hi", temperature=-1)
   assert e.value.field == "temperature"
   with pytest.raises(errors.UnsupportedFeature):
-    lm.generate("hi", logprobs=True)
+    lm.generate("hi", best_of=2)
+  with pytest.raises(errors.InvalidOption) as e:
+    lm.generate("hi", logprobs=True)  # the alternatives per token: an integer, not a flag
+  assert e.value.field == "logprobs"
   done, _ = run(lm, "Say hi.", max_tokens=3)  # the launcher still serves after refusing bad requests
   assert done.usage.completion_tokens >= 1
 

@@ -112,13 +112,13 @@ def test_errors_through_the_client(live):
     c.chat.completions.create(model="default", messages=[{"role": "wizard", "content": "hi"}])
   assert e.value.param == "messages[0].role"
   with pytest.raises(openai.BadRequestError) as e:
-    c.chat.completions.create(model="default", messages=MESSAGES, n=2)
+    c.chat.completions.create(model="default", messages=MESSAGES, n=200)
   assert e.value.param == "n"
   with pytest.raises(openai.BadRequestError) as e:
     c.chat.completions.create(model="default", messages=MESSAGES, response_format={"type": "json_schema", "json_schema": {"schema": []}})
   assert e.value.param == "response_format"
   with pytest.raises(openai.BadRequestError) as e:
-    c.completions.create(model="default", prompt="x", logprobs=2)
+    c.completions.create(model="default", prompt="x", logprobs=21)
   assert e.value.param == "logprobs"
   with pytest.raises(openai.BadRequestError) as e:
     c.completions.create(model="default", prompt="")

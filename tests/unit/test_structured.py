@@ -290,3 +290,22 @@ def test_the_openai_client_gets_valid_answers_streamed_and_not(lm):
       c.chat.completions.create(model="default", messages=msgs, response_format={"type": "json_schema", "json_schema": {"schema": 3}})
     assert e.value.param == "response_format"
 
+
+
+def test_the_next_mask_is_computed_ahead_and_equals_the_one_computed_in_turn(tiny):
+  """take() starts the next mask on the worker (overlapped with the token's trip around the pipeline); what mask() then
+  returns is the mask computed in turn, step by step."""
+  tok = Tokenizer.from_gguf(tiny)
+  grammar = grammar_for(fmt(SCHEMAS[0]))
+  ahead, in_turn = Constraint(grammar, tok, tok.vocab_size), Constraint(grammar, tok, tok.vocab_size)
+  rng = np.random.default_rng(5)
+  for _ in range(60):
+    m = ahead.mask().copy()
+    assert np.array_equal(m, in_turn._compute())
+    if ahead.done: break
+    t = int(rng.choice(np.flatnonzero(m == 0)))
+    ahead.take(t)
+    assert ahead.next is not None or ahead.matcher.is_stopped()  # the next one is under way
+    assert in_turn.matcher.consume_token(t)
+  ahead.close()
+  assert ahead.next is None

@@ -12,7 +12,6 @@ import numpy as np
 
 from pyruntime.protocol import TokenScore
 
-
 _scratch: dict[int, np.ndarray] = {}  # float64 work rows by vocabulary size: a fresh 400 kB array per token costs its page faults
 
 

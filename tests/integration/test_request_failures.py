@@ -92,9 +92,9 @@ def inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     monkeypatch.setattr(PrefixIndex, "match", lambda self, tokens, salt=None: boom() if salt == POISON else match(self, tokens, salt))
   elif where in ("first token", "third token"):
     push, nth = StreamHandle.push, 1 if where == "first token" else 3
-    def failing_push(self: StreamHandle, token: int, end: bool, now: float | None = None) -> bool:
+    def failing_push(self: StreamHandle, token: int, end: bool, now: float | None = None, score: Any = None) -> bool:
       if _poisoned(self) and len(self.out) + 1 >= nth: boom()
-      return push(self, token, end, now)
+      return push(self, token, end, now, score)
     monkeypatch.setattr(StreamHandle, "push", failing_push)
   elif where == "close":
     save = Driver._save_prefix

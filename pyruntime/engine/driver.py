@@ -48,7 +48,7 @@ class StreamHandle:
     self.driver, self.id, self.req, self.sink = driver, sid, req, sink
     # another choice of the same request (OpenAI's n): this one waits in the queue until the leader's prompt is in the
     # prefix cache, then reads it from there instead of computing it again
-    self.leader = leader if leader is not None and driver.prefix is not None and req.prefix_cache and not req.prompt_logprobs else None
+    self.leader = leader if driver.reads_cache(req) else None
     self.ids, self.n_max, self.params, self.want_logits, self.end_ids = req.ids, req.n_max, req.params, req.want_logits, req.end_ids
     self.stopper, self.decoder = StopStream(req.stops), IncrementalDecoder(driver.tokenizer)
     self.parser = ToolCallParser(req.calls) if req.calls is not None else None  # reads tool calls out of the text
@@ -263,11 +263,14 @@ class Driver:
       if st.req.grammar is not None: self.pool.handles[-1].send(protocol.Command.SET_GRAMMAR, stream=st.id, grammar=st.req.grammar)
       for oid, payload, flags in records: self._write(oid, payload, flags)
 
+  def reads_cache(self, req: Request) -> bool:
+    """The request's prompt may come from the prefix cache. A scored prompt computes every row (a cached row's logits
+    are not kept): it fills the cache but never reads it."""
+    return self.prefix is not None and req.prefix_cache and not req.prompt_logprobs
+
   def _open_records(self, st: StreamHandle) -> list[tuple[int, bytes, int]]:
     """The stream's OPEN and prompt records, built whole before any is written (a failure here leaves no trace)."""
-    # a scored prompt computes every row (a cached row's logits are not kept): it fills the cache but never reads it
-    reads = self.prefix is not None and st.req.prefix_cache and not st.req.prompt_logprobs
-    blocks = self.prefix.match(st.ids, st.req.cache_salt) if reads else []
+    blocks = self.prefix.match(st.ids, st.req.cache_salt) if self.reads_cache(st.req) else []
     cached = len(blocks) * BLOCK
     info = protocol.OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
                              sorted(st.end_ids), st.want_logits, cached, [[b, i * BLOCK] for i, b in enumerate(blocks)],

@@ -103,10 +103,8 @@ class RequestBuilder:
   def _checked_ids(self, ids: Any) -> list[int]:
     """A prompt given as token ids: each an id of the vocabulary, at least one."""
     if not isinstance(ids, (list, tuple)) or not ids: raise errors.InvalidOption("prompt", "token ids: a non-empty list of integers")
-    for i, t in enumerate(ids):
-      if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.tokenizer.vocab_size:
-        raise errors.InvalidOption("prompt", f"token id {t!r:.40} at index {i} is not in the vocabulary (0..{self.tokenizer.vocab_size - 1})")
-    return list(ids)
+    try: return [self.tokenizer.check_id(t) for t in ids]
+    except errors.TokenIdInvalid as e: raise errors.InvalidOption("prompt", str(e)) from None
 
   def _grammar(self, response_format: dict | None, logits: bool) -> str | None:
     """A structured answer's grammar (pyruntime/text/grammar.py), checked against the vocabulary here: a schema that cannot

@@ -355,15 +355,6 @@ def error_body(exc: BaseException, kind: str | None = None) -> tuple[int, dict[s
 
 
 # --- responses --------------------------------------------------------------------------------------
-def usage_dict(done: Any) -> dict[str, Any]:
-  u = done.usage
-  return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-          "total_tokens": u.prompt_tokens + u.completion_tokens,
-          "prompt_tokens_details": {"cached_tokens": getattr(u, "cached_tokens", 0)},
-          "completion_tokens_details": {"accepted_prediction_tokens": getattr(u, "accepted_prediction_tokens", 0),
-                                        "rejected_prediction_tokens": getattr(u, "rejected_prediction_tokens", 0)}}
-
-
 def models_list(model_name: str, created: int, context_length: int | None = None) -> dict[str, Any]:
   return {"object": "list", "data": [model_card(model_name, created, context_length)]}
 
@@ -372,6 +363,9 @@ def model_card(model_name: str, created: int, context_length: int | None = None)
   card = {"id": model_name, "object": "model", "created": created, "owned_by": "pyruntime"}
   if context_length is not None: card["context_length"] = context_length
   return card
+
+
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def usage_of(dones: list[Any], choices_per_prompt: int) -> dict[str, Any]:
@@ -442,7 +436,7 @@ class _Shaper:
     c["choices"], c["usage"] = [], usage_of(dones, self.n)
     return c
 
-  done_marker = b"data: [DONE]\n\n"  # after the last chunk (OpenAI's chat and completions streams)
+  done_marker = SSE_DONE  # after the last chunk (OpenAI's chat and completions streams)
 
   def first_chunks(self, choices: int) -> list[dict[str, Any]]: return []
   def delta_chunks(self, index: int, delta: Any) -> list[dict[str, Any]]: raise NotImplementedError
@@ -553,6 +547,3 @@ def sse(obj: Any) -> bytes:
   """One server-sent event: `data: <json>\\n\\n` (or `data: [DONE]\\n\\n`)."""
   data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
   return f"data: {data}\n\n".encode()
-
-
-SSE_DONE = b"data: [DONE]\n\n"

@@ -33,6 +33,18 @@ def pytest_configure(config: pytest.Config) -> None:
   # tests run tinygrad in this process: a collection on one of its CPU worker threads can deadlock it
   # (pyruntime/stage/gc_policy.py), so garbage is collected on the main thread, between tests
   collect_on_this_thread()
+  bound_launcher_loads()
+
+
+LOAD_BOUND_S = 300.0
+
+
+def bound_launcher_loads() -> None:
+  """Every launcher a test starts loads within LOAD_BOUND_S unless the test names its own bound: a stage that never
+  loads fails start() by name (StageFailed, reason Timeout) before the suite's faulthandler_timeout (420 s) dumps
+  stacks that would not say why. The product's default (900 s) is for a user's first compile of a large model."""
+  from pyruntime.engine.launcher import Launcher
+  Launcher.__init__.__kwdefaults__["load_timeout_s"] = LOAD_BOUND_S
 
 
 # The unit lane, `pytest -m "not integration"` (under a minute), leaves out tests/integration/, whose tests spawn stage
@@ -158,9 +170,7 @@ def smollm2_launcher(smollm2_path):
   `pyruntime generate` does; started in the main thread, so the stages' parent-death signal follows the test
   process. Tests must not kill its stages."""
   from pyruntime.engine.launcher import Launcher
-  # a stage that never loads fails here by name (StageFailed, its stderr) well before the suite's 600 s timeout, whose
-  # stack dump would say nothing of why
-  lm = Launcher(None, stages=2, max_context=SMOLLM2_CONTEXT, load_timeout_s=300).start()
+  lm = Launcher(None, stages=2, max_context=SMOLLM2_CONTEXT).start()  # bounded by LOAD_BOUND_S
   yield lm
   lm.close()
   assert not any(lm.alive())

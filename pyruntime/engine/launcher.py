@@ -213,9 +213,12 @@ class Launcher:
       h.send(Command.INITIALIZE_WORKER, device=p.devices[h.index], abi_version=ABI_VERSION)
       h.send(Command.CONFIGURE_ROLE, **p.role(h.index))
       h.send(Command.LOAD_WEIGHTS, model=self.pool.placement.model_path(h) or str(p.path), cache_dir=self.options.cache_dir)
+    # one deadline for the whole load, not one per stage and event: a caller's bound (a test's, a supervisor's) holds
+    # whatever the stage count
+    deadline = time.monotonic() + self.options.load_timeout_s
     for h in self.handles:
-      h.info = self._expect(h, Event.WEIGHTS_LOADED, self.options.load_timeout_s)
-      h.info["warm_up"] = self._expect(h, Event.WARMED_UP, self.options.load_timeout_s)
+      h.info = self._expect(h, Event.WEIGHTS_LOADED, deadline - time.monotonic(), self.options.load_timeout_s)
+      h.info["warm_up"] = self._expect(h, Event.WARMED_UP, deadline - time.monotonic(), self.options.load_timeout_s)
 
   def _place(self, specs: list[RingSpec]) -> LocalPlacement | RayPlacement:
     """Every stage on this host (one arena), or over Ray nodes (docs/hosts.md: agents, bridges)."""
@@ -238,8 +241,8 @@ class Launcher:
     """start() goes on only while nobody closed the launcher (a server shutting down while it heals, say)."""
     if self._closed: raise errors.LauncherClosed("the launcher was closed while it started")
 
-  def _expect(self, h: StageHandle, name: str, timeout: float) -> dict:
-    try: return self.pool.expect(h, name, timeout)
+  def _expect(self, h: StageHandle, name: str, timeout: float, bound: float | None = None) -> dict:
+    try: return self.pool.expect(h, name, timeout, bound)
     except errors.StageFailed as f: raise self._fail(f) from None
 
   def _fail(self, f: errors.StageFailed) -> errors.StageFailed:

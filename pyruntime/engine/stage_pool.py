@@ -145,9 +145,10 @@ class StagePool:
     self.on_event({"event": "StageSpawned", "stage": index, "pid": h.proc.pid})
     return h
 
-  def expect(self, h: StageHandle, name: str, timeout: float) -> dict:
-    """Stage h's next event called `name`; the failure (of h or any stage) that comes first raises as StageFailed."""
-    deadline = time.monotonic() + timeout
+  def expect(self, h: StageHandle, name: str, timeout: float, bound: float | None = None) -> dict:
+    """Stage h's next event called `name` within `timeout` s (what is left of a `bound` shared by several waits, which
+    the timeout's message names); the failure (of h or any stage) that comes first raises as StageFailed."""
+    deadline = time.monotonic() + max(0.0, timeout)
     while True:
       self.check_open()
       try: ev = h.events.get(timeout=min(POLL_S * 4, max(0.0, deadline - time.monotonic())))
@@ -155,7 +156,7 @@ class StagePool:
       if ev is None or (ev and ev.get("event") == Event.WORKER_FATAL): raise h.failure() or errors.StageFailed(h.index, "WorkerExited")
       if ev and ev.get("event") == name: return ev
       if (f := self.first_failure()) is not None: raise f
-      if time.monotonic() > deadline: raise errors.StageFailed(h.index, "Timeout", f"no {name} within {timeout:.0f} s")
+      if time.monotonic() > deadline: raise errors.StageFailed(h.index, "Timeout", f"no {name} within {bound or timeout:.0f} s")
 
   def first_failure(self) -> errors.StageFailed | None:
     """The failure to report: a dead stage makes its neighbours fail too (PeerDead, RingClosed), so the root cause first."""

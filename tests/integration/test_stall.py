@@ -129,3 +129,23 @@ def test_the_server_reports_a_stall_and_heals(tiny):
     app.state.pyruntime.close()
     ended(lm, pid)
   assert not segments()
+
+
+def test_a_stage_that_never_loads_fails_start_within_the_load_bound_by_name(tiny):
+  """A stage stopped before it loads fails start() with reason Timeout naming it, within load_timeout_s (one deadline
+  for every stage's load and warm-up), leaving no process or segment."""
+  stopped: list[int] = []
+
+  def stop_stage_0(ev: dict) -> None:  # the first stage waited on: the bound is not spent on another's warm-up
+    if ev.get("event") == "StageSpawned" and ev.get("stage") == 0:
+      stopped.append(ev["pid"])
+      os.kill(ev["pid"], signal.SIGSTOP)
+  lm = Launcher(tiny, split=SPLIT, max_context=256, load_timeout_s=3.0, on_event=stop_stage_0)
+  t0 = time.monotonic()
+  try:
+    with pytest.raises(errors.StageFailed) as e: lm.start()
+    assert e.value.stage == 0 and e.value.reason == "Timeout" and "within 3 s" in str(e.value), str(e.value)
+    assert time.monotonic() - t0 < 3.0 + 60  # spawning, and room for a loaded machine; not a bound per stage and event
+  finally:
+    if stopped: ended(lm, stopped[0])
+  assert all(h.proc.poll() is not None for h in lm.handles) and not segments()

@@ -3,6 +3,11 @@
   python bench/decode.py [--model PATH] [--stages 1,2] [--streams 1,8] [--tokens 128] [--threads 2] [--json]
   pip install -e '.[bench]'     # llama-cpp-python, the peer (built from source: minutes)
 
+A VM that lists AMX in /proc/cpuinfo without running it kills a `-march=native` build of the peer with SIGILL on its
+first batch (`tilezero`); build it without AMX there:
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+    -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" pip install --force-reinstall --no-deps llama-cpp-python==0.3.36
+
 Sides, one after the other in this process (llama.cpp) and in the launcher's stage processes (pyruntime):
 - **llama.cpp** (llama-cpp-python's low-level API, `--threads` threads): the prompts of S streams evaluated as one
   batch, then S tokens per `llama_decode` call (one per stream, each its own sequence), argmax of each row's logits.

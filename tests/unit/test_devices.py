@@ -51,3 +51,17 @@ def test_a_stage_with_an_index_compiles_its_kernels():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "DEV": ""})
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.split() == ["CPU:1", "[3.0,", "6.0]"]
+
+
+def test_clang_kernels_ask_for_512_bit_vectors_exactly_where_the_host_has_avx512():
+  """kernel_opts makes every clang CPU compiler prefer 512-bit vectors on an AVX-512 host (one instruction per VEC-wide
+  operation where -march=native alone gives two 256-bit ones), and keys tinygrad's compile cache by it; an explicit
+  preference in the device's features is left alone."""
+  from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
+
+  from pyruntime.stage import kernel_opts
+  kernel_opts.install()
+  plain, chosen = ClangJITCompiler(["x86_64", "native"]), ClangJITCompiler(["x86_64", "native", "prefer-vector-width=256"])
+  with open("/proc/cpuinfo") as f: avx512 = any("avx512f" in ln.split() for ln in f if ln.startswith("flags"))
+  assert (kernel_opts.WIDE_FLAG in plain.args) == avx512 and plain.cachekey.endswith(kernel_opts.WIDE_FLAG) == avx512
+  assert kernel_opts.WIDE_FLAG not in chosen.args and "-mprefer-vector-width=256" in chosen.args

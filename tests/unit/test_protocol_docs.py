@@ -1,0 +1,73 @@
+"""What docs/ cite of the code exists in it: the ABI version the control channel states, every command and event its
+tables name, the record flags of the stream docs, and every `module.name` or `file.py` a document cites (a renamed
+function leaves the docs pointing at nothing; this fails instead)."""
+from __future__ import annotations
+
+import importlib
+import pathlib
+import pkgutil
+import re
+
+import pyruntime
+from pyruntime import protocol
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", ROOT / "bench" / "README.md"]
+CITE = re.compile(r"`([a-z_][a-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?(?:\(\))?`")
+# backticked dotted names in the docs that are JSON fields, GGUF keys or OpenAI object types, not our code's names
+NOT_CODE = {"tokenizer.chat_template", "chat.completion", "chat.completion.chunk", "logprobs.content", "text.format", "speculation.draft_model"}
+FILE_SUFFIXES = {"py", "js", "css", "c", "h", "md", "sh"}
+
+
+def modules() -> dict[str, str]:
+  """Each module of the package by its last name (the name the docs cite it by); the old flat `pyruntime.launcher`
+  shim yields to the module that holds the code."""
+  found: dict[str, str] = {}
+  for m in pkgutil.walk_packages(pyruntime.__path__, "pyruntime."):
+    short = m.name.rsplit(".", 1)[-1]
+    if short != "__main__" and (short not in found or m.name.count(".") > found[short].count(".")): found[short] = m.name
+  return found
+
+
+def test_the_control_channel_states_the_code_s_abi_version():
+  text = (ROOT / "docs" / "control-channel.md").read_text()
+  assert (m := re.search(r"`protocol\.ABI_VERSION` = \*\*(\d+)\*\*", text)), "control-channel.md no longer states the ABI version"
+  assert int(m.group(1)) == protocol.ABI_VERSION
+
+
+def test_every_command_and_event_is_in_the_control_channel_tables_and_every_row_is_one():
+  text = (ROOT / "docs" / "control-channel.md").read_text()
+  rows = set(re.findall(r"^\| `([A-Z][A-Za-z]+)` \|", text, re.M))
+  names = {v for c in (protocol.Command, protocol.Event) for k, v in vars(c).items() if k.isupper() and isinstance(v, str)}
+  assert not names - rows, f"commands or events with no row in control-channel.md: {sorted(names - rows)}"
+  fatal = {r for r in rows if r not in names}  # the WorkerFatal reasons' table
+  assert fatal, "control-channel.md's tables were not found"
+
+
+def test_the_record_flags_the_stream_docs_name_exist():
+  text = (ROOT / "docs" / "streams.md").read_text()
+  cited = set(re.findall(r"`(FLAG_[A-Z]+)`", text))
+  defined = {k for k in vars(protocol) if k.startswith("FLAG_")}
+  assert cited and not cited - defined, f"streams.md cites flags the code lacks: {sorted(cited - defined)}"
+  assert not defined - cited, f"flags streams.md does not describe: {sorted(defined - cited)}"
+
+
+def test_every_module_name_and_file_the_docs_cite_exists():
+  mods, files = modules(), {p.name for p in ROOT.glob("**/*") if ".git" not in p.parts}
+  missing = []
+  for doc in DOCS:
+    for m in CITE.finditer(doc.read_text()):
+      mod, a, b = m.groups()
+      if ".".join(x for x in m.groups() if x) in NOT_CODE: continue
+      if a in FILE_SUFFIXES and b is None:
+        if f"{mod}.{a}" not in files: missing.append(f"{doc.name}: {m.group(0)} (no such file)")
+        continue
+      if mod not in mods: continue
+      obj = importlib.import_module(mods[mod])
+      for name in (a, b):
+        if name is None: break
+        if not hasattr(obj, name):
+          missing.append(f"{doc.name}: {m.group(0)}")
+          break
+        obj = getattr(obj, name)
+  assert not missing, "the docs cite what the code does not have:\n" + "\n".join(missing)

@@ -153,6 +153,9 @@ class Constraint:
     self.vocab_size, self.n_tok = vocab_size, tok.vocab_size
     self.add = np.zeros(vocab_size, np.float32)  # 0 where allowed, -inf elsewhere: added to the row's logits
     self.next: Any = None  # the next mask, being computed (a Future), from take() until mask()
+    # the matcher may be touched by one thread at a time (llguidance raises "Already mutably borrowed" otherwise): while
+    # the worker computes a mask, `done` answers from what take() saw
+    self.stopped = self.matcher.is_stopped()
 
   def mask(self) -> np.ndarray:
     if self.next is not None:
@@ -172,14 +175,15 @@ class Constraint:
   @property
   def done(self) -> bool:
     """The answer is whole: the mask now allows only end tokens."""
-    return self.matcher.is_stopped() and not self.matcher.is_error()
+    return self.stopped and not self.matcher.is_error()  # stopped: no mask is being computed, the matcher is ours
 
   def take(self, token: int) -> None:
     """The sampled token goes into the matcher; the next mask starts at once (the previous one was used: the sampler
     copied it to the device)."""
     if not self.matcher.consume_token(token):
       raise errors.StreamFailed(None, "GrammarViolation", f"token {token} is outside the grammar: {self.matcher.get_error()[:200]}")
-    if not self.matcher.is_stopped(): self.next = _mask_worker().submit(self._compute)
+    self.stopped = self.matcher.is_stopped()
+    if not self.stopped: self.next = _mask_worker().submit(self._compute)
 
   def close(self) -> None:
     """The stream ended: a mask still being computed is waited for (it uses the matcher), its result dropped."""

@@ -78,6 +78,14 @@ def gpu_count() -> int:
   return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
+def host_cpu() -> list[str]:
+  """The lines of /proc/cpuinfo that say what this CPU is and can do (model name, feature flags), once each; [] where
+  there is no such file."""
+  try: text = open("/proc/cpuinfo").read()
+  except OSError: return []
+  return list(dict.fromkeys(ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))))
+
+
 def cpu_device() -> str:
   # DEV=CPU compiles kernels with clang; CPU:X86 needs no compiler but runs slower.
   return "CPU" if shutil.which("clang") else "CPU:X86"

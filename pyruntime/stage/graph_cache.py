@@ -62,11 +62,8 @@ def _source_digest() -> str:
 
 def _cpu() -> str:
   """The CPU the kernels were compiled for (clang's -march=native): model name and feature flags."""
-  try:
-    text = pathlib.Path("/proc/cpuinfo").read_text()
-    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-    return hashlib.sha256("\n".join(dict.fromkeys(lines)).encode()).hexdigest()[:16]
-  except OSError: return "unknown"
+  from pyruntime.devices import host_cpu
+  return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16] if (lines := host_cpu()) else "unknown"
 
 
 def model_identity(path: str | os.PathLike, header_bytes: int) -> dict:

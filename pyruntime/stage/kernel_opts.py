@@ -298,8 +298,10 @@ def _wide_vectors() -> None:
   kernels' arithmetic, lane by lane, is unchanged, so are the bits). The flag is part of the compiler's cache key, so a
   kernel compiled without it is never taken for one compiled with it."""
   from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
+
+  from pyruntime.devices import host_cpu
   stock = getattr(ClangJITCompiler.__init__, "_stock_init", ClangJITCompiler.__init__)
-  if not _host_has("avx512f"): return
+  if not any("avx512f" in ln.split() for ln in host_cpu() if ln.startswith("flags")): return
 
   def init(self, arch: list[str], *args, **kwargs) -> None:
     stock(self, arch, *args, **kwargs)
@@ -311,12 +313,6 @@ def _wide_vectors() -> None:
 
 
 WIDE_FLAG = "-mprefer-vector-width=512"
-
-
-def _host_has(flag: str) -> bool:
-  try:
-    with open("/proc/cpuinfo") as f: return any(flag in ln.split() for ln in f if ln.startswith("flags"))
-  except OSError: return False
 
 
 def install() -> bool:

@@ -45,8 +45,11 @@ class Stream:
   logprobs: int = -1                 # the tail: k >= 0 answers with TokenScores (protocol.OpenInfo.logprobs)
   score_rows: int = 0                # the tail: > 0 scores every prompt row, in chunks of at most this many rows
 
-  def next_is_decode(self) -> bool:
-    return bool(self.pending) and self.prompt_tokens is not None and self.pending[0][0] >= self.prompt_tokens and len(self.pending[0][1]) == 1
+  def next_is_decode(self) -> bool: return self.next_is_input() and len(self.pending[0][1]) == 1
+
+  def next_is_input(self) -> bool:
+    """What waits first is a row past the prompt: a decode row, or a record of drafted rows to verify."""
+    return bool(self.pending) and self.prompt_tokens is not None and self.pending[0][0] >= self.prompt_tokens
 
   def is_verify(self, pos: int) -> bool:
     """A record of drafted rows past the prompt (computed as a chunk, every row answered at the tail)."""
@@ -94,7 +97,9 @@ class StageScheduler:
     no stream decodes. On the rows path a chunk waits for the decode rows too (a bounded time): it rides in their step
     (a mixed step) instead of costing a pass over the weights of its own; on tinygrad's path it runs at once."""
     if not self.has_work(): self.gathering = None; return False
-    rows, wanted = sum(1 for st in self.streams.values() if st.next_is_decode()), -(-self.decoding() // self.micro_batches)
+    # a decoding stream's next input is here when its decode row is, or its verify record (a draft rides in the step
+    # as a chunk): waiting for the row of a stream whose draft is here waits for a row that never comes
+    rows, wanted = sum(1 for st in self.streams.values() if st.next_is_input()), -(-self.decoding() // self.micro_batches)
     if rows >= wanted: return True
     if any(st.pending and not st.next_is_decode() for st in self.streams.values()) and (self.decode_mode != "batched" or not wanted):
       return True

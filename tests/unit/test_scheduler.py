@@ -166,6 +166,24 @@ def test_drafted_rows_go_whole():
   assert (pos, len(x)) == (5, 9) and not st.pending
 
 
+def test_a_draft_here_is_its_streams_row_and_is_not_waited_for():
+  """A speculative stream's verify record is its next input: a step runs at once, alone or beside the other streams'
+  decode rows (a mixed step), instead of waiting out the gather window for a decode row that never comes."""
+  s, _ = scheduler(step_s=0.01)
+  st = decoding(s, 0, row=False)
+  st.speculative = True
+  st.pending.append((5, np.zeros(8, np.uint32)))
+  assert s.ready() and s.ingress_wait(IDLE_S) == 0.0
+  plan = s.plan()
+  assert not plan.decode and plan.prefill == (0, st)
+  decoding(s, 1, row=True)
+  assert s.ready()
+  plan = s.plan()
+  assert [sid for sid, _ in plan.decode] == [1] and plan.prefill == (0, st) and plan.mixed
+  decoding(s, 2, row=False)  # a third stream's row is still on its way: that one is gathered for
+  assert not s.ready()
+
+
 def test_a_mixed_steps_chunk_is_timed_as_what_it_added():
   s, _ = scheduler(step_s=0.1)
   s.note_mixed(32, 0.15, window_ms=80.0)  # the full window decodes in 80 ms: the chunk added 70 ms

@@ -3,7 +3,7 @@
 C=1 and C=8 concurrent streams, on two prompt sets: answers that repeat spans of the prompt (rewrite, extract, edit
 code, quote: REPEAT) and free-form chat (CHAT). Greedy, so the two sides must give the same text, which is checked.
 
-  python bench/speculative.py [--model PATH] [--concurrency 1,8] [--max-tokens 128] [--draft-tokens 8] [--json]
+  python bench/speculative.py [--model PATH] [--concurrency 1,8] [--max-tokens 128] [--draft-tokens 7] [--json]
   python bench/speculative.py --speculative model:DRAFT.gguf      # a draft model instead (bench/draft_model.py makes one)
 
 Per level and side: completion tokens per second of wall time (request to last token, summed over requests, over
@@ -69,7 +69,7 @@ def main() -> None:
   ap.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M)")
   ap.add_argument("--concurrency", default="1,8")
   ap.add_argument("--max-tokens", type=int, default=128)
-  ap.add_argument("--draft-tokens", type=int, default=8)
+  ap.add_argument("--draft-tokens", type=int, default=7)
   ap.add_argument("--speculative", default="ngram", help="ngram, or model:PATH (a draft model)")
   ap.add_argument("--repeats", type=int, default=2, help="on/off pairs per level (medians reported)")
   ap.add_argument("--json", action="store_true")

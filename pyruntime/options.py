@@ -71,7 +71,7 @@ NUMBERS = {p.name: p for p in (
         lo=0, hi=1 << 28),
   Param("prefill_share", float, PREFILL_SHARE, "beside decoding streams, a new prompt's prefill chunks cost about this share of their "
         "step (0: whole 256-token chunks, the fastest first token and the longest stalls for the others)", lo=0.0, hi=16.0),
-  Param("draft_tokens", int, 8, "the most tokens a speculative draft holds (its length adapts below this to what the model "
+  Param("draft_tokens", int, 7, "the most tokens a speculative draft holds (its length adapts below this to what the model "
         "accepts)", lo=1, hi=15),
   Param("stall_timeout", float, STALL_TIMEOUT_S, f"a stage with work and no progress this long (or {STALL_STEPS} of its slowest "
         "steps) is ended as stalled", lo=0.5, hi=86400.0),

@@ -72,7 +72,8 @@ def _elapsed(t0: float) -> str: return f"{time.monotonic() - t0:.1f} s"
 
 
 def _graph_name(kind: str) -> str:
-  """A stage's graph for people: "prefill", "decode", or a decode window "decode-W" as "decode (W rows)"."""
+  """A stage's graph for people: "prefill", "decode", a decode window "decode-W" as "decode (W rows)" (a short prefill
+  "prefill-R" alike)."""
   name, _, rows = kind.partition("-")
   return f"{name} ({rows} row{'s' * (rows != '1')})" if rows else name
 

@@ -37,7 +37,7 @@ class LaunchOptions:
   stall_timeout: float = STALL_TIMEOUT_S
   stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S
   speculative: str = "off"              # off | ngram | model:PATH (docs/speculation.md)
-  draft_tokens: int = 8
+  draft_tokens: int = 7
   placement: str = "local"              # local | ray (docs/hosts.md)
   ray_address: str | None = None
   hosts: int | None = None

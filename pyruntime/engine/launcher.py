@@ -71,7 +71,7 @@ class Launcher:
                prefill_share: float = PREFILL_SHARE, on_event: Callable[[dict], None] | None = None,
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0,
                prefix_cache: int = PREFIX_CACHE_TOKENS, graph_cache: bool = True, stall_timeout: float = STALL_TIMEOUT_S,
-               stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S, speculative: str = "off", draft_tokens: int = 8,
+               stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S, speculative: str = "off", draft_tokens: int = 7,
                placement: str = "local", ray_address: str | None = None, hosts: int | None = None):
     if placement == "ray":
       from pyruntime.engine.hosts import require_ray

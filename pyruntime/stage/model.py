@@ -44,7 +44,7 @@ from pyruntime.protocol import DECODE_MODES, PREFILL_CHUNK, WEIGHT_MODES
 from pyruntime.stage import cpu_graph, cuda_graph, device_memory, kernel_opts
 from pyruntime.stage.graph_cache import GraphCache
 from pyruntime.stage.packed import PackedMatrix, packable, repack
-from pyruntime.stage.rows import MAX_ROWS, ROW_UNIT, RowPath
+from pyruntime.stage.rows import MAX_ROWS, ROW_UNIT, SHORT_ROWS, RowPath
 
 # PREFILL_CHUNK (32) is Transformer.generate's chunk_size; a chunk of any 1..32 tokens runs the same kernels, so where a
 # prompt is cut changes no bit (tests/integration/test_model.py::test_where_the_prompt_is_cut_changes_no_bit)
@@ -430,9 +430,11 @@ class StageModel:
     return self.graph_cache.jit(captured, self.graph_key(name), self.bound_tensors)
 
   def graph(self, kind: str) -> TinyJit:
-    """tinygrad's "prefill" or "decode" graph, made on first use; on the rows path "prefill" or "decode-W" (W rows)."""
+    """tinygrad's "prefill" or "decode" graph, made on first use; on the rows path "prefill", "prefill-R" (a short
+    chunk of R rows), "decode-W" (W rows) or "mixed"."""
     if self.rows is not None:
       if kind == "prefill": return self.rows.prefill_graph()
+      if kind.startswith("prefill-"): return self.rows.short_graph(int(kind.split("-")[1]))
       return self.rows.mixed_graph(self.rows.slots) if kind == "mixed" else self.rows.decode_graph(int(kind.split("-")[1]))
     if (jit := self._graphs.get(kind)) is None: jit = self._graphs[kind] = self._jit(f"reference-{kind}", self._run)
     return jit
@@ -799,7 +801,10 @@ class StageModel:
       run("prefill", lambda: self.forward(0, zeros, 0, prefill=True))
       run("decode", lambda: self.forward(0, zeros, 1, prefill=False))
     else:
-      run("prefill", lambda: self.prefill_rows(0, zeros, 0))
+      run("prefill", lambda: self.prefill_rows(0, np.repeat(zeros, SHORT_ROWS[-1] + 1, axis=0), 0))  # past the short graphs
+      for R in SHORT_ROWS:
+        self.reset_slot(0)
+        run(f"prefill-{R}", lambda R=R: self.prefill_rows(0, np.repeat(zeros, R, axis=0), 0))
       shapes = sorted({self.rows.window(list(range(n)))[1] for n in range(1, self.slots + 1)}) if every_window else [1]
       for slot in range(self.slots): self._pos[slot] = 1
       for rows in shapes: run(f"decode-{rows}", lambda rows=rows: step(rows))

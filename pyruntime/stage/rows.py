@@ -38,7 +38,11 @@ from pyruntime.stage.packed import PackedMatrix
 
 MAX_ROWS = MAX_CHUNK  # the most rows one prefill call takes: a stage's largest prompt chunk
 ROW_UNIT = 16    # prompt rows are padded to a multiple of this (kernel_opts.ROWS x two threads)
-STAGED_ROWS = 8  # a packed matrix read by more rows than this is dequantised into a scratch buffer first (_values)
+# prompt chunks of at most 8 or 16 rows (a verify record: the last token and its draft; a prompt's last rows) run in
+# graphs of their own, of exactly that many rows: concrete shapes, so a packed matrix is rebuilt in registers (SmolLM2,
+# packed: 8 rows ~2.5 decode steps, 16 ~5, against ~9 in the symbolic graph, which stages the weights first)
+SHORT_ROWS = (kernel_opts.ROWS, ROW_UNIT)
+STAGED_ROWS = ROW_UNIT  # a packed matrix read by more rows than this is dequantised into a scratch buffer first (_values)
 KV_UNIT = 32     # attended lengths are padded to a multiple of this (kernel_opts.VEC x two threads)
 
 
@@ -119,6 +123,7 @@ class RowPath:
     self.v_start = UOp.variable("start", 0, cfg.max_context - 1)
     self.v_lo = UOp.variable("window", 0, max(self.slots - 1, 1))
     self.prefill_jit: TinyJit | None = None    # made on first use (StageModel._jit: from the graph cache, or captured)
+    self.short_jits: dict[int, TinyJit] = {}
     self.decode_jits: dict[int, TinyJit] = {}
     self.mixed_jits: dict[int, TinyJit] = {}
     self.rope_host = m.blk[0].freqs_cis.numpy()  # the reference's table: a row's cos|sin, gathered on the host
@@ -173,6 +178,10 @@ class RowPath:
   def prefill_graph(self) -> TinyJit:
     if self.prefill_jit is None: self.prefill_jit = self.m._jit("rows-prefill", self._prefill_graph)
     return self.prefill_jit
+
+  def short_graph(self, R: int) -> TinyJit:
+    if (jit := self.short_jits.get(R)) is None: jit = self.short_jits[R] = self.m._jit(f"rows-prefill-{R}", self._prefill_graph)
+    return jit
 
   def decode_graph(self, W: int) -> TinyJit:
     if (jit := self.decode_jits.get(W)) is None: jit = self.decode_jits[W] = self.m._jit(f"rows-decode-{W}", self._decode_graph)
@@ -263,8 +272,8 @@ class RowPath:
     return (x.cast(m._bdtype) if m._bdtype != dtypes.float32 else x).contiguous()
 
   # --- prefill: rows of one stream ------------------------------------------------------------------
-  def _prefill_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, rows16: UOp, slot: UOp, start: UOp, kv32: UOp) -> Tensor:
-    R, kv = rows16 * ROW_UNIT, kv32 * KV_UNIT
+  def _prefill_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, rows: UOp | int, slot: UOp, start: UOp, kv32: UOp) -> Tensor:
+    R, kv = rows * ROW_UNIT if isinstance(rows, UOp) else rows, kv32 * KV_UNIT
     cd = self.m.config.rope_dim
     cos, sin = rope[:R].reshape(1, 1, R, cd).chunk(2, dim=-1)
     p = pos[:R].reshape(1, 1, R, 1)
@@ -275,7 +284,7 @@ class RowPath:
       kc, vc = self._write_rows(b.rows_k, b.rows_v, k, v, slot, start, R)
       return self._attend(b, q, self.key_view(kc)[slot:slot + 1, :, :, :kv], self.value_view(vc)[slot:slot + 1, :, :kv, :], p, kv)
     x = self._blocks(self._ingress(inp, R, 1, R), attention)
-    if self.m.is_tail: x = x[:, R - ROW_UNIT:R]  # the last real row is among the last ROW_UNIT (ROWS rows would do too)
+    if self.m.is_tail and isinstance(rows, UOp): x = x[:, R - ROW_UNIT:R]  # the last real row is among the last ROW_UNIT (ROWS rows would do too)
     return self._egress(x)
 
   def _write_rows(self, kc: Tensor, vc: Tensor, k: Tensor, v: Tensor, slot: UOp, start: UOp, R: UOp) -> tuple[Tensor, Tensor]:
@@ -291,11 +300,13 @@ class RowPath:
     m = self.m
     T = len(inp)
     if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
-    R = _round(T, ROW_UNIT)
+    short = next((n for n in SHORT_ROWS if T <= n), None)
+    R = short or _round(T, ROW_UNIT)
     _put((self.prefill_in, self.prefill_pos, self.prefill_rope), self._prefill_inputs(inp, start, R))
+    graph, rows = (self.short_graph(R), R) if short else (self.prefill_graph(), self.v_rows.bind(R // ROW_UNIT))
     with kernel_opts.rows_schedules():
-      ret = self.prefill_graph()(self.prefill_in, self.prefill_pos, self.prefill_rope, self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot),
-                             self.v_start.bind(start), self.v_kv.bind(_round(start + R, KV_UNIT) // KV_UNIT))
+      ret = graph(self.prefill_in, self.prefill_pos, self.prefill_rope, rows, self.v_slot.bind(slot), self.v_start.bind(start),
+                  self.v_kv.bind(_round(start + R, KV_UNIT) // KV_UNIT))
     buf = ret.uop.buf_uop.buffer
     if m.is_tail: return self._tail_rows(buf, T, R, 0, every_row)
     return m._view(buf, (1, T, m.dim))
@@ -304,7 +315,7 @@ class RowPath:
     """The tail's logits of a chunk of T rows (padded to R) that start `at` rows into the graph's output, which holds the
     last ROW_UNIT rows of the chunk: the last row's (vocab,), or with `every_row` (T <= ROW_UNIT) all of them (T, vocab)."""
     m = self.m
-    if not every_row: return m._view(buf, (m.vocab_size,), (at + T - 1 - (R - ROW_UNIT)) * m.vocab_size)
+    if not every_row: return m._view(buf, (m.vocab_size,), (at + T - 1 - (R - min(R, ROW_UNIT))) * m.vocab_size)
     if T > ROW_UNIT: raise errors.ActivationExtentInvalid(f"every row's logits: at most {ROW_UNIT} rows, got {T}")
     return [m._view(buf, (m.vocab_size,), (at + i) * m.vocab_size) for i in range(T)]
 

@@ -96,6 +96,13 @@ def test_float16_and_packed_weights_give_float32_bits(paths, name):
       assert m.resident_bytes <= 1.25 * sum(ti.nbytes for ti in file.values())
     prompt = np.asarray(PROMPT, np.uint32)
     out = [m.prefill_rows(0, prompt, 0).numpy().copy(), m.prefill_rows(1, prompt[:33], 0).numpy().copy()]
+    # the same prompt in pieces through every prefill graph: 8 rows, 16 rows (the short graphs: a packed matrix rebuilt
+    # in registers) and the symbolic graph (staged), in that order: the same logits as the whole prompt
+    m.reset_slot(1)
+    for s, e in ((0, 8), (8, 24), (24, len(prompt))): pieced = m.prefill_rows(1, prompt[s:e], s)
+    assert np.array_equal(bits(pieced.numpy()), bits(out[0])), f"{name} {weights}: pieces through the short graphs"
+    m.reset_slot(1)
+    out[1] = m.prefill_rows(1, prompt[:33], 0).numpy().copy()
     tok = int(out[0].argmax())
     out += [m.batch_rows(m.forward_batch([0], np.asarray([tok], np.uint32), [len(PROMPT)]), [0])[0].numpy().copy()]
     out += [r.numpy().copy() for r in m.batch_rows(m.forward_batch([0, 1], np.asarray([tok, 7], np.uint32), [len(PROMPT) + 1, 33]), [0, 1])]

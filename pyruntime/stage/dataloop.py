@@ -295,7 +295,7 @@ class DataLoop:
     plan = self.sched.plan()
     self.doing = (len(plan.decode), plan.prefill[0] if plan.prefill else None)  # formatted only when a Heartbeat goes out
     self.beat()
-    if plan.mixed: return self.mixed_step(plan.decode, *plan.prefill)
+    if plan.mixed and self.model.mixes(self.sched.chunk_rows(plan.prefill[1])): return self.mixed_step(plan.decode, *plan.prefill)
     if plan.decode: self.decode_step(plan.decode)
     if plan.prefill: self.prefill_chunk(*plan.prefill)
 

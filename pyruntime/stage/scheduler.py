@@ -133,11 +133,16 @@ class StageScheduler:
     """Take the next piece of `st`'s prompt to compute: (its first position, its rows), sized by prefill_size. Called
     when the step computes it: the decode rows of the same step, computed first, may have changed what it fits."""
     pos, x = st.pending[0]
-    n = len(x) if st.is_verify(pos) else min(len(x), self.prefill_size(st))  # drafted rows go whole: each needs its answer
-    if st.scores_prompt(pos): n = min(n, st.score_rows)  # every row's logits: as many rows as the tail's graph keeps
+    n = self.chunk_rows(st)
     if n == len(x): st.pending.popleft()
     else: st.pending[0] = (pos + n, x[n:])
     return pos, x[:n]
+
+  def chunk_rows(self, st: Stream) -> int:
+    """Rows of `st`'s next chunk, were it taken now (next_chunk takes it)."""
+    pos, x = st.pending[0]
+    n = len(x) if st.is_verify(pos) else min(len(x), self.prefill_size(st))  # drafted rows go whole: each needs its answer
+    return min(n, st.score_rows) if st.scores_prompt(pos) else n  # every row's logits: as many rows as the tail's graph keeps
 
   def prefill_size(self, st: Stream) -> int:
     """Tokens of `st`'s next prefill chunk: the model's largest chunk when no stream decodes here or prefill_share is 0;

@@ -16,7 +16,7 @@ from pyruntime import errors
 from pyruntime.stage.kernel_opts import VEC
 from pyruntime.stage.model import StageModel
 from pyruntime.stage.packed import PackedMatrix, packable
-from pyruntime.stage.rows import MAX_ROWS
+from pyruntime.stage.rows import MAX_ROWS, SHORT_ROWS
 
 DENSE = ["llama_tied", "llama_untied", "llama_gqa", "qwen2", "qwen3"]
 
@@ -214,3 +214,11 @@ def test_a_mixed_step_equals_its_decode_and_prompt_apart(paths, name, cut, devic
     return dec + [m.prefill_rows(2, p2, 0).numpy().copy()]
   assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(run(True), run(False), strict=True))
   with pytest.raises(errors.SlotInvalid): m.forward_mixed([0, 2], tok, [30, 45], 2, p2, 45)
+
+
+def test_short_chunks_beside_decode_rows_go_apart_only_with_packed_weights(paths):
+  """A chunk that fits a short graph runs apart from the decode rows with packed weights (the mixed graph would stage
+  every weight first); a longer one, or any with weights already float, rides in their step."""
+  packed, floats = whole(paths["qwen3"], slots=2, weights="packed"), whole(paths["qwen3"], slots=2, weights="float16")
+  assert [packed.mixes(n) for n in (1, SHORT_ROWS[0], SHORT_ROWS[-1], SHORT_ROWS[-1] + 1)] == [False, False, False, True]
+  assert all(floats.mixes(n) for n in (1, SHORT_ROWS[-1], SHORT_ROWS[-1] + 1))

@@ -594,7 +594,8 @@ class StageModel:
 
   @property
   def min_chunk(self) -> int:
-    """The fewest prompt rows worth a chunk: the rows path computes rows in ROW_UNITs (fewer cost as much)."""
+    """The fewest prompt rows worth a chunk: the rows path sizes chunks in ROW_UNITs (a chunk of fewer runs in a short
+    graph, rows.SHORT_ROWS)."""
     return ROW_UNIT if self.rows is not None else 1
 
   def batch_window(self, slots: list[int]) -> tuple[int, int]:

@@ -6,7 +6,8 @@ stream holds before it. That is the exactness contract (docs/stage-ownership.md,
 
 - one piece of code computes a row in both graphs: `prefill` (rows of one stream at consecutive positions, any count
   up to MAX_ROWS, symbolic; chunks of at most 8 or 16 rows in graphs of that many rows) and `decode` (one row for
-  each stream in a window of KV slots, in one of a few fixed shapes). Both call `_layer`, which differs between them only in how the new keys and values are written;
+  each stream in a window of KV slots, in one of a few fixed shapes). Both call `_layer`, which differs between them
+  only in how the new keys and values are written;
 - no kernel ever mixes rows: projections, norms and the attention of row r read only row r (and its stream's cache);
 - every sum is sequential over its reduce axis (kernel_opts.rows_schedule applies no reduce-axis opt), so a row's
   value does not depend on how many rows run beside it or where a prompt was cut;

@@ -44,7 +44,7 @@ from pyruntime.protocol import DECODE_MODES, PREFILL_CHUNK, WEIGHT_MODES
 from pyruntime.stage import cpu_graph, cuda_graph, device_memory, kernel_opts
 from pyruntime.stage.graph_cache import GraphCache
 from pyruntime.stage.packed import PackedMatrix, packable, repack
-from pyruntime.stage.rows import MAX_ROWS, ROW_UNIT, SHORT_ROWS, RowPath
+from pyruntime.stage.rows import MAX_ROWS, ROW_UNIT, RowPath
 
 # PREFILL_CHUNK (32) is Transformer.generate's chunk_size; a chunk of any 1..32 tokens runs the same kernels, so where a
 # prompt is cut changes no bit (tests/integration/test_model.py::test_where_the_prompt_is_cut_changes_no_bit)
@@ -553,11 +553,11 @@ class StageModel:
 
   def mixes(self, rows: int) -> bool:
     """Whether a chunk of `rows` beside decode rows costs less inside their step (forward_mixed) than apart from it:
-    not when the stage holds packed weights and the chunk fits a short graph (rows.SHORT_ROWS). The mixed graph, symbolic
+    not when the chunk fits a short graph (RowPath.short_rows: with packed weights only). The mixed graph, symbolic
     in the chunk's rows, rebuilds every packed weight into a scratch buffer first; a decode step and a short chunk each
     rebuild them in registers (SmolLM2, 7 decode rows beside 8 prompt rows: ~190 ms mixed, ~100 apart). Either way the
     same bits."""
-    return not (self._packed and rows <= SHORT_ROWS[-1])
+    return self.rows is None or rows > max(self.rows.short_rows, default=0)
 
   def mixed_rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
     """The rows of a forward_mixed decode result, in the order of `slots`, each a realized view (no copy)."""
@@ -594,8 +594,8 @@ class StageModel:
 
   @property
   def min_chunk(self) -> int:
-    """The fewest prompt rows worth a chunk: the rows path sizes chunks in ROW_UNITs (a chunk of fewer runs in a short
-    graph, rows.SHORT_ROWS)."""
+    """The fewest prompt rows worth a chunk: the rows path sizes chunks in ROW_UNITs (with packed weights a chunk of
+    fewer runs in a short graph, RowPath.short_rows)."""
     return ROW_UNIT if self.rows is not None else 1
 
   def batch_window(self, slots: list[int]) -> tuple[int, int]:
@@ -810,8 +810,9 @@ class StageModel:
       run("prefill", lambda: self.forward(0, zeros, 0, prefill=True))
       run("decode", lambda: self.forward(0, zeros, 1, prefill=False))
     else:
-      run("prefill", lambda: self.prefill_rows(0, np.repeat(zeros, SHORT_ROWS[-1] + 1, axis=0), 0))  # past the short graphs
-      for R in SHORT_ROWS:
+      short = self.rows.short_rows
+      run("prefill", lambda: self.prefill_rows(0, np.repeat(zeros, short[-1] + 1 if short else 1, axis=0), 0))  # past them
+      for R in short:
         self.reset_slot(0)
         run(f"prefill-{R}", lambda R=R: self.prefill_rows(0, np.repeat(zeros, R, axis=0), 0))
       shapes = sorted({self.rows.window(list(range(n)))[1] for n in range(1, self.slots + 1)}) if every_window else [1]

@@ -39,9 +39,10 @@ from pyruntime.stage.packed import PackedMatrix
 
 MAX_ROWS = MAX_CHUNK  # the most rows one prefill call takes: a stage's largest prompt chunk
 ROW_UNIT = 16    # prompt rows are padded to a multiple of this (kernel_opts.ROWS x two threads)
-# prompt chunks of at most 8 or 16 rows (a verify record: the last token and its draft; a prompt's last rows) run in
-# graphs of their own, of exactly that many rows: concrete shapes, so a packed matrix is rebuilt in registers (SmolLM2,
-# packed: 8 rows ~2.5 decode steps, 16 ~5, against ~9 in the symbolic graph, which stages the weights first)
+# with packed weights, prompt chunks of at most 8 or 16 rows (a verify record: the last token and its draft; a prompt's
+# last rows) run in graphs of their own, of exactly that many rows: concrete shapes, so a packed matrix is rebuilt in
+# registers (SmolLM2: 8 rows ~2.5 decode steps, 16 ~5, against ~9 in the symbolic graph, which stages the weights first).
+# Float weights have nothing to stage: there the symbolic graph costs the same and two more captures would buy nothing.
 SHORT_ROWS = (kernel_opts.ROWS, ROW_UNIT)
 STAGED_ROWS = ROW_UNIT  # a packed matrix read by more rows than this is dequantised into a scratch buffer first (_values)
 KV_UNIT = 32     # attended lengths are padded to a multiple of this (kernel_opts.VEC x two threads)
@@ -180,6 +181,11 @@ class RowPath:
     if self.prefill_jit is None: self.prefill_jit = self.m._jit("rows-prefill", self._prefill_graph)
     return self.prefill_jit
 
+  @property
+  def short_rows(self) -> tuple[int, ...]:
+    """The row counts of this stage's short chunk graphs: SHORT_ROWS where it holds packed weights, else none."""
+    return SHORT_ROWS if self.m._packed else ()
+
   def short_graph(self, R: int) -> TinyJit:
     if (jit := self.short_jits.get(R)) is None: jit = self.short_jits[R] = self.m._jit(f"rows-prefill-{R}", self._prefill_graph)
     return jit
@@ -301,7 +307,7 @@ class RowPath:
     m = self.m
     T = len(inp)
     if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
-    short = next((n for n in SHORT_ROWS if T <= n), None)
+    short = next((n for n in self.short_rows if T <= n), None)
     R = short or _round(T, ROW_UNIT)
     _put((self.prefill_in, self.prefill_pos, self.prefill_rope), self._prefill_inputs(inp, start, R))
     graph, rows = (self.short_graph(R), R) if short else (self.prefill_graph(), self.v_rows.bind(R // ROW_UNIT))

@@ -28,6 +28,7 @@ means running without the cache, reported once. Neither ever fails a request.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -52,12 +53,20 @@ def graph_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
   return cache_root(cache_dir) / "graphs"
 
 
+@functools.cache
 def _source_digest() -> str:
   """pyruntime's own source: a change to the code that builds a graph must not meet a graph built by the old one."""
   h = hashlib.sha256()
   package = pathlib.Path(__file__).resolve().parents[1]
   for p in sorted(package.rglob("*.py")): h.update(p.relative_to(package).as_posix().encode() + p.read_bytes())
   return h.hexdigest()[:16]
+
+
+def build_identity() -> dict:
+  """What every cached build shares: tinygrad's version, pyruntime's own source, the CPU and the environment variables
+  that change kernels (the graph cache's and the program cache's keys both start from this)."""
+  return {"tinygrad": _tinygrad_version(), "pyruntime": _source_digest(), "cpu": _cpu(),
+          "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ}}
 
 
 def _cpu() -> str:
@@ -179,8 +188,7 @@ class GraphCache:
   def __init__(self, directory: str | os.PathLike | None = None, *, limit_bytes: int = DEFAULT_LIMIT,
                warn: Callable[[str], None] = lambda text: None):
     self.dir, self.limit, self.warn = pathlib.Path(directory) if directory else graph_dir(), limit_bytes, warn
-    self.enabled, self.common = True, {"format": FORMAT, "tinygrad": _tinygrad_version(), "pyruntime": _source_digest(), "cpu": _cpu(),
-                                       "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ}}
+    self.enabled, self.common = True, {"format": FORMAT, **build_identity()}
     self.stats = {"loaded": 0, "saved": 0, "rebuilt": 0}
     self.fd = -1   # the directory, held open: every file is reached through it
     try:

@@ -46,7 +46,8 @@ _stock = heuristic.hand_coded_optimizations
 _state = threading.local()
 
 
-_rows_programs: dict = {}  # tinygrad's lowering cache for the rows schedule (keyed by the kernel before its opts)
+_rows_programs: dict = {}  # tinygrad's lowering cache for the rows schedule (keyed by the kernel before its opts): install() puts
+# a ProgramCache here and in tinygrad's place for its own schedule
 
 
 @contextlib.contextmanager
@@ -319,7 +320,13 @@ def install() -> bool:
   """Put loop_optimizations in place of tinygrad's heuristic (the rows path needs it whatever PYRUNTIME_LOOP_OPTS says:
   it is what keeps reduce-axis opts out of its kernels) and, unless PYRUNTIME_LOOP_OPTS=0, widen the CPU's float loads.
   Once, before any kernel compiles. Returns whether the loop schedules are on."""
+  global _rows_programs
+  from tinygrad import codegen
   from tinygrad.renderer import Estimates
+
+  from pyruntime.stage.program_cache import ProgramCache
+  if not isinstance(codegen.to_program_cache, ProgramCache):
+    codegen.to_program_cache, _rows_programs = ProgramCache("stock"), ProgramCache("rows")
   Estimates.from_uops = staticmethod(_estimates)  # needed by the rows path's kernels whatever their schedule
   heuristic.hand_coded_optimizations = loop_optimizations
   if ENABLED:

@@ -1,0 +1,47 @@
+"""The program cache (pyruntime/stage/program_cache.py): a kernel lowered once is read back from disk by a later
+process, under its own loop schedule and build only."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinygrad import Tensor, codegen, helpers
+
+from pyruntime.stage import kernel_opts, program_cache
+from pyruntime.stage.program_cache import ProgramCache
+
+
+@pytest.fixture
+def cachedb(tmp_path, monkeypatch):
+  """tinygrad's on-disk cache in a file of this test's own (a fresh connection, no table made yet)."""
+  monkeypatch.setattr(helpers, "CACHEDB", str(tmp_path / "cache.db"))
+  monkeypatch.setattr(helpers, "_db_connection", None)
+  monkeypatch.setattr(helpers, "_db_tables", set())
+  yield tmp_path / "cache.db"
+  if helpers._db_connection is not None: helpers._db_connection.close()
+
+
+def test_a_lowering_comes_back_under_its_schedule_and_build_only(cachedb, monkeypatch):
+  key = (b"ast digest", "renderer", "target")
+  ProgramCache("rows")[key] = "lowered"
+  assert cachedb.exists()
+  assert ProgramCache("rows").get(key) == "lowered"  # a new cache: what a new process starts with
+  assert ProgramCache("stock").get(key) is None and ProgramCache("rows").get(key[:2]) is None
+  monkeypatch.setattr(program_cache, "build_identity", lambda: {"pyruntime": "other source"})
+  assert ProgramCache("rows").get(key) is None
+
+
+def test_a_real_kernel_is_lowered_once(cachedb, monkeypatch):
+  kernel_opts.install()
+  assert isinstance(codegen.to_program_cache, ProgramCache)
+  lowered = []
+  stock = codegen.do_to_program
+  monkeypatch.setattr(codegen, "do_to_program", lambda ast, renderer: lowered.append((ast, renderer)) or stock(ast, renderer))
+  a = np.arange(35, dtype=np.float32).reshape(5, 7)  # a shape no other test lowers, so nothing in memory has it
+  got = (Tensor(a, device="CPU") * 3 + 1).sum(axis=1).numpy()
+  assert np.array_equal(got, (a * 3 + 1).sum(axis=1)) and lowered
+  ast, renderer = lowered[-1]
+  first = codegen.to_program(ast, renderer)
+  dict.clear(codegen.to_program_cache)  # the memory of this process gone: only the disk has it
+  n = len(lowered)
+  again = codegen.to_program(ast, renderer)
+  assert len(lowered) == n and again is first  # read back, not lowered again (UOps are interned: equal means the same)

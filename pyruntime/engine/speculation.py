@@ -57,10 +57,10 @@ def prediction_draft(out: list[int], predicted: list[int], k: int, max_n: int = 
 
 
 class DraftLength:
-  """One stream's draft length. A verify record runs in the stages' short graph that fits its rows (8 or 16 rows: a
-  draft of 7 costs about what a shorter one does, docs/speculation.md): drafts are as long as the limit while they pay,
-  i.e. while the tokens accepted per round (a moving average) cover a round's extra cost over a plain step
-  (MIN_ACCEPTED); below that the stream drafts
+  """One stream's draft length. A verify record runs in the stages' short graph that fits its rows (with packed
+  weights: 8 or 16 rows, so a draft of 7 costs about what a shorter one does, docs/speculation.md): drafts are as long
+  as the limit while they pay, i.e. while the tokens accepted per round (a moving average) cover a round's extra cost
+  over a plain step (MIN_ACCEPTED); below that the stream drafts
   nothing, and after PROBE_EVERY plain tokens it tries again. A draft model's drafts cost steps of their own, unlike a
   prompt lookup's, so with `backoff` the wait doubles after each probe that did not pay (up to PROBE_MAX: a draft model
   that never agrees costs a round every PROBE_MAX tokens at most), and `paying`, `wait` start a stream where the draft

@@ -46,8 +46,9 @@ _stock = heuristic.hand_coded_optimizations
 _state = threading.local()
 
 
-_rows_programs: dict = {}  # tinygrad's lowering cache for the rows schedule (keyed by the kernel before its opts): install() puts
-# a ProgramCache here and in tinygrad's place for its own schedule
+# tinygrad's lowering cache for the rows schedule (keyed by the kernel before its opts); install() makes it and tinygrad's own
+# cache ProgramCaches (kept on disk)
+_rows_programs: dict = {}
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Lowered kernels kept on disk, so a stage compiles only the kernels no earlier process has lowered.
+"""Lowered kernels kept on disk, so a stage lowers only the kernels no earlier process has lowered.
 
 tinygrad lowers each kernel (its AST: optimise, linearise, render to source) once per process, in a dict
 (`tinygrad.codegen.to_program_cache`), and keeps the compiled binary of each source on disk (its compile cache). The

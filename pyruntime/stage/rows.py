@@ -5,7 +5,7 @@ row, and a row's numbers depend on nothing but its stream: its input, its positi
 stream holds before it. That is the exactness contract (docs/stage-ownership.md, "Exactness"). It holds because:
 
 - one piece of code computes a row in both graphs: `prefill` (rows of one stream at consecutive positions, any count
-  up to MAX_ROWS, symbolic; chunks of at most 8 or 16 rows in graphs of that many rows) and `decode` (one row for
+  up to MAX_ROWS, symbolic; with packed weights, chunks of at most 8 or 16 rows in graphs of that many rows) and `decode` (one row for
   each stream in a window of KV slots, in one of a few fixed shapes). Both call `_layer`, which differs between them
   only in how the new keys and values are written;
 - no kernel ever mixes rows: projections, norms and the attention of row r read only row r (and its stream's cache);

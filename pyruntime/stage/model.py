@@ -162,11 +162,14 @@ def _fuse_projections(b: Any, device: str) -> None:
 
 
 def _set_blocks(lin: nn.Linear, blocks: Tensor | PackedMatrix) -> None:
-  """A linear's column blocks, and its `weight` a view of them (the matrix it was: tinygrad's own kernels read it)."""
+  """A linear's column blocks, and (float blocks) its `weight` a view of them, the matrix it was: tinygrad's own kernels
+  read it. A packed linear's `weight` stays the unallocated placeholder _weight made: packed weights exist only on the
+  rows path, which reads `rows_blocked` (rows._linear), and the lazy expression of its values cost ~10 ms of Python a
+  matrix at load, a third of a new process's weight load."""
   lin.rows_blocked = blocks
+  if isinstance(blocks, PackedMatrix): return
   n, K, vec = blocks.shape
-  values = blocks.matrix() if isinstance(blocks, PackedMatrix) else blocks
-  lin.weight.replace(values.permute(1, 0, 2).reshape(K, n * vec).T)
+  lin.weight.replace(blocks.permute(1, 0, 2).reshape(K, n * vec).T)
 
 
 def _held(lin: Any, p: Tensor) -> list[Tensor]:
@@ -303,11 +306,16 @@ class StageModel:
     mm = np.memmap(self.path, dtype=np.uint8, mode="r")
     # projections kept packed are repacked from the mmap below: no device copy of their bytes, no dequantising graph
     self._packed = {n for n in names if self._keeps_packed(n)}
+    self._ready: dict[str, Tensor] = {}  # tensors uploaded as the value their parameter holds (_host_vector)
     raws: dict[str, Tensor] = {}
     for n in names:
       ti = header.tensors[n]
       if ti.offset + ti.nbytes > mm.shape[0]: raise errors.ModelLoadFailed(f"{self.path}: tensor {n!r} runs past the end of the file")
-      if n not in self._packed: raws[n] = device_memory.upload(mm[ti.offset:ti.offset + ti.nbytes], self.device)
+      if n in self._packed: continue
+      # a float vector (a norm, a bias) is converted on the host and uploaded as the value the kernels read: scheduling
+      # its conversion on the device cost ~50 ms a block at load
+      if (vec := self._host_vector(ti, mm)) is not None: raws[n] = self._ready[n] = device_memory.upload(vec, self.device)
+      else: raws[n] = device_memory.upload(mm[ti.offset:ti.offset + ti.nbytes], self.device)
     self.resident_bytes = sum(r.nbytes() for r in raws.values())  # the quantized mode's; the others' are set below
     # each tensor's bytes as in the file: with weights="quantized" the kernels dequantise them (the graph cache names them)
     self.raw_tensors = raws if self.weights == "quantized" else {}
@@ -344,7 +352,7 @@ class StageModel:
       # a float16 vector to float32 in one instruction (kernel_opts._keep_half_to_float_vectors), so float16 reads
       # half the bytes for the same bits
       done: set[int] = set()
-      row_orders: dict[tuple[str, int], np.ndarray] = {}
+      row_orders: dict[tuple[str, int], np.ndarray | None] = {}
       for group in groups:  # a block at a time: blocks of one kind schedule alike, and tinygrad reuses the first's schedule
         group = [p for p in group if id(p) not in done]
         done.update(id(p) for p in group)
@@ -355,7 +363,9 @@ class StageModel:
             # the file's blocks, repacked into column blocks and dequantised inside the kernels (pyruntime/stage/packed.py)
             ti = header.tensors[name]
             if (key := (name.rsplit(".", 2)[-2], p.shape[0])) not in row_orders:  # the same for every block
-              row_orders[key] = self._rotary(name, Tensor.arange(p.shape[0], device=self.device).reshape(-1, 1)).numpy()[:, 0]
+              rows = Tensor.arange(p.shape[0], device=self.device).reshape(-1, 1)
+              # realized only where _rotary permutes (q and k): each realize is a small schedule, ~60 ms at load
+              row_orders[key] = None if (order := self._rotary(name, rows)) is rows else order.numpy()[:, 0]
             lin.rows_blocked = repack(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, row_orders[key], kernel_opts.VEC, self.half)
           elif lin is not None and p.shape[0] % kernel_opts.VEC == 0:
             # the rows path keeps a projection's matrix in column blocks (outputs / VEC, inputs, VEC): a kernel streams
@@ -383,10 +393,19 @@ class StageModel:
     order (_rotary)."""
     if name in self._packed:  # replaced by its packed matrix's values (_set_blocks): never realized
       return Tensor.empty(*self.header.tensors[name].shape, dtype=dtypes.float16 if self.half else dtypes.float32, device=self.device)
+    if name in self._ready: return self._ready[name]
     if name not in raws: raise errors.ModelLoadFailed(f"{self.path}: tensor {name!r} is missing")
     ti = self.header.tensors[name]
     w = ggml_data_to_tensor(raws[name], prod(ti.dims), ti.ggml_type).reshape(*ti.shape)
     return self._rotary(name, w.cast("float16") if self.half else w)
+
+  def _host_vector(self, ti: TensorInfo, mm: np.ndarray) -> np.ndarray | None:
+    """A float32 or float16 vector of the file as the value its parameter holds once loaded (float16-rounded like every
+    weight of the reference, float32 in float32 mode: numpy and the kernels both round to nearest even), or None where
+    the kernels read the file's bytes (quantized mode) or the tensor is not a plain float vector."""
+    if self.weights == "quantized" or len(ti.shape) != 1 or (dt := {0: np.float32, 1: np.float16}.get(ti.ggml_type)) is None: return None
+    v = mm[ti.offset:ti.offset + ti.nbytes].view(dt).astype(np.float16 if self.half else np.float32)
+    return v.astype(np.float32) if self.weights == "float32" else v
 
   def _keeps_packed(self, name: str) -> bool:
     """Whether the stage keeps tensor `name` as the file's blocks (weights="packed": the rows path's projections)."""

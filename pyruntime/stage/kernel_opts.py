@@ -235,6 +235,15 @@ def _estimates(uops: tuple[UOp, ...], ignore_indexing: bool = False):
   return Estimates(total(flops), total(lds), sum(mem.values()))
 
 
+def _no_graph_estimate(call: UOp):
+  """What a graph runner counts for one of its kernels: nothing. tinygrad's GraphRunner sums its kernels' estimates
+  into one symbolic expression and simplifies it (used only for tinygrad's GlobalCounters and DEBUG prints): for a
+  stage's graphs, hundreds of kernels over symbolic rows, that was ~6 s of a 15-block stage's 9.5 s warm-up, paid at
+  every capture and every load from the graph cache. Each kernel run outside a graph still counts."""
+  from tinygrad.renderer import Estimates
+  return Estimates()
+
+
 # --- wide loads -----------------------------------------------------------------------------------
 _NARROW = '([16,8,4,2] if "AMX" in ctx.target.arch else [4,2])'
 _WIDE = f'([{VEC},8,4,2] if ("AMX" in ctx.target.arch or (ctx.target.device == "CPU" and "Clang" in type(ctx).__name__)) else [4,2])'
@@ -323,12 +332,14 @@ def install() -> bool:
   Once, before any kernel compiles. Returns whether the loop schedules are on."""
   global _rows_programs
   from tinygrad import codegen
+  from tinygrad.engine import jit
   from tinygrad.renderer import Estimates
 
   from pyruntime.stage.program_cache import ProgramCache
   if not isinstance(codegen.to_program_cache, ProgramCache):
     codegen.to_program_cache, _rows_programs = ProgramCache("stock"), ProgramCache("rows")
   Estimates.from_uops = staticmethod(_estimates)  # needed by the rows path's kernels whatever their schedule
+  jit.estimate_uop = _no_graph_estimate  # the name GraphRunner.__init__ reads, and nothing else
   heuristic.hand_coded_optimizations = loop_optimizations
   if ENABLED:
     _keep_half_to_float_vectors()

@@ -383,6 +383,17 @@ def test_against_llama_cpp(pre, tmp_path):
   assert tok.eot_id is None or {tok.eot_id, lc.llama_vocab_eot(vocab)} <= tok.end_ids
 
 
+def test_token_bytes_of_characters_outside_the_byte_alphabet(tmp_path):
+  """A NORMAL token's bytes: each byte-alphabet character its byte, any other character its UTF-8 (a sentencepiece
+  '▁', a latin-1 control character the alphabet does not use, CJK), whichever path token_bytes takes."""
+  to_byte = {c: b for b, c in REF_ALPHABET.items()}
+  extra = ["▁é", "日本", "\x85x", "a\u0100b", "Ċ\x7f", "\xad", "ÿĠ"]
+  tok = Tokenizer.from_gguf(write_vocab_gguf(tmp_path / "v.gguf", "gpt-2", extra_tokens=[(t, 1) for t in extra]))
+  for t in extra:
+    want = b"".join(bytes([to_byte[c]]) if c in to_byte else c.encode() for c in t)
+    assert tok.token_bytes(tok.vocab_size - len(extra) + extra.index(t)) == want, t
+
+
 # --- bad token ids -------------------------------------------------------------------------------
 def test_decode_refuses_ids_outside_the_vocabulary_and_non_integers(smollm2):
   from pyruntime.errors import TokenIdInvalid

@@ -8,7 +8,7 @@ Two schedules, chosen per kernel when it compiles:
   could not size, on the constant output axis. tests/integration/test_kernel_opts.py checks these against a process without them.
 
 - **rows** (the batched path, `pyruntime/stage/rows.py`, under `rows_schedules()`): every reduce kernel gets a schedule of
-  ours alone, with no reduce-axis opt at all. Each output is one sequential sum over its reduce axis, so a row's bits
+  ours alone, on a CPU with no reduce-axis opt at all. Each output is one sequential sum over its reduce axis, so a row's bits
   cannot depend on how many rows share the kernel or where the kernel was cut: a decode row and a prompt row at the
   same position compute the same numbers (the exactness contract of docs/stage-ownership.md). On top of that, only
   output axes move: the output axis the biggest input walks with stride 1 is upcast by VEC (vector loads and FMAs of
@@ -18,7 +18,9 @@ Two schedules, chosen per kernel when it compiles:
 
 `install()` also widens the CPU's vector loads and stores of floats from 4 to up to VEC (what tinygrad already
 does for AMX): without it clang gets 4-wide loads and emits 128-bit FMAs only. A load's width changes no value.
-Devices with local memory (GPUs) keep tinygrad's schedules, minus any reduce-axis opt under `rows_schedules()`.
+Devices with local memory (GPUs) keep tinygrad's schedules for their own kernels; under `rows_schedules()` a reduce
+kernel's sum is split over a workgroup by a fixed rule (`_fixed_groups`, docs/prompt-path.md's GPU rule), then
+tinygrad's output-axis choices apply, minus any of its reduce-axis opts and upcasts.
 PYRUNTIME_LOOP_OPTS=0 turns the speed-ups off: tinygrad's schedules for its own kernels, and no opt at all for the rows
 path's (the same sums in the same order: tests/integration/test_kernel_opts.py compares the bits of both settings).
 """
@@ -38,6 +40,7 @@ UPCAST = 8  # stock+: accumulators added per output of a symbolic-token kernel (
 ROW_UPCAST = 8  # stock+: a fixed loop axis this small is the batch's rows: upcast whole, each loaded weight serves every row
 OUT_UPCAST = 4  # stock+: then the largest output axis, 4 outputs per loaded input
 VEC = 16   # rows: outputs per vector (16 float32: one AVX-512 register, two AVX2 ones)
+GROUP_THREADS = 32  # rows, on devices with local memory: threads that share one output's sum (a warp's worth)
 ROWS = 8   # rows: accumulator rows per loaded vector (8 x 16 measured best of 4..16 x 8..16 on SmolLM2's shapes)
 # stock+: a kernel doing less than this (multiply-adds at the largest token count and context) keeps tinygrad's schedule
 MIN_WORK = 1 << 20
@@ -159,12 +162,32 @@ def _rows_cpu(k: Scheduler) -> Scheduler:
   return k
 
 
+def _fixed_groups(k: Scheduler) -> None:
+  """Split each output's sum over up to GROUP_THREADS threads of a workgroup, in a way chosen by the sizes of the
+  kernel's constant reduce axes alone, never by its rows: innermost axis first (neighbouring threads read neighbouring
+  elements), each by the largest divisor of its size that the threads left allow. Each thread sums its elements in
+  order and the workgroup adds the partial sums in thread order (tinygrad's GROUP: a local buffer, then one loop), so
+  an output's bits are the same in a one-row decode kernel as in a 256-row prompt chunk's. A symbolic reduce axis
+  (the attended length) stays whole."""
+  left = GROUP_THREADS
+  for i in reversed(range(len(k.axes_of(AxisType.REDUCE)))):
+    if left < 2: return
+    size = k.full_shape[k.axes_of(AxisType.REDUCE)[i]]
+    if not isinstance(size, int): continue
+    if (g := max(d for d in range(1, min(size, left) + 1) if size % d == 0)) < 2: continue
+    try: k.apply_opt(Opt(OptOps.GROUP, i, g))
+    except KernelOptError: return
+    left //= g
+
+
 def _rows_gpu(k: Scheduler, stock: Scheduler) -> Scheduler:
-  """tinygrad's choices on a device with local memory, without those that split or reorder a sum (tensor cores,
-  GROUP, UNROLL): each kept in order while it applies."""
+  """The fixed groups (_fixed_groups), then tinygrad's choices on a device with local memory without those that
+  split or reorder a sum (tensor cores, GROUP, UNROLL) and without UPCAST, which would give a thread several outputs
+  and the output fewer threads: each kept in order while it applies."""
   t = k.copy()
+  _fixed_groups(t)
   for o in stock.applied_opts:
-    if o.op in (OptOps.TC, OptOps.GROUP, OptOps.GROUPTOP, OptOps.UNROLL): continue
+    if o.op in (OptOps.TC, OptOps.GROUP, OptOps.GROUPTOP, OptOps.UNROLL, OptOps.UPCAST): continue
     try: t.apply_opt(o)
     except KernelOptError: break
   return t

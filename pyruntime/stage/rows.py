@@ -240,7 +240,10 @@ class RowPath:
     # 0 * stale bytes (a NaN, even) must not reach the sum; a position some row sees was written this step or before
     last = pos.reshape(B, 1, T).max(-1).reshape(B, 1, 1, 1)
     out = w @ (self.arange[:kv].reshape(1, 1, kv, 1) > last).where(0.0, values)  # (B, KvH, G*T, Hd)
-    return out.reshape(B, c.n_kv_heads, G, T, Hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.n_heads * Hd)
+    # stored as (B, T, H * Hd): read through the permuted view, the output projection's sum would run over (kv heads,
+    # G, Hd) axes when T > 1 and over one axis when T = 1, and a split sum (kernel_opts._fixed_groups, devices with
+    # local memory) cuts those differently; as one axis it is cut alike in every graph
+    return out.reshape(B, c.n_kv_heads, G, T, Hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.n_heads * Hd).contiguous()
 
   def _blocks(self, x: Tensor, attention) -> Tensor:
     """x through the stage's blocks; `attention(block, normed x)` is the graph's attention (write, then attend).

@@ -91,16 +91,17 @@ def launch_report(model: str, device: str, weights: str = "float32") -> dict:
 
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.modelfile.plan import num_blocks
-  from pyruntime.stage.launch_report import launches
+  from pyruntime.stage.launch_report import launches, projections
   from pyruntime.stage.model import StageModel
   with Context(NULL_ALLOW_COPYOUT=1):
     m = StageModel.load(model, 0, num_blocks(read_header(model)), device=device, max_context=256, slots=1, weights=weights)
     m.reset_slot(0); m.prefill_rows(0, np.arange(8, dtype=np.uint32) + 100, 0)
     m.forward_batch([0], np.asarray([7], np.uint32), [8]).numpy()
   ks = [k for k in launches(m.graph("decode-1")) if k.device.split(":")[0] == m.device.split(":")[0]]
+  proj = set(projections(ks, m.projection_buffers()))
   return {"device": device, "weights": m.weights, "kernels": len(ks),
-          "reductions": [{"name": k.name, "threads": k.threads, "global": k.global_size, "local": k.local_size}
-                         for k in ks if k.name.startswith("r")]}
+          "reductions": [{"name": k.name, "threads": k.threads, "global": k.global_size, "local": k.local_size, "outputs": k.outputs,
+                          "projection": k in proj} for k in ks if k.name.startswith("r")]}
 
 
 def main() -> None:
@@ -129,11 +130,15 @@ def main() -> None:
       lo, mid, hi = (th[0], th[len(th) // 2], th[-1]) if th else (0, 0, 0)
       print(f"{dev} ({r['weights']} weights): {r['kernels']} kernel launches per one-row decode step, {len(r['reductions'])} of them "
             f"reductions; threads per reduction (fixed sizes): min {lo}, median {mid}, max {hi}")
+      per = sorted(x["threads"] / x["outputs"] for x in r["reductions"] if x["projection"] and x["threads"] and x["outputs"])
+      if per: print(f"   projections: {len(per)} kernels, threads per output: min {per[0]:g}, max {per[-1]:g}")
       seen: set[str] = set()
       for x in r["reductions"]:  # each distinct kernel once (the blocks repeat them)
         if x["name"] in seen: continue
         seen.add(x["name"])
-        print(f"   {x['name']:<40} threads {x['threads'] if x['threads'] is not None else 'by context':>10}  global {x['global']} local {x['local']}")
+        what = "projection" if x["projection"] else ""
+        print(f"   {x['name']:<40} threads {x['threads'] if x['threads'] is not None else 'by context':>10}  outputs {x['outputs']:>7}"
+              f"  global {x['global']} local {x['local']} {what}")
     return
   rows, decode = [int(r) for r in a.rows.split(",")], [int(r) for r in a.decode.split(",")]
   if a.side:

@@ -22,6 +22,8 @@ class Launch:
   local_size: tuple[int, ...]
   source: str
   binary: bytes
+  outputs: int = 0  # elements of the buffer it writes (its first output)
+  reads: frozenset[UOp] = frozenset()  # the buffers it reads (a view's base), the graph's inputs not among them
 
   @property
   def threads(self) -> int | None:
@@ -41,16 +43,36 @@ def launches(jit: TinyJit) -> list[Launch]:
   return list(_walk(jit.captured.linear))
 
 
+def projections(ls: list[Launch], weights: set[UOp]) -> list[Launch]:
+  """The launches that read one of `weights` (StageModel.projection_buffers: a projection's kernels)."""
+  return [k for k in ls if k.reads & weights]
+
+
 def _walk(linear: UOp) -> Iterator[Launch]:
   for call in linear.src:
     if call.op is not Ops.CALL or not call.src: continue
     head = call.src[0]
-    if head.op is Ops.PROGRAM: yield _launch(head)
+    if head.op is Ops.PROGRAM: yield _launch(call)
     elif head.op is Ops.CUSTOM_FUNCTION: yield from (k for body in head.src if body.op is Ops.LINEAR for k in _walk(body))
 
 
-def _launch(prog: UOp) -> Launch:
+def _base(u: UOp) -> UOp:
+  while u.op is Ops.BUFFER_VIEW: u = u.src[0]
+  return u
+
+
+def _elements(u: UOp | None) -> int:
+  if u is None or u.op not in (Ops.BUFFER, Ops.BUFFER_VIEW) or not u.shape: return 0
+  return u.shape[0] if isinstance(u.shape[0], int) else 0
+
+
+def _launch(call: UOp) -> Launch:
+  from tinygrad.engine.realize import get_call_arg_uops, get_call_outs_ins
+  prog = call.src[0]
   src, info = {s.op: s.arg for s in prog.src}, prog.arg
   size = lambda xs: tuple(x if isinstance(x, int) else -1 for x in xs or ())  # noqa: E731 -- -1: a symbolic size
+  args, (outs, ins) = get_call_arg_uops(call), get_call_outs_ins(call)
+  out = args[outs[0]] if outs and outs[0] < len(args) else None
   return Launch(_ANSI.sub("", info.name), str(src.get(Ops.DEVICE, "")), size(info.global_size), size(info.local_size),
-                src.get(Ops.SOURCE, ""), src.get(Ops.BINARY, b""))
+                src.get(Ops.SOURCE, ""), src.get(Ops.BINARY, b""), _elements(out),
+                frozenset(_base(args[i]) for i in ins if i < len(args) and _base(args[i]).op is Ops.BUFFER))

@@ -478,6 +478,15 @@ class StageModel:
     out.update({f"file.{n}": t for n, t in self.raw_tensors.items()})
     return out
 
+  def projection_buffers(self) -> set[UOp]:
+    """The buffers holding this stage's dense projections (column blocks, packed buffers, or with quantized weights
+    the file's bytes): a kernel that reads one computes a projection (the launch report's measure of threads)."""
+    lins = [lin for b in self.blk for lin in _linears(b)] + ([self.output] if self.is_tail else [])
+    held = [t for lin in lins for t in _held(lin, lin.weight)]
+    out = output_tensor_name(self.header) if self.is_tail else None
+    held += [t for n, t in self.raw_tensors.items() if n.rsplit(".", 2)[-2] in _PROJECTIONS or n == out]
+    return {u for t in held if (u := t.uop.base).op is Ops.BUFFER}
+
   # --- running ----------------------------------------------------------------------------------
   def _run(self, inp: Tensor, start_pos: int | UOp, toks: int | UOp, caches: list[Tensor]) -> Tensor:
     it = iter(caches)

@@ -92,6 +92,29 @@ def test_cl_splits_cache_and_speculation_are_exact(tiny):
   assert got.token_ids == reference(tiny, CL, got.prompt_token_ids, N)
 
 
+@pytest.mark.parametrize("device", [CL, SM90.format(0)])
+@pytest.mark.parametrize("weights", ["float32", "quantized"])
+def test_gpu_projections_share_each_sum_over_a_warp_of_threads(tiny, device, weights):
+  """From the launch report: every projection kernel of a one-row decode step (the kernels that read a projection's
+  weights) launches GROUP_THREADS threads for each output it computes, where each used to sum alone; a prompt chunk's
+  projections share each sum over workgroups of as many threads (the same split, so the same bits: test_rows.py's
+  contract tests on CL)."""
+  lane_device(device)
+  from tinygrad.helpers import Context, prod
+
+  from pyruntime.stage.kernel_opts import GROUP_THREADS
+  from pyruntime.stage.launch_report import projections
+  from pyruntime.stage.model import StageModel
+  with Context(NULL_ALLOW_COPYOUT=1):
+    m = StageModel.load(tiny, 0, 5, device=device, max_context=128, slots=2, weights=weights)
+    m.warm_up(every_window=False)
+  weights_read = m.projection_buffers()
+  decode, prompt = (projections(launches(m.graph(g)), weights_read) for g in ("decode-1", "prefill"))
+  assert len(decode) == len(prompt) >= 4 * 5 + 1  # 4 to 7 a block (fused or not), and the vocabulary's
+  assert all(k.outputs and k.threads == GROUP_THREADS * k.outputs for k in decode), [(k.name, k.threads, k.outputs) for k in decode]
+  assert all(prod(k.local_size) >= GROUP_THREADS for k in prompt), [(k.name, k.local_size) for k in prompt]
+
+
 @pytest.mark.parametrize("name,split", [("qwen3moe", [(0, 1), (1, 4)]), ("deepseek2", [(0, 2), (2, 4)])])
 def test_cl_moe_and_mla_families_equal_tinygrad(tmp_path, name, split):
   lane_device(CL)

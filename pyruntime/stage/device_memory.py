@@ -6,6 +6,10 @@ Two facts of tinygrad 0.13.0's backends shape this module:
   one: it may only start at the device's base address alignment (128 bytes on PoCL), and tinygrad, seeing `_offset`,
   would view at any element. So where a backend has views this module views (zero-copy), and where it has none it
   copies: a read is one small copy kernel on the device, a write goes through the whole buffer on the host.
+- **Writing part of a buffer.** Where a backend has no views, OpenCL's own write takes a byte offset
+  (clEnqueueWriteBuffer; tinygrad 0.13's allocator always writes from 0): a record's rows go to their place in a
+  staging buffer in one copy of their own bytes, not the whole buffer read back, patched and written again.
+  `copies` counts every host <-> device copy this module makes and its bytes (the launch report's "copies per step").
 - **When a copy has read its source.** A stage copies from memory it does not own past the call: a ring slot that goes
   back to its writer once the record is consumed, the model file's mmap, closed after loading. The CPU and the HCQ
   devices copy with memmove, CUDA through a pinned staging buffer, NULL reads nothing: the source is read when copyin
@@ -22,6 +26,12 @@ from tinygrad.device import Buffer
 from tinygrad.helpers import prod
 
 _SOURCE_READ_ON_RETURN = frozenset({"CPU", "CUDA", "NV", "AMD", "NULL"})
+copies = {"count": 0, "bytes": 0}  # host <-> device copies made here, and their bytes (a process's own counts)
+
+
+def _count(nbytes: int) -> None:
+  copies["count"] += 1
+  copies["bytes"] += nbytes
 
 
 def has_views(device: str) -> bool:
@@ -41,7 +51,21 @@ def host_bytes(arr: np.ndarray) -> memoryview:
 def copy_to_device(buf: Buffer, arr: np.ndarray) -> None:
   """arr's bytes (exactly buf's size) into `buf`, done reading `arr` when this returns (module docstring)."""
   buf.ensure_allocated().copyin(host_bytes(arr))
+  _count(arr.nbytes)
   if buf.device.split(":")[0] not in _SOURCE_READ_ON_RETURN: Device[buf.device].synchronize()
+
+
+def _write_at(buf: Buffer, arr: np.ndarray, offset: int) -> bool:
+  """arr's bytes into `buf` from byte `offset` with the backend's own offset write, where it has one (OpenCL), blocking
+  (done reading arr on return); False elsewhere."""
+  if buf.device.split(":")[0] != "CL": return False
+  from tinygrad.helpers import from_mv
+  from tinygrad.runtime.autogen import opencl as cl
+  from tinygrad.runtime.ops_cl import check
+  src = host_bytes(arr)
+  check(cl.clEnqueueWriteBuffer(Device[buf.device].queue, buf.ensure_allocated()._buf, True, offset, src.nbytes, from_mv(src), 0, None, None))
+  _count(src.nbytes)
+  return True
 
 
 def upload(arr: np.ndarray, device: str) -> Tensor:
@@ -57,7 +81,9 @@ def write(buf: Buffer, arr: np.ndarray, offset: int = 0) -> None:
   n = arr.nbytes
   if offset == 0 and n == buf.nbytes: return copy_to_device(buf, arr)
   if has_views(buf.device): return copy_to_device(buf.view(n, dtypes.uint8, offset), arr)
+  if _write_at(buf, arr, offset): return None
   whole = np.frombuffer(buf.ensure_allocated().as_memoryview(), np.uint8).copy()
+  _count(whole.nbytes)
   whole[offset:offset + n] = np.frombuffer(host_bytes(arr), np.uint8)
   copy_to_device(buf, whole)
 

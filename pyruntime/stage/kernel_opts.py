@@ -41,6 +41,10 @@ ROW_UPCAST = 8  # stock+: a fixed loop axis this small is the batch's rows: upca
 OUT_UPCAST = 4  # stock+: then the largest output axis, 4 outputs per loaded input
 VEC = 16   # rows: outputs per vector (16 float32: one AVX-512 register, two AVX2 ones)
 GROUP_THREADS = 32  # rows, on devices with local memory: threads that share one output's sum (a warp's worth)
+# rows, on devices with local memory: threads per workgroup at most. tinygrad checks each local dimension, not their
+# product: its heuristic's LOCAL choices (up to 128 threads) on top of a group of 32 made workgroups of 4096, which no
+# CUDA device launches (1024 at most); 256 is what WebGPU and many OpenCL devices allow
+WORKGROUP_MAX = 256
 ROWS = 8   # rows: accumulator rows per loaded vector (8 x 16 measured best of 4..16 x 8..16 on SmolLM2's shapes)
 # stock+: a kernel doing less than this (multiply-adds at the largest token count and context) keeps tinygrad's schedule
 MIN_WORK = 1 << 20
@@ -180,6 +184,13 @@ def _fixed_groups(k: Scheduler) -> None:
     left //= g
 
 
+def _workgroup_allows(k: Scheduler, o: Opt) -> bool:
+  """Whether LOCAL opt `o` keeps k's workgroup within WORKGROUP_MAX threads."""
+  now = prod(k.full_shape[a] for a in k.axes_of(AxisType.LOCAL, AxisType.GROUP_REDUCE, AxisType.WARP))
+  amt = o.arg or (k.full_shape[o.axis] if o.axis is not None and o.axis < len(k.full_shape) else None)
+  return isinstance(now, int) and isinstance(amt, int) and now * amt <= WORKGROUP_MAX
+
+
 def _rows_gpu(k: Scheduler, stock: Scheduler) -> Scheduler:
   """The fixed groups (_fixed_groups), then tinygrad's choices on a device with local memory without those that
   split or reorder a sum (tensor cores, GROUP, UNROLL) and without UPCAST, which would give a thread several outputs
@@ -188,6 +199,7 @@ def _rows_gpu(k: Scheduler, stock: Scheduler) -> Scheduler:
   _fixed_groups(t)
   for o in stock.applied_opts:
     if o.op in (OptOps.TC, OptOps.GROUP, OptOps.GROUPTOP, OptOps.UNROLL, OptOps.UPCAST): continue
+    if o.op is OptOps.LOCAL and not _workgroup_allows(t, o): break
     try: t.apply_opt(o)
     except KernelOptError: break
   return t

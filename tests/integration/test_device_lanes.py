@@ -102,7 +102,7 @@ def test_gpu_projections_share_each_sum_over_a_warp_of_threads(tiny, device, wei
   lane_device(device)
   from tinygrad.helpers import Context, prod
 
-  from pyruntime.stage.kernel_opts import GROUP_THREADS
+  from pyruntime.stage.kernel_opts import GROUP_THREADS, WORKGROUP_MAX
   from pyruntime.stage.launch_report import projections
   from pyruntime.stage.model import StageModel
   with Context(NULL_ALLOW_COPYOUT=1):
@@ -113,6 +113,34 @@ def test_gpu_projections_share_each_sum_over_a_warp_of_threads(tiny, device, wei
   assert len(decode) == len(prompt) >= 4 * 5 + 1  # 4 to 7 a block (fused or not), and the vocabulary's
   assert all(k.outputs and k.threads == GROUP_THREADS * k.outputs for k in decode), [(k.name, k.threads, k.outputs) for k in decode]
   assert all(prod(k.local_size) >= GROUP_THREADS for k in prompt), [(k.name, k.local_size) for k in prompt]
+  # and no workgroup a device cannot launch (tinygrad checks each local dimension alone; CUDA allows 1024 threads)
+  every = [k for g in ("decode-1", "prefill") for k in launches(m.graph(g))]
+  assert all(prod(k.local_size) <= WORKGROUP_MAX for k in decode + prompt), [(k.name, k.local_size) for k in decode + prompt]
+  assert all(prod(k.local_size) <= 1024 for k in every), [(k.name, k.local_size) for k in every if prod(k.local_size) > 1024]
+
+
+def test_cl_copies_only_a_records_own_bytes(tiny):
+  """On CL (no buffer views): a write at an offset lands there and keeps the rest of the buffer, and a one-row decode
+  step copies its inputs' own bytes to the device, one copy each, where every write used to read the whole staging
+  buffer back, patch it and write it all again."""
+  lane_device(CL)
+  import numpy as np
+  from tinygrad import Tensor
+
+  from pyruntime.stage import device_memory
+  from pyruntime.stage.model import StageModel
+  t = Tensor(np.arange(64, dtype=np.float32), device=CL).realize()
+  device_memory.write(t.uop.buffer, np.full(4, -1, np.float32), 16 * 4)
+  assert t.numpy().tolist() == [*range(16), -1, -1, -1, -1, *range(20, 64)]
+  m = StageModel.load(tiny, 0, 5, device=CL, max_context=128, slots=2, weights="float32")
+  m.reset_slot(0)
+  m.prefill_rows(0, np.arange(8, dtype=np.uint32) + 100, 0)
+  m.forward_batch([0], np.asarray([7], np.uint32), [8]).numpy()  # captures the graph
+  inputs = m.rows._decode_inputs([0], np.asarray([9], np.uint32), [9], *m.rows.window([0]))
+  before = dict(device_memory.copies)
+  m.forward_batch([0], np.asarray([9], np.uint32), [9]).numpy()
+  assert device_memory.copies["count"] - before["count"] == len(inputs)
+  assert device_memory.copies["bytes"] - before["bytes"] == sum(a.nbytes for a in inputs)
 
 
 @pytest.mark.parametrize("name,split", [("qwen3moe", [(0, 1), (1, 4)]), ("deepseek2", [(0, 2), (2, 4)])])

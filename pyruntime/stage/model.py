@@ -401,10 +401,11 @@ class StageModel:
 
   def _host_vector(self, ti: TensorInfo, mm: np.ndarray) -> np.ndarray | None:
     """A float32 or float16 vector of the file as the value its parameter holds once loaded (float16-rounded like every
-    weight of the reference, float32 in float32 mode: numpy and the kernels both round to nearest even), or None where
+    weight of the reference unless HALF=0, float32 in float32 mode: numpy and the kernels both round to nearest even), or None where
     the kernels read the file's bytes (quantized mode) or the tensor is not a plain float vector."""
     if self.weights == "quantized" or len(ti.shape) != 1 or (dt := {0: np.float32, 1: np.float16}.get(ti.ggml_type)) is None: return None
-    v = mm[ti.offset:ti.offset + ti.nbytes].view(dt).astype(np.float16 if self.half else np.float32)
+    v = mm[ti.offset:ti.offset + ti.nbytes].view(dt)
+    v = v.astype(np.float16) if self.half else v.copy()  # without HALF the file's own type, as _weight gives it
     return v.astype(np.float32) if self.weights == "float32" else v
 
   def _keeps_packed(self, name: str) -> bool:

@@ -10,7 +10,8 @@
 #   bash bench/gpu_check.sh run CL           the same steps here, as a dry run (OpenCL through PoCL); `run NULL` compiles
 #                                            for sm_90 without running (tokens meaningless there, completion checked)
 #
-# Steps: 1 the stage model's GPU tests (the lanes file with DEVICE as its device: splits, cache, speculation, families),
+# Steps: 1 the stage model's GPU tests (the lanes file with DEVICE as its device: splits, cache, speculation, families,
+# copies, 32 threads per projection output; and the rows path's contract tests, bit for bit, under the GPU rule),
 # 2 a 2-stage generation on DEVICE:0,DEVICE:0 (two stage processes on one GPU) and 1 stage, token ids against tinygrad's
 # single-process model on the same device, 3 the launch report (bench/kernels.py --report), 4 the pipeline benchmark.
 set -uo pipefail
@@ -45,7 +46,8 @@ step build 240 python3 -m pip install -q --no-build-isolation --no-deps -e .
 model=$CARRY/smollm2-cut.gguf; [ -f "$model" ] || model=$(python3 -c "from pyruntime.modelfile.source import default_model_path as p; print(p())")
 case $dev in NULL) export NULL_ALLOW_COPYOUT=1; d0="NULL:0:CUDA:sm_90"; d1="NULL:1:CUDA:sm_90" ;; *) d0="$dev"; d1="$dev" ;; esac
 if [ "$dev" = NULL ]; then step lanes 300 python3 -m pytest -q -x -n 2 -p no:cacheprovider tests/integration/test_device_lanes.py -k sm90
-else step lanes 300 env PYRUNTIME_LANE_DEVICE="$dev" python3 -m pytest -q -x -n 4 -p no:cacheprovider tests/integration/test_device_lanes.py -k "cl_ and not smollm2"; fi
+else step lanes 360 env PYRUNTIME_LANE_DEVICE="$dev" python3 -m pytest -q -x -n 4 -p no:cacheprovider tests/integration/test_device_lanes.py \
+  tests/integration/test_rows.py -k "(cl_ and not smollm2) or warp or ${dev}]"; fi
 step generate 240 python3 - "$model" "$d0,$d1" "$dev" <<'PY'
 import itertools, json, sys
 from tinygrad.helpers import Context

@@ -6,6 +6,8 @@ stream's rows do not depend on the streams beside it; and a split gives the unsp
 tinygrad's own model on the test prompts (its T=1 decode kernels sum in another order, so logits differ by ~1e-6)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from test_model import CTX, PROMPT, PROMPT2, SPLITS, bits, chain, load_split, reference_tokens, tiny_refs_blocks
@@ -32,8 +34,9 @@ def whole(path, **kw) -> StageModel:
 
 
 # the contract's three tests also run on the CL lane (tests/integration/test_device_lanes.py): OpenCL through PoCL, a GPU-style
-# device with the local-memory schedules, asynchronous copies and no buffer views
-CL = "CL"
+# device with the local-memory schedules (the GPU rule's split sums), asynchronous copies and no buffer views; on a lent
+# GPU bench/gpu_check.sh runs them on CUDA (PYRUNTIME_LANE_DEVICE)
+CL = os.environ.get("PYRUNTIME_LANE_DEVICE", "CL")
 
 
 def on(device: str | None) -> dict:

@@ -524,4 +524,9 @@ def main() -> None:
   commands: queue.Queue = queue.Queue()
   threading.Thread(target=read_commands, args=(0, commands), name="control-in", daemon=True).start()
   stage.serve(commands)
+  # stopped in order (rings closed, WorkerStopped sent): nothing is left to write, and the interpreter's teardown of a
+  # loaded model (tinygrad's atexit hooks, every buffer and graph collected) took ~0.3 s of every close
+  if stage.profile_report is not None: stage.profile_report()
+  sys.stdout.flush(); sys.stderr.flush()
+  os._exit(0)
 

@@ -83,7 +83,8 @@ def model_identity(path: str | os.PathLike, header_bytes: int) -> dict:
   return {"header": hashlib.sha256(head).hexdigest()[:32], "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _base(u: UOp) -> UOp:
+def base_buffer(u: UOp) -> UOp:
+  """The BUFFER under a chain of BUFFER_VIEWs (a captured call's argument)."""
   while u.op is Ops.BUFFER_VIEW: u = u.src[0]
   return u
 
@@ -95,7 +96,7 @@ def _written(linear: UOp) -> set[UOp]:
   for call in linear.toposort():
     if call.op is not Ops.CALL: continue
     args, (outs, _) = get_call_arg_uops(call), get_call_outs_ins(call)
-    out |= {_base(args[k]) for k in outs if k < len(args)}
+    out |= {base_buffer(args[k]) for k in outs if k < len(args)}
   return out
 
 

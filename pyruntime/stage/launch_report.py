@@ -56,11 +56,6 @@ def _walk(linear: UOp) -> Iterator[Launch]:
     elif head.op is Ops.CUSTOM_FUNCTION: yield from (k for body in head.src if body.op is Ops.LINEAR for k in _walk(body))
 
 
-def _base(u: UOp) -> UOp:
-  while u.op is Ops.BUFFER_VIEW: u = u.src[0]
-  return u
-
-
 def _elements(u: UOp | None) -> int:
   if u is None or u.op not in (Ops.BUFFER, Ops.BUFFER_VIEW) or not u.shape: return 0
   return u.shape[0] if isinstance(u.shape[0], int) else 0
@@ -68,6 +63,8 @@ def _elements(u: UOp | None) -> int:
 
 def _launch(call: UOp) -> Launch:
   from tinygrad.engine.realize import get_call_arg_uops, get_call_outs_ins
+
+  from pyruntime.stage.graph_cache import base_buffer
   prog = call.src[0]
   src, info = {s.op: s.arg for s in prog.src}, prog.arg
   size = lambda xs: tuple(x if isinstance(x, int) else -1 for x in xs or ())  # noqa: E731 -- -1: a symbolic size
@@ -75,4 +72,4 @@ def _launch(call: UOp) -> Launch:
   out = args[outs[0]] if outs and outs[0] < len(args) else None
   return Launch(_ANSI.sub("", info.name), str(src.get(Ops.DEVICE, "")), size(info.global_size), size(info.local_size),
                 src.get(Ops.SOURCE, ""), src.get(Ops.BINARY, b""), _elements(out),
-                frozenset(_base(args[i]) for i in ins if i < len(args) and _base(args[i]).op is Ops.BUFFER))
+                frozenset(b for i in ins if i < len(args) and (b := base_buffer(args[i])).op is Ops.BUFFER))

@@ -60,7 +60,7 @@ _rows_programs: dict = {}
 
 @contextlib.contextmanager
 def rows_schedules() -> Iterator[None]:
-  """Kernels compiled inside get the rows schedule (no reduce-axis opt). tinygrad caches a kernel's lowering by the
+  """Kernels compiled inside get the rows schedule (no reduce-axis opt chosen by shape). tinygrad caches a kernel's lowering by the
   kernel as it was before any opt, so the two schedules keep separate caches: a kernel that both paths happen to share
   (a norm of the same shape, say) must not come back with the other path's opts. A captured JIT keeps the kernels it
   compiled, so only the capturing calls need this."""
@@ -206,8 +206,9 @@ def _rows_gpu(k: Scheduler, stock: Scheduler) -> Scheduler:
 
 
 def rows_schedule(k: Scheduler) -> Scheduler:
-  """The batched path's schedule: no reduce-axis opt, so every output is one sequential sum and a row's bits depend
-  on nothing but its own inputs (see the module's docstring). Kernels without a reduction keep tinygrad's schedule."""
+  """The batched path's schedule: on a CPU no reduce-axis opt, so every output is one sequential sum; on a device with
+  local memory the fixed groups (_fixed_groups). Either way a row's bits depend on nothing but its own inputs (see
+  the module's docstring). Kernels without a reduction keep tinygrad's schedule."""
   if not k.axes_of(AxisType.REDUCE): return _stock(k)
   if k.ren.has_local: return _rows_gpu(k, _stock(k.copy()))
   return _rows_cpu(k.copy())

@@ -9,8 +9,9 @@ stream holds before it. That is the exactness contract (docs/stage-ownership.md,
   each stream in a window of KV slots, in one of a few fixed shapes). Both call `_layer`, which differs between them
   only in how the new keys and values are written;
 - no kernel ever mixes rows: projections, norms and the attention of row r read only row r (and its stream's cache);
-- every sum is sequential over its reduce axis (kernel_opts.rows_schedule applies no reduce-axis opt), so a row's
-  value does not depend on how many rows run beside it or where a prompt was cut;
+- every sum is cut the same way whatever the rows (kernel_opts.rows_schedule: one sequential sum on a CPU, a split fixed
+  by the reduce axes' sizes on a GPU), so a row's value does not depend on how many rows run beside it or where a
+  prompt was cut;
 - keys past a row's position are masked to exact zeros (`where`, not an addition, so stale cache bytes never reach
   a sum), and masked terms add exact zeros: the attended length changes no bit.
 

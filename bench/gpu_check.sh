@@ -11,9 +11,11 @@
 #                                            for sm_90 without running (tokens meaningless there, completion checked)
 #
 # Steps: 1 the stage model's GPU tests (the lanes file with DEVICE as its device: splits, cache, speculation, families,
-# copies, 32 threads per projection output; and the rows path's contract tests, bit for bit, under the GPU rule),
-# 2 a 2-stage generation on DEVICE:0,DEVICE:0 (two stage processes on one GPU) and 1 stage, token ids against tinygrad's
-# single-process model on the same device, 3 the launch report (bench/kernels.py --report), 4 the pipeline benchmark.
+# copies, 32 threads per projection output; and the rows path's contract tests, bit for bit, under the GPU rule and in
+# the tensor-core mode, on the device's tensor cores), 2 a 2-stage generation on DEVICE:0,DEVICE:0 (two stage processes
+# on one GPU) and 1 stage, token ids against tinygrad's single-process model on the same device, 3 the launch report
+# (bench/kernels.py --report), 4 logits against float64, float32 path and tensor-core mode (bench/exactness.py),
+# 5 the pipeline benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-run}; dev=${2:-CUDA}
@@ -47,7 +49,7 @@ model=$CARRY/smollm2-cut.gguf; [ -f "$model" ] || model=$(python3 -c "from pyrun
 case $dev in NULL) export NULL_ALLOW_COPYOUT=1; d0="NULL:0:CUDA:sm_90"; d1="NULL:1:CUDA:sm_90" ;; *) d0="$dev"; d1="$dev" ;; esac
 if [ "$dev" = NULL ]; then step lanes 300 python3 -m pytest -q -x -n 2 -p no:cacheprovider tests/integration/test_device_lanes.py -k sm90
 else step lanes 360 env PYRUNTIME_LANE_DEVICE="$dev" python3 -m pytest -q -x -n 4 -p no:cacheprovider tests/integration/test_device_lanes.py \
-  tests/integration/test_rows.py -k "(cl_ and not smollm2) or warp or ${dev}]"; fi
+  tests/integration/test_rows.py -k "(cl_ and not smollm2) or warp or ${dev}] or ${dev}-"; fi
 step generate 240 python3 - "$model" "$d0,$d1" "$dev" <<'PY'
 import itertools, json, sys
 from tinygrad.helpers import Context
@@ -75,6 +77,8 @@ print(json.dumps(out))
 sys.exit(0 if out.get("equal_to_single_process") and all(out["equal_to_single_process"].values()) else 1)
 PY
 step kernels 180 python3 bench/kernels.py --report --device "$d0" --model "$model"
+# the tensor-core mode's logits and the float32 path's against float64, on the device (compiled only under NULL)
+[ "$dev" != NULL ] && step exactness 240 python3 bench/exactness.py --devices "$d0" --no-llama --model "$model"
 # the pipeline benchmark compares with tinygrad's single-process model, which does not run SmolLM2 on PoCL: CUDA only
 [ "${dev%%:*}" = CUDA ] && step pipeline 240 env PYRUNTIME_DEVICE="$dev" python3 bench/pipeline.py --json --model "$model"
 log "done: results in $OUT"

@@ -3,7 +3,7 @@ matmuls at the same row count, and decode steps; then the loop schedules on and 
 the schedules being chosen when a kernel compiles), with every logit's bits compared.
 
   python bench/kernels.py [--model PATH] [--rows 32,64,128,256] [--decode 1,8] [--repeats 5]
-  python bench/kernels.py --report [--device CL,NULL:CUDA:sm_90] [--weights float32,quantized] [--model PATH]
+  python bench/kernels.py --report [--device CL,NULL:CUDA:sm_90] [--weights float32,quantized] [--tensor-cores] [--model PATH]
 
 --report is the launch report (a count, not a timing): per one-row decode step of a whole-model stage on each device
 beside the CPU's, the kernels it launches and the threads each reduction kernel (the projections, attention, norms)
@@ -84,8 +84,9 @@ def numpy_floor(model: str, rows: list[int], repeats: int) -> dict:
   return out
 
 
-def launch_report(model: str, device: str, weights: str = "float32") -> dict:
-  """Kernels of a one-row decode step (the rows path's decode-1 graph) on `device`, each with its threads."""
+def launch_report(model: str, device: str, weights: str = "float32", tensor_cores: bool = False) -> dict:
+  """Kernels of a one-row decode step (the rows path's decode-1 graph) on `device`, each with its threads, and how many
+  run tensor-core tiles (`tensor_cores`: the mode; CUDA's mma.sync)."""
   import numpy as np
   from tinygrad.helpers import Context
 
@@ -94,12 +95,13 @@ def launch_report(model: str, device: str, weights: str = "float32") -> dict:
   from pyruntime.stage.launch_report import launches, projections
   from pyruntime.stage.model import StageModel
   with Context(NULL_ALLOW_COPYOUT=1):
-    m = StageModel.load(model, 0, num_blocks(read_header(model)), device=device, max_context=256, slots=1, weights=weights)
+    m = StageModel.load(model, 0, num_blocks(read_header(model)), device=device, max_context=256, slots=1, weights=weights,
+                      tensor_cores=tensor_cores)
     m.reset_slot(0); m.prefill_rows(0, np.arange(8, dtype=np.uint32) + 100, 0)
     m.forward_batch([0], np.asarray([7], np.uint32), [8]).numpy()
   ks = [k for k in launches(m.graph("decode-1")) if k.device.split(":")[0] == m.device.split(":")[0]]
   proj = set(projections(ks, m.projection_buffers()))
-  return {"device": device, "weights": m.weights, "kernels": len(ks),
+  return {"device": device, "weights": m.weights, "kernels": len(ks), "tiles": sum("mma.sync" in k.source for k in ks),
           "reductions": [{"name": k.name, "threads": k.threads, "global": k.global_size, "local": k.local_size, "outputs": k.outputs,
                           "projection": k in proj} for k in ks if k.name.startswith("r")]}
 
@@ -114,6 +116,7 @@ def main() -> None:
   ap.add_argument("--report", action="store_true", help="the launch report (kernels and threads per decode step) instead")
   ap.add_argument("--device", default="CL,NULL:CUDA:sm_90", help="--report: devices beside the CPU, comma-separated")
   ap.add_argument("--weights", default="float16,quantized", help="--report: weight modes, comma-separated (float16: a CPU's default)")
+  ap.add_argument("--tensor-cores", action="store_true", help="--report: in the tensor-core mode (docs/prompt-path.md)")
   a = ap.parse_args()
   if a.report:
     from pyruntime.devices import cpu_device, nvidia_compilers
@@ -122,14 +125,15 @@ def main() -> None:
     model = a.model or str(default_model_path())
     for dev, weights in [(d, w) for d in [cpu_device(), *a.device.split(",")] for w in a.weights.split(",")]:
       code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); from kernels import launch_report; "
-              f"print(json.dumps(launch_report({model!r}, {dev!r}, {weights!r})))")
+              f"print(json.dumps(launch_report({model!r}, {dev!r}, {weights!r}, {a.tensor_cores})))")
       p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
       if p.returncode: print(f"{dev}: failed: {p.stderr.strip().splitlines()[-1:]}"); continue
       r = json.loads(p.stdout.strip().splitlines()[-1])
       th = sorted(x["threads"] for x in r["reductions"] if x["threads"] is not None)
       lo, mid, hi = (th[0], th[len(th) // 2], th[-1]) if th else (0, 0, 0)
       print(f"{dev} ({r['weights']} weights): {r['kernels']} kernel launches per one-row decode step, {len(r['reductions'])} of them "
-            f"reductions; threads per reduction (fixed sizes): min {lo}, median {mid}, max {hi}")
+            f"reductions; threads per reduction (fixed sizes): min {lo}, median {mid}, max {hi}"
+            + (f"; {r['tiles']} run tensor-core tiles" if a.tensor_cores else ""))
       per = sorted(x["threads"] / x["outputs"] for x in r["reductions"] if x["projection"] and x["threads"] and x["outputs"])
       if per: print(f"   projections: {len(per)} kernels, threads per output: min {per[0]:g}, max {per[-1]:g}")
       seen: set[str] = set()

@@ -106,6 +106,9 @@ class PlacementUnavailable(PyruntimeError):
 class DrafterVocabMismatch(PyruntimeError):
   """A draft model's vocabulary is not the target's (another token's bytes, another special id): its tokens would
   mean other text. Refused at load (docs/speculation.md, "A draft model")."""
+class TensorCoresUnavailable(PyruntimeError):
+  """The tensor-core mode on a device whose tensor cores cannot take one of its projections: run another way, that
+  kernel would sum differently from the same projection at other row counts (docs/prompt-path.md, "Tensor cores")."""
 
 class ServerUnreachable(PyruntimeError):
   """`pyruntime inspect --server URL`: no pyruntime server answered /metrics there."""

@@ -51,6 +51,10 @@ CHOICES = {c.name: c for c in (
          "packed (the file's Q4_0/Q4_1/Q8_0 blocks dequantised in registers, float32's bits at the file's size), or dequantised once at "
          "load (float16, float32); auto: packed on a CPU when it takes at most half of free memory (float32 on CPU:X86, which has no "
          "clang kernels), quantized on GPUs and with --decode reference"),
+  Choice("tensor_cores", ("off", "on"), "off", "on: the projections of the batched path take float16 activations, so a GPU runs "
+         "them on its tensor cores (a projection's products exact, its sums in float32; every row through the same padded tile, so "
+         "a decode row still equals a prompt row), at float16's rounding of each projection's input (docs/prompt-path.md, 'Tensor "
+         "cores'); needs float16 values of the weights (not --weights float32); elsewhere the same numbers, summed in order"),
   Choice("speculative", ("off", "ngram"), "off", "ngram: draft tokens by looking the stream's last tokens up in its prompt and "
          "output; model:PATH: draft them with a smaller GGUF of the same vocabulary, run as a stage of its own; either way verified by "
          "the pipeline in one step each (exactly plain decoding's tokens; greedy streams; docs/speculation.md)", prefixed=("model:",)),

@@ -44,15 +44,20 @@ class LaunchOptions:
   cache_dir: str | None = None          # where downloaded models go (source.py)
   stage_env: dict[str, str] = field(default_factory=dict)  # added to every stage process's environment
   load_timeout_s: float = 900.0
+  tensor_cores: str = "off"             # on: the projections' inputs in float16, for a GPU's tensor cores (docs/prompt-path.md)
 
   def __post_init__(self) -> None:
     check_launch(boundary_dtype=self.boundary_dtype, max_streams=self.max_streams, decode=self.decode, weights=self.weights,
+                 tensor_cores=self.tensor_cores,
                  prefill_share=self.prefill_share, prefix_cache=self.prefix_cache, stall_timeout=self.stall_timeout,
                  stall_capture_timeout=self.stall_capture_timeout, speculative=self.speculative, draft_tokens=self.draft_tokens)
     if not isinstance(self.graph_cache, bool): raise errors.InvalidOption("graph_cache", f"must be true or false, got {self.graph_cache!r}")
     if self.placement not in ("local", "ray"): raise errors.InvalidOption("placement", f"must be local or ray, not {self.placement!r:.80}")
     if self.placement == "local" and (self.ray_address is not None or self.hosts is not None):
       raise errors.InvalidOption("placement", "ray_address and hosts need placement='ray'")
+    if self.tensor_cores == "on" and (self.decode == "reference" or self.weights == "float32"):
+      raise errors.InvalidOption("tensor_cores", "needs decode='batched' and float16 values of the weights "
+                                                 f"(weights 'auto', 'packed', 'float16' or 'quantized'), not {self.decode!r} and {self.weights!r}")
 
   @property
   def draft_model(self) -> str | None:
@@ -87,7 +92,7 @@ class LaunchPlan:
     o, (start, end) = self.options, self.split[i]
     return dict(stage=i, start=start, end=end, slots=o.max_streams, boundary_dtype=o.boundary_dtype, max_context=self.context_length,
                 decode=o.decode, warmup=o.warmup, weights=self.weights[i], graph_cache=o.graph_cache, micro_batches=self.micro_batches,
-                prefill_share=o.prefill_share, prefix_blocks=o.prefix_cache // BLOCK, block_size=BLOCK)
+                prefill_share=o.prefill_share, prefix_blocks=o.prefix_cache // BLOCK, block_size=BLOCK, tensor_cores=o.tensor_cores == "on")
 
 
 def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, template: str) -> str:
@@ -124,14 +129,16 @@ def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool,
   if options.weights != "auto": return options.weights
   if options.decode == "reference" or spec.base != "CPU" or arch not in DENSE_ARCHS:
     return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (see stage.py)
-  if x86: return "float32" if float32_fits else "quantized"
+  if x86: return "quantized" if options.tensor_cores == "on" or not float32_fits else "float32"
   return "packed" if copy_fits else "quantized"
 
 
 def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: int) -> LaunchPlan:
   """The plan for `options` over the model at `path` (its header read), with `memory` bytes available on this host."""
   from pyruntime.devices import parse_device, parse_devices
-  from pyruntime.modelfile.plan import plan_split
+  from pyruntime.modelfile.plan import DENSE_ARCHS, plan_split
+  if options.tensor_cores == "on" and header.arch not in DENSE_ARCHS:
+    raise errors.InvalidOption("tensor_cores", f"needs a dense model (the batched path); {header.arch} decodes with tinygrad's own kernels")
   n = len(options.split) if options.split else options.stages
   if not isinstance(n, int) or isinstance(n, bool) or n < 1: raise errors.InvalidOption("stages", f"must be an integer >= 1, got {n!r}")
   devices = parse_devices(options.devices, n)

@@ -72,13 +72,13 @@ class Launcher:
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0,
                prefix_cache: int = PREFIX_CACHE_TOKENS, graph_cache: bool = True, stall_timeout: float = STALL_TIMEOUT_S,
                stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S, speculative: str = "off", draft_tokens: int = 7,
-               placement: str = "local", ray_address: str | None = None, hosts: int | None = None):
+               placement: str = "local", ray_address: str | None = None, hosts: int | None = None, tensor_cores: str = "off"):
     if placement == "ray":
       from pyruntime.engine.hosts import require_ray
       require_ray()  # refused now, naming the extra, rather than at start
     self.options = LaunchOptions(stages, split, devices, boundary_dtype, max_streams, decode, weights, warmup, max_context, prefill_share,
                                  prefix_cache, graph_cache, float(stall_timeout), float(stall_capture_timeout), speculative, draft_tokens,
-                                 placement, ray_address, hosts, cache_dir, dict(stage_env or {}), load_timeout_s)
+                                 placement, ray_address, hosts, cache_dir, dict(stage_env or {}), load_timeout_s, tensor_cores)
     self.model_source, self.on_event = model, on_event
     self.planned: LaunchPlan | None = None
     self.pool: StagePool | None = None    # the stage processes, and where they run

@@ -33,8 +33,11 @@ from typing import Iterator
 
 from tinygrad.codegen.opt import KernelOptError, Opt, OptOps, heuristic
 from tinygrad.codegen.opt.postrange import Scheduler
+from tinygrad.dtype import dtypes
 from tinygrad.helpers import getenv, prod
 from tinygrad.uop.ops import AxisType, Ops, UOp
+
+from pyruntime import errors
 
 UPCAST = 8  # stock+: accumulators added per output of a symbolic-token kernel (8 measured best of 4 and 8 on SmolLM2)
 ROW_UPCAST = 8  # stock+: a fixed loop axis this small is the batch's rows: upcast whole, each loaded weight serves every row
@@ -205,11 +208,57 @@ def _rows_gpu(k: Scheduler, stock: Scheduler) -> Scheduler:
   return t
 
 
+def _as_half(u: UOp) -> UOp | None:
+  """u's float16 form when u is a float16 value widened to float (or such a value where a padding row's mask keeps it,
+  else zero), else None."""
+  if u.op is Ops.CAST and u.src[0].dtype.scalar() == dtypes.half: return u.src[0]
+  if u.op is Ops.WHERE and (v := _as_half(u.src[1])) is not None and u.src[2].op is Ops.CONST and u.src[2].arg == 0:
+    return u.src[0].where(v, u.src[2].cast(v.dtype))
+  return None
+
+
+def _half_products(k: Scheduler) -> tuple[UOp, UOp] | None:
+  """The kernel's product and its float16 form when it is a matrix product of two float16 values widened to float (a
+  projection of the tensor-core mode: rows._tensor_core_rows), else None. A matrix product: each factor walks an output
+  axis the other does not (the rows; the weight's outputs), which a norm's sum of squares of float16 values (the
+  head's first norm) does not."""
+  if len(reds := k.reduceops) != 1 or reds[0].arg[0] is not Ops.ADD or (mul := reds[0].src[0]).op is not Ops.MUL: return None
+  a, b = mul.src
+  if (ha := _as_half(a)) is None or (hb := _as_half(b)) is None or not (set(a.ranges) - set(b.ranges) and set(b.ranges) - set(a.ranges)):
+    return None
+  return mul, (ha * hb).cast(mul.dtype)
+
+
+def _tensor_cores(k: Scheduler, mul: UOp, half: UOp) -> Scheduler:
+  """The sum of float16 products `mul` on the device's tensor cores: the product taken in float16 (`half`: the form
+  tinygrad's tensor-core opt matches; on the tensor core it is exact, as the widened product is) with a float
+  accumulator, the rows axis padded to the tile. Then tinygrad's own upcasts on the tile's output axes, none on its
+  sum. The reduce axis is cut by the tile's depth alone, so an output's bits do not depend on the rows beside it. A
+  device with tensor cores that cannot take this kernel fails it by name rather than run it another way (the other
+  kernels of the same projection, at other row counts, would sum differently)."""
+  t = k.copy()
+  t.ast = t.ast.substitute({mul: half})
+  for sel, tc in enumerate(t.ren.tensor_cores):
+    if tc.dtype_in != dtypes.half or tc.dtype_out != dtypes.float: continue
+    for axis in range(64):  # every (N, M, K) choice of axes, until one fits the tile
+      try:
+        u = t.copy()
+        rngs = u.apply_opt(Opt(OptOps.TC, axis, (sel, 2, 1)))
+      except KernelOptError: continue
+      for d in (1, 0):  # tinygrad's own after a tensor core: upcast the tile's M and N axes
+        if rngs is not None and (szs := [n for n in (4, 2) if rngs[d].src[0].divides(n) is not None]):
+          with contextlib.suppress(KernelOptError): rngs[d] = u.apply_opt(Opt(OptOps.UPCAST, u.rngs.index(rngs[d]), szs[0]))[0]
+      return u
+  raise errors.TensorCoresUnavailable(f"{type(k.ren).__name__} has no float16 tensor core that takes the kernel of shape {k.full_shape}")
+
+
 def rows_schedule(k: Scheduler) -> Scheduler:
   """The batched path's schedule: on a CPU no reduce-axis opt, so every output is one sequential sum; on a device with
-  local memory the fixed groups (_fixed_groups). Either way a row's bits depend on nothing but its own inputs (see
-  the module's docstring). Kernels without a reduction keep tinygrad's schedule."""
+  local memory the fixed groups (_fixed_groups); a matrix product of float16 values (the tensor-core mode) on a device
+  with tensor cores, the tile (_tensor_cores). Any way a row's bits depend on nothing but its own inputs (see the
+  module's docstring). Kernels without a reduction keep tinygrad's schedule."""
   if not k.axes_of(AxisType.REDUCE): return _stock(k)
+  if k.ren.tensor_cores and (products := _half_products(k)) is not None: return _tensor_cores(k, *products)
   if k.ren.has_local: return _rows_gpu(k, _stock(k.copy()))
   return _rows_cpu(k.copy())
 

@@ -216,17 +216,17 @@ class StageModel:
   @classmethod
   def load(cls, path: str | os.PathLike, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
            slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None, decode: str = "batched",
-           graph_cache: GraphCache | None = None) -> StageModel:
+           tensor_cores: bool = False, graph_cache: GraphCache | None = None) -> StageModel:
     path = pathlib.Path(path)
     if not path.is_file(): raise errors.GgufLocalPathMissing(f"no GGUF file at {path}")
     try: header = read_header(path)
     except (OSError, ValueError, KeyError, UnicodeDecodeError) as e: raise errors.ModelLoadFailed(f"{path}: {e}") from e
     return cls(header, start, end, device=device, max_context=max_context, slots=slots, boundary_dtype=boundary_dtype, weights=weights,
-               decode=decode, graph_cache=graph_cache)
+               decode=decode, tensor_cores=tensor_cores, graph_cache=graph_cache)
 
   def __init__(self, header: GGUFHeader, start: int, end: int, *, device: str | None = None, max_context: int | None = None,
                slots: int = 4, boundary_dtype: str = "float32", weights: str | None = None, decode: str = "batched",
-               graph_cache: GraphCache | None = None):
+               tensor_cores: bool = False, graph_cache: GraphCache | None = None):
     check_architecture(header)
     # long (~60 lines): the config read from the header, field by field, in the order tinygrad's Transformer takes it
     L = num_blocks(header)
@@ -261,6 +261,13 @@ class StageModel:
 
     self.weights = weights or ("float16" if getenv("REALIZE", 0) else getenv("PYRUNTIME_WEIGHTS", "quantized"))
     if self.weights not in WEIGHT_MODES: raise errors.InvalidOption("weights", f"must be one of {WEIGHT_MODES}, not {self.weights!r}")
+    # the tensor-core mode (docs/prompt-path.md, "Tensor cores"): the rows path's projections of float16 activations
+    self.tensor_cores = bool(tensor_cores)
+    if self.tensor_cores and not self.batched:
+      raise errors.InvalidOption("tensor_cores", f"needs the rows path (decode='batched' and a dense model; this stage: {self.family}, {decode})")
+    if self.tensor_cores and (self.weights == "float32" or not self.half):
+      raise errors.InvalidOption("tensor_cores", "needs float16 weights (weights 'float16', 'packed' or 'quantized', and not HALF=0), "
+                                 f"not {self.weights!r}" + ("" if self.half else " with HALF=0"))
     try: self._load_weights()
     except errors.PyruntimeError: raise
     except Exception as e: raise errors.ModelLoadFailed(f"{self.path}: loading blocks [{start}, {end}) failed: {type(e).__name__}: {e}") from e
@@ -465,7 +472,7 @@ class StageModel:
     return {"graph": name, "model": model_identity(self.path, min(t.offset for t in self.header.tensors.values())),
             "blocks": [self.start, self.end], "device": self.device, "renderer": type(Device[self.device].renderer).__name__,
             "slots": self.slots, "max_context": self.config.max_context, "weights": self.weights, "boundary": self.boundary_dtype,
-            "half": self.half, "rows": self.batched}
+            "half": self.half, "rows": self.batched, "tensor_cores": self.tensor_cores}
 
   def bound_tensors(self) -> dict[str, Tensor]:
     """Every realized tensor of this stage a graph may read or write, by a name stable across processes: its staging

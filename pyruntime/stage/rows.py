@@ -46,6 +46,9 @@ ROW_UNIT = 16    # prompt rows are padded to a multiple of this (kernel_opts.ROW
 # Float weights have nothing to stage: there the symbolic graph costs the same and two more captures would buy nothing.
 SHORT_ROWS = (kernel_opts.ROWS, ROW_UNIT)
 STAGED_ROWS = ROW_UNIT  # a packed matrix read by more rows than this is dequantised into a scratch buffer first (_values)
+# the tensor-core mode: a projection's rows are padded to this, the rows of every float16 tile tinygrad's renderers
+# know (CUDA's 16x8x16, AMD's 16x16x16, Metal's 8x8x8 and Intel's 8x8x16 divide it)
+TC_ROWS = 16
 KV_UNIT = 32     # attended lengths are padded to a multiple of this (kernel_opts.VEC x two threads)
 
 
@@ -61,22 +64,46 @@ def _values(wb: Tensor | PackedMatrix, lead: list) -> Tensor:
   return wb.matrix(staged=not all(isinstance(n, int) for n in lead) or prod(lead) > STAGED_ROWS)
 
 
-def _linear(lin: Any, x: Tensor) -> Tensor:
+def _tensor_core_rows(x: Tensor, product) -> Tensor:
+  """product(rows) of x (..., K) as the tensor-core mode takes it: the rows in one axis padded with zero rows to a
+  multiple of TC_ROWS (a tensor core's tile of rows: a one-row decode step runs the same tile as a prompt chunk), each
+  value rounded to float16 (what the tile takes) and widened back, so that the sum is of two float16 values' products
+  (kernel_opts._half_products: the kernels a device's tensor cores run; elsewhere the same numbers summed in order).
+  The padding rows' outputs are stored, then dropped."""
+  *lead, K = x.shape
+  n = prod(lead)
+  x = x.reshape(n, K)
+  if padded := isinstance(n, int) and n % TC_ROWS > 0: x = x.pad(((0, _round(n, TC_ROWS) - n), None))
+  # stored as float16 by a kernel of its own, so the product reads float16 values whatever tinygrad fuses
+  y = product(x.cast(dtypes.float16).contiguous().cast(dtypes.float32))
+  if padded: y = y.contiguous()  # computed for every row of the tile: else tinygrad computes only the rows kept
+  return y[:n].reshape(*lead, y.shape[-1])
+
+
+def _blocked_product(x: Tensor, wb: Tensor | PackedMatrix, tc: bool) -> Tensor:
+  """x (..., K) times the column blocks wb (outputs / VEC, K, VEC): (..., outputs), one sum over K per output."""
+  if tc: return _tensor_core_rows(x, lambda r: _blocked_product(r, wb, False))
+  *lead, K = x.shape
+  return (x.reshape(*lead, 1, K, 1) * _values(wb, lead)).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
+
+
+def _linear(lin: Any, x: Tensor, tc: bool = False) -> Tensor:
   """nn.Linear's x @ weight.T (+ bias), from the matrix's column blocks (outputs / VEC, inputs, VEC) when the stage keeps
   them (realized weights: StageModel._load_weights): for each block of VEC outputs the kernel reads one run of memory,
-  every input's VEC weights in a row, instead of VEC floats per row of the whole matrix. The same sum over the inputs."""
-  if (wb := getattr(lin, "rows_blocked", None)) is None: return lin(x)
-  *lead, K = x.shape
-  y = (x.reshape(*lead, 1, K, 1) * _values(wb, lead)).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
+  every input's VEC weights in a row, instead of VEC floats per row of the whole matrix. The same sum over the inputs.
+  `tc`: the tensor-core mode's inputs (_tensor_core_rows)."""
+  if (wb := getattr(lin, "rows_blocked", None)) is None:
+    if not tc: return lin(x)
+    y = _tensor_core_rows(x, lambda r: r @ lin.weight.T)
+  else: y = _blocked_product(x, wb, tc)
   return y if lin.bias is None else y + lin.bias
 
 
-def _projections(b: Any, x: Tensor, fused: str, names: tuple[str, ...]) -> list[Tensor]:
+def _projections(b: Any, x: Tensor, fused: str, names: tuple[str, ...], tc: bool = False) -> list[Tensor]:
   """The projections `names` of x: from the block's fused matrix `fused` (StageModel's FUSED) in one kernel when it has
   one, cut into each projection's outputs (+ its bias), else one _linear each. Every output is the same sum either way."""
-  if (wb := getattr(b, fused, None)) is None: return [_linear(getattr(b, n), x) for n in names]
-  *lead, K = x.shape
-  y = (x.reshape(*lead, 1, K, 1) * _values(wb, lead)).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
+  if (wb := getattr(b, fused, None)) is None: return [_linear(getattr(b, n), x, tc) for n in names]
+  y = _blocked_product(x, wb, tc)
   out, at = [], 0
   for n in names:
     lin = getattr(b, n)
@@ -214,7 +241,7 @@ class RowPath:
     c = b.config
     B, T, _ = x.shape
     x = x.contiguous()  # normed: see _blocks
-    q, k, v = _projections(b, x, "rows_qkv", ("attn_q", "attn_k", "attn_v"))
+    q, k, v = _projections(b, x, "rows_qkv", ("attn_q", "attn_k", "attn_v"), self.m.tensor_cores)
     if c.qk_norm and c.qk_norm != c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
     q = q.reshape(B, T, c.n_heads, c.head_dim).transpose(1, 2)
     k = k.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
@@ -253,14 +280,16 @@ class RowPath:
     own (`contiguous`): fused into the sum, tinygrad takes such a factor out of it (sum(x * r * w) -> r * sum(x * w)),
     which rounds differently, and whether it fuses depends on the graph's shapes. As buffers, both graphs sum the
     same stored values."""
+    tc = self.m.tensor_cores
+
     def call(b: TransformerBlock, x: Tensor) -> Tensor:
       @function(allow_implicit=True)
       def _run(x: Tensor) -> Tensor:
-        h = x + _linear(b.attn_output, attention(b, b.attn_norm(x)))
+        h = x + _linear(b.attn_output, attention(b, b.attn_norm(x)), tc)
         n = b.ffn_norm(h).contiguous()
         # tinygrad's dense feed-forward (FFNBlock._feed_forward), through the column-blocked matrices
-        gate, up = _projections(b, n, "rows_gate_up", ("ffn_gate", "ffn_up"))
-        return (h + _linear(b.ffn_down, gate.silu().contiguous() * up)).contiguous()
+        gate, up = _projections(b, n, "rows_gate_up", ("ffn_gate", "ffn_up"), tc)
+        return (h + _linear(b.ffn_down, gate.silu().contiguous() * up, tc)).contiguous()
       return _run(x)
     return self.m._blocks(x, call)
 
@@ -279,7 +308,7 @@ class RowPath:
   def _egress(self, x: Tensor) -> Tensor:
     """Rows (n, 1, dim) or (1, n, dim) out: the tail's logits (n, vocab), else the residual in the boundary dtype."""
     m = self.m
-    if m.is_tail: return _linear(m.output, m.output_norm(x).contiguous()).reshape(-1, m.vocab_size).contiguous()
+    if m.is_tail: return _linear(m.output, m.output_norm(x).contiguous(), m.tensor_cores).reshape(-1, m.vocab_size).contiguous()
     return (x.cast(m._bdtype) if m._bdtype != dtypes.float32 else x).contiguous()
 
   # --- prefill: rows of one stream ------------------------------------------------------------------

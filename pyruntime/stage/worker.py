@@ -113,7 +113,7 @@ def role_from(cmd: dict) -> dict:
           "warmup": arg(cmd, "warmup", bool, False), "micro_batches": arg_int(cmd, "micro_batches", 1, lo=1, hi=1024),
           "weights": arg(cmd, "weights", str, "quantized"), "prefill_share": arg(cmd, "prefill_share", (int, float), PREFILL_SHARE),
           "prefix_blocks": arg_int(cmd, "prefix_blocks", 0, hi=1 << 24), "block_size": arg_int(cmd, "block_size", 16, lo=1, hi=1 << 12),
-          "graph_cache": arg(cmd, "graph_cache", bool, True)}
+          "graph_cache": arg(cmd, "graph_cache", bool, True), "tensor_cores": arg(cmd, "tensor_cores", bool, False)}
   from pyruntime.options import CHOICES, NUMBERS
   CHOICES["boundary_dtype"].check(role["boundary_dtype"], errors.InvalidCommand)
   CHOICES["decode"].check(role["decode"], errors.InvalidCommand)
@@ -237,7 +237,8 @@ class Stage:
       graphs = GraphCache(graph_dir(cache_dir), warn=lambda text: self.ch.emit(Event.STAGE_WARNING, stage=self.index, message=text))
     try:
       self.model = StageModel.load(path, r["start"], r["end"], device=self.device, max_context=r["max_context"], slots=r["slots"],
-                                   boundary_dtype=r["boundary_dtype"], weights=r["weights"], decode=r["decode"], graph_cache=graphs)
+                                   boundary_dtype=r["boundary_dtype"], weights=r["weights"], decode=r["decode"],
+                                   tensor_cores=r["tensor_cores"], graph_cache=graphs)
     except errors.PyruntimeError: raise
     except Exception as e: raise Fatal("ModelLoadFailed", f"{type(e).__name__}: {e}", traceback=traceback.format_exc()) from e
     m = self.start_data_path(self.model)

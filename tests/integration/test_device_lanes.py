@@ -176,6 +176,27 @@ def test_sm90_compile_lane_three_stages_on_distinct_indices(tiny, monkeypatch):
     assert "prefill" in kinds and "mixed" in kinds and {"decode-1", "decode-2", "decode-4"} <= kinds, (s, sorted(kinds))
 
 
+@pytest.mark.parametrize("weights", ["quantized", "float16", "packed"])
+def test_sm90_tensor_core_mode_runs_every_projection_on_tensor_cores(tiny, weights):
+  """With tensor_cores on, every projection's sum of a one-row decode step and of a prompt chunk runs on sm_90's
+  tensor cores (an mma.sync tile in its kernel), in each weight form; no other kernel does (attention and norms keep
+  the GPU rule). The bits of the mode are the CL lane's and the CPU's to check (test_rows.py), a lent GPU's for its
+  tiles (bench/gpu_check.sh)."""
+  lane_device(SM90.format(0))
+  from tinygrad.helpers import Context
+
+  from pyruntime.stage.model import StageModel
+  with Context(NULL_ALLOW_COPYOUT=1):
+    m = StageModel.load(tiny, 0, 5, device=SM90.format(0), max_context=128, slots=2, weights=weights, tensor_cores=True)
+    m.warm_up(every_window=False)
+  # one product per projection, or per fused group of them (q|k|v, gate|up), and the vocabulary's
+  products = sum((1 if getattr(b, "rows_qkv", None) is not None else 3) + (1 if getattr(b, "rows_gate_up", None) is not None else 2) + 2
+                 for b in m.blk) + 1
+  for g in ("decode-1", "prefill"):
+    tiles = [k.name for k in launches(m.graph(g)) if "mma.sync" in k.source]
+    assert len(tiles) == products, (g, products, tiles)
+
+
 @pytest.mark.parametrize("name", ["qwen3moe", "deepseek2", "qwen35"])
 @pytest.mark.parametrize("weights", ["quantized", "float16"])
 def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):

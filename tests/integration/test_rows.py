@@ -59,11 +59,16 @@ DECODE_CASES = [(n, "float32", None) for n in DENSE] + [(n, w, d) for n in ("lla
                                                         (("quantized", None), ("float32", CL), ("quantized", CL))]
 
 
-@pytest.mark.parametrize("name,weights,device", DECODE_CASES)
-def test_decode_row_equals_prompt_row(paths, name, weights, device):
+# the tensor-core mode (docs/prompt-path.md, "Tensor cores"): each weight form it takes, and the CL lane
+TENSOR_CORE_CASES = [("llama_tied", "float16", None), ("qwen2", "quantized", None), ("llama_gqa", "packed", None), ("qwen3", "float16", CL)]
+
+
+@pytest.mark.parametrize("name,weights,device,tensor_cores", [(*c, False) for c in DECODE_CASES] + [(*c, True) for c in TENSOR_CORE_CASES])
+def test_decode_row_equals_prompt_row(paths, name, weights, device, tensor_cores):
   """Positions 40..43 computed as decode rows (batched steps) and as prompt rows (prefill records): the same keys and
-  values in every block and the same logits, bit for bit."""
-  m = whole(paths[name], slots=2, weights=weights, **on(device))
+  values in every block and the same logits, bit for bit; in the tensor-core mode too (a decode row padded to the
+  tile's rows)."""
+  m = whole(paths[name], slots=2, weights=weights, tensor_cores=tensor_cores, **on(device))
   prompt = np.asarray(PROMPT, np.uint32)
   m.reset_slot(0)
   lg = m.prefill_rows(0, prompt, 0).numpy().copy()
@@ -144,11 +149,11 @@ def test_splits_equal_the_unsplit_rows_and_tinygrads_tokens(paths, name):
       assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(logits, unsplit, strict=True)), ranges
 
 
-@pytest.mark.parametrize("device", [None, CL])
-def test_decode_windows_and_streams_beside_change_no_bit(paths, device):
+@pytest.mark.parametrize("device,tensor_cores", [(None, False), (CL, False), (None, True)])
+def test_decode_windows_and_streams_beside_change_no_bit(paths, device, tensor_cores):
   """One stream decoding alone (windows of 1 row) and beside streams in other slots (windows of 2, 4 and 8 rows, the
-  stream at different rows of them): the same logits."""
-  m = whole(paths["llama_gqa"], slots=8, **on(device))
+  stream at different rows of them): the same logits; in the tensor-core mode too (every window padded to the tile)."""
+  m = whole(paths["llama_gqa"], slots=8, tensor_cores=tensor_cores, **({"weights": "float16"} if tensor_cores else {}), **on(device))
   rng = np.random.default_rng(1)
   prompts = [rng.integers(1, 250, n).astype(np.uint32) for n in (40, 3, 17, 60, 9, 25, 33, 12)]
 
@@ -180,6 +185,23 @@ def test_bad_rows_are_refused_by_name(paths):
   with pytest.raises(errors.InvalidOption): StageModel.load(paths["llama_tied"], 0, 5, decode="fast")
 
 
+def test_tensor_core_mode_rounds_only_the_projections_inputs(paths):
+  """Against the model's arithmetic in float64 (bench/exactness.py's reference, the same float16 weight values): the
+  float32 path's logits are within float32's rounding; the tensor-core mode's are further (each projection's input
+  rounded to float16: the mode does round) but within float16's rounding of those inputs, and its likeliest tokens
+  are the reference's. It is refused by name where it cannot hold: float32 weights, tinygrad's own decode."""
+  from pyruntime.bench.exactness import compare, pyruntime_logits, reference_logits, weights64
+  path, tokens = str(paths["qwen2"]), list(PROMPT)
+  ref = reference_logits(*weights64(path), tokens)
+  scale = float(np.sqrt((ref * ref).mean()))
+  exact = compare(ref, pyruntime_logits(path, tokens, None, weights="float32"))
+  tc = compare(ref, pyruntime_logits(path, tokens, None, weights="quantized", tensor_cores=True))
+  assert exact["rms"] < 1e-5 * scale and exact["top1_agree"] == 1.0, exact
+  assert 10 * exact["rms"] < tc["rms"] < 2.0 ** -9 * scale and tc["top1_agree"] == 1.0, (tc, exact, scale)
+  with pytest.raises(errors.InvalidOption, match="tensor_cores"): whole(path, weights="float32", tensor_cores=True)
+  with pytest.raises(errors.InvalidOption, match="tensor_cores"): StageModel.load(path, 0, 2, decode="reference", tensor_cores=True)
+
+
 def test_stale_cache_bytes_never_reach_a_sum(paths):
   """The caches are not zeroed: positions no row may see can hold anything, NaN included. Filled with NaN before the
   streams start, every logit is still finite and equal to a fresh model's."""
@@ -197,12 +219,13 @@ def test_stale_cache_bytes_never_reach_a_sum(paths):
     assert np.isfinite(a).all() and np.array_equal(bits(a), bits(b))
 
 
-@pytest.mark.parametrize("device", [None, CL])
+@pytest.mark.parametrize("device,tensor_cores", [(None, False), (CL, False), (None, True)])
 @pytest.mark.parametrize("name,cut", [("llama_tied", (0, 5)), ("qwen3", (0, 2)), ("qwen3", (2, 5))])
-def test_a_mixed_step_equals_its_decode_and_prompt_apart(paths, name, cut, device):
+def test_a_mixed_step_equals_its_decode_and_prompt_apart(paths, name, cut, device, tensor_cores):
   """A decode step and a prompt's chunk in one pass over the weights (StageModel.forward_mixed) give the very bits of
-  the two computed apart, on a head, a middle and a tail stage."""
-  m = StageModel.load(paths[name], *cut, max_context=CTX, slots=4, decode="batched", weights="float32", **on(device))
+  the two computed apart, on a head, a middle and a tail stage; in the tensor-core mode too."""
+  m = StageModel.load(paths[name], *cut, max_context=CTX, slots=4, decode="batched", weights="float16" if tensor_cores else "float32",
+                      tensor_cores=tensor_cores, **on(device))
   rng = np.random.default_rng(0)
   mk = lambda n: rng.integers(1, 250, n).astype(np.uint32) if m.is_head else rng.standard_normal((n, m.dim)).astype(np.float32)  # noqa: E731
   p0, p1, p2, tok = mk(30), mk(17), mk(45), mk(2)

@@ -6,7 +6,7 @@ import math
 import pathlib
 
 import pytest
-from tinymodels import TINY_MODELS, write_tiny_gguf
+from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
 from pyruntime.engine.launch_plan import LaunchOptions, packed_bytes, plan_launch, recipe_digest
@@ -64,6 +64,21 @@ def test_a_cpu_without_clang_gets_the_weights_its_backend_runs(llama):
     with pytest.raises(errors.InvalidOption) as e: plan(llama, devices="CPU:X86", weights=mode)
     assert e.value.field == "weights"
   assert plan(llama, devices="CPU:X86", weights="quantized").weights == ["quantized", "quantized"]
+
+
+def test_tensor_cores_reach_every_role_and_are_refused_where_they_cannot_hold(llama, tmp_path):
+  """The tensor-core mode (docs/prompt-path.md): on in every stage's role; auto weights keep float16 values (CPU:X86's
+  float32 default gives way to quantized); refused by name with float32 weights, tinygrad's own decode, an unknown
+  value or a model off the rows path."""
+  p = plan(llama, devices="CPU", tensor_cores="on")
+  assert [p.role(i)["tensor_cores"] for i in range(2)] == [True, True] and p.weights == ["packed", "packed"]
+  assert plan(llama, devices="CPU").role(0)["tensor_cores"] is False
+  assert plan(llama, devices="CPU:X86", tensor_cores="on").weights == ["quantized", "quantized"]
+  for bad in ({"weights": "float32"}, {"decode": "reference"}, {"tensor_cores": "yes"}):
+    with pytest.raises(errors.InvalidOption) as e: plan(llama, devices="CPU", **{"tensor_cores": "on", **bad})
+    assert e.value.field == "tensor_cores"
+  moe = write_tiny_gguf(tmp_path / "moe.gguf", **TINY_FAMILIES["qwen3moe"])
+  with pytest.raises(errors.InvalidOption, match="dense model"): plan(moe, devices="CPU", tensor_cores="on")
 
 
 def test_micro_batches_only_for_stages_on_devices_of_their_own(llama):

@@ -1,0 +1,163 @@
+"""Logits against a float64 reference: how far each way of computing the model lands from exact arithmetic.
+
+  python bench/exactness.py [--model PATH] [--tokens 64] [--devices CPU,CL] [--no-llama] [--json]
+
+The reference is the model's own arithmetic done in float64 with numpy: the same weight values the stages hold (every
+tensor dequantised and rounded to float16, as the reference model tinygrad follows rounds them: HALF=1), embedding,
+RMS norms, rotary embedding, causal grouped-query attention, SwiGLU, the vocabulary's projection. Sides, on the same
+tokens (a fixed text, the first `--tokens` of it), each logit of every position compared:
+
+- **pyruntime float32**: the batched path with float32 weights (packed and float16 weights give these bits:
+  tests/integration/test_rows.py), float32 activations and sums.
+- **pyruntime tensor-cores** (`--tensor-cores on`): each projection's input rounded to float16, products exact, sums in
+  float32 (docs/prompt-path.md, "Tensor cores"). Off a GPU with tensor cores the sums run in order; on one, in the
+  tile's order: the same rounding of the inputs, so the same size of error (bench/gpu_check.sh times and checks it on
+  a lent GPU).
+- **llama.cpp** (llama-cpp-python, the benchmark-only peer; `--no-llama` leaves it out): its own kernels, which round
+  activations to int8 for the quantized weights' dot products. It holds the file's weight values unrounded, so its
+  reference is the float64 arithmetic on those.
+
+For each: the largest and the root-mean-square difference from the reference over all logits, that RMS as a multiple
+of pyruntime float32's, and the share of positions whose likeliest token is the reference's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+from pyruntime.bench.machine import cpu
+
+TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lighting the great lamp that guided ships "
+        "past the rocks. One stormy night he found a bottle washed up on the shore, and inside it a letter written long ago "
+        "by a sailor who had promised to return. He read it by the light of the lamp, and wondered who had written it.")
+
+
+# --- the float64 reference ----------------------------------------------------------------------------
+def weights64(path: str, half: bool = True) -> tuple[dict[str, np.ndarray], dict]:
+  """Every tensor of the file as float64 values (of its float16 rounding: `half`, what pyruntime and tinygrad hold), and
+  the header's key-values."""
+  import gguf
+  r = gguf.GGUFReader(path)
+  kv = {f.name: f.contents() for f in r.fields.values() if not f.name.startswith("tokenizer.")}
+  out = {}
+  for t in r.tensors:
+    v = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+    out[t.name] = (v.astype(np.float16) if half else v).astype(np.float64)
+  return out, kv
+
+
+def _norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+  return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, theta: float, neox: bool) -> np.ndarray:
+  """x (T, heads, head_dim) rotated: pairs (2i, 2i+1) as llama.cpp's llama files have them (their q and k rows are
+  permuted for that), or halves (i, i + d/2) for the NEOX families (qwen2, qwen3)."""
+  d = x.shape[-1]
+  ang = pos[:, None, None] * theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+  cos, sin = np.cos(ang), np.sin(ang)
+  a, b = (x[..., :d // 2], x[..., d // 2:]) if neox else (x[..., 0::2], x[..., 1::2])
+  ra, rb = a * cos - b * sin, a * sin + b * cos
+  return np.concatenate([ra, rb], -1) if neox else np.stack([ra, rb], -1).reshape(x.shape)
+
+
+def reference_logits(w: dict[str, np.ndarray], kv: dict, tokens: list[int]) -> np.ndarray:
+  """(T, vocab) float64 logits of every position, for a llama, qwen2 or qwen3 file."""
+  arch = kv["general.architecture"]
+  g = lambda k: kv[f"{arch}.{k}"]  # noqa: E731
+  H, KvH, eps = int(g("attention.head_count")), int(g("attention.head_count_kv")), float(g("attention.layer_norm_rms_epsilon"))
+  theta, neox = float(kv.get(f"{arch}.rope.freq_base", 10000.0)), arch != "llama"
+  x = w["token_embd.weight"][tokens]
+  T, pos = len(tokens), np.arange(len(tokens), dtype=np.float64)
+  lin = lambda name, h: h @ w[f"{name}.weight"].T + (w[f"{name}.bias"] if f"{name}.bias" in w else 0)  # noqa: E731
+  for i in range(int(g("block_count"))):
+    b = f"blk.{i}"
+    h = _norm(x, w[f"{b}.attn_norm.weight"], eps)
+    q, k, v = (lin(f"{b}.attn_{n}", h) for n in "qkv")
+    Hd = q.shape[-1] // H
+    q, k, v = q.reshape(T, H, Hd), k.reshape(T, KvH, Hd), v.reshape(T, KvH, Hd)
+    if f"{b}.attn_q_norm.weight" in w: q, k = _norm(q, w[f"{b}.attn_q_norm.weight"], eps), _norm(k, w[f"{b}.attn_k_norm.weight"], eps)
+    q, k = _rope(q, pos, theta, neox), _rope(k, pos, theta, neox)
+    k, v = np.repeat(k, H // KvH, axis=1), np.repeat(v, H // KvH, axis=1)
+    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(Hd) + np.triu(np.full((T, T), -np.inf), 1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    o = np.einsum("hts,shd->thd", p / p.sum(-1, keepdims=True), v).reshape(T, H * Hd)
+    x = x + lin(f"{b}.attn_output", o)
+    h = _norm(x, w[f"{b}.ffn_norm.weight"], eps)
+    gate = lin(f"{b}.ffn_gate", h)
+    x = x + lin(f"{b}.ffn_down", gate / (1 + np.exp(-gate)) * lin(f"{b}.ffn_up", h))
+  out = w.get("output.weight", w["token_embd.weight"])
+  return _norm(x, w["output_norm.weight"], eps) @ out.T
+
+
+# --- the sides --------------------------------------------------------------------------------------
+def pyruntime_logits(path: str, tokens: list[int], device: str | None, **kw) -> np.ndarray:
+  """(T, vocab) logits of every position from one whole-model stage on the batched path, prompt rows of at most
+  score_rows (the tail keeps that many rows' logits) at a time: the same bits as any other cut of the prompt."""
+  from pyruntime.modelfile.gguf import read_header
+  from pyruntime.stage.model import StageModel
+  L = read_header(path).num_blocks
+  m = StageModel.load(path, 0, L, device=device, max_context=max(256, len(tokens) + 32), slots=1, **kw)
+  m.reset_slot(0)
+  out, n = [], m.score_rows
+  for s in range(0, len(tokens), n):
+    part = np.asarray(tokens[s:s + n], np.uint32)
+    out += [row.numpy().copy() for row in m.prefill_rows(0, part, s, every_row=True)]
+  return np.stack(out).astype(np.float64)
+
+
+def llama_cpp_logits(path: str, tokens: list[int], threads: int) -> np.ndarray | None:
+  try:
+    from llama_cpp import Llama
+  except ImportError:
+    return None
+  llm = Llama(model_path=path, n_ctx=max(256, len(tokens) + 32), logits_all=True, n_threads=threads, verbose=False)
+  llm.eval(tokens)
+  return np.asarray(llm.scores[:len(tokens)], np.float64)
+
+
+def compare(ref: np.ndarray, got: np.ndarray) -> dict:
+  d = got - ref
+  return {"max_abs": float(np.abs(d).max()), "rms": float(np.sqrt((d * d).mean())),
+          "top1_agree": float((got.argmax(-1) == ref.argmax(-1)).mean())}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+  ap.add_argument("--tokens", type=int, default=64)
+  ap.add_argument("--devices", default="CPU", help="devices of the pyruntime sides, comma-separated (CPU, CL)")
+  ap.add_argument("--no-llama", action="store_true")
+  ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+  ap.add_argument("--json", action="store_true")
+  a = ap.parse_args()
+  from pyruntime.modelfile.gguf import read_header
+  from pyruntime.modelfile.source import default_model_path
+  from pyruntime.text.tokenizer import Tokenizer
+  path = str(a.model or default_model_path())
+  tokens = Tokenizer.from_gguf_kv(read_header(path).kv).encode(TEXT)[:a.tokens]
+  w, kv = weights64(path)
+  ref = reference_logits(w, kv, tokens)
+  rows = []
+  for dev in a.devices.split(","):
+    rows.append((f"pyruntime float32 ({dev})", compare(ref, pyruntime_logits(path, tokens, dev, weights="float32"))))
+    rows.append((f"pyruntime tensor-cores ({dev})", compare(ref, pyruntime_logits(path, tokens, dev, weights="float16", tensor_cores=True))))
+  if not a.no_llama and (lc := llama_cpp_logits(path, tokens, a.threads)) is not None:
+    # llama.cpp holds the file's values unrounded: its reference is the same arithmetic on those
+    rows.append(("llama.cpp", compare(reference_logits(*weights64(path, half=False), tokens), lc)))
+  base = rows[0][1]["rms"]
+  for _, r in rows: r["rms_x_float32"] = r["rms"] / base
+  if a.json:
+    print(json.dumps({"cpu": cpu(), "model": os.path.basename(path), "tokens": len(tokens), "sides": dict(rows)}, indent=1))
+    return
+  print(f"# {cpu()}\n# {os.path.basename(path)}, {len(tokens)} positions x {ref.shape[1]} logits against float64 (|logit| up to "
+        f"{np.abs(ref).max():.1f})")
+  print(f"{'side':34s} {'max |d|':>10s} {'rms d':>10s} {'rms x f32':>10s} {'top-1 =':>8s}")
+  for name, r in rows:
+    print(f"{name:34s} {r['max_abs']:10.2e} {r['rms']:10.2e} {r['rms_x_float32']:10.1f} {r['top1_agree']:8.1%}")
+
+
+if __name__ == "__main__":
+  main()

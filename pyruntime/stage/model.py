@@ -364,7 +364,9 @@ class StageModel:
         group = [p for p in group if id(p) not in done]
         done.update(id(p) for p in group)
         for p in group:
-          w = p.float() if self.weights == "float32" else p
+          # float32 mode widens the float16 values once stored: a device without float16 arithmetic may skip the
+          # rounding of a float16 cast it meets inside one kernel (PoCL's CPU device does), and hold other weights
+          w = p.contiguous().float() if self.weights == "float32" else p
           lin = linears.get(id(p)) if self.batched else None
           if lin is not None and (name := file_name.get(id(p))) in self._packed:
             # the file's blocks, repacked into column blocks and dequantised inside the kernels (pyruntime/stage/packed.py)

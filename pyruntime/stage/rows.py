@@ -300,7 +300,9 @@ class RowPath:
     if m.is_head:
       n = inp.shape[0] * m.dim
       w = ggml_data_to_tensor(inp.flatten(), n, m._embd_info.ggml_type).reshape(inp.shape[0], m.dim)
-      if m.half: w = w.cast("float16")
+      # stored as float16 by a kernel of its own: a device without float16 arithmetic may skip the rounding of a cast
+      # that stays inside one kernel (PoCL's CPU device does), and its rows would start from other values
+      if m.half: w = w.cast("float16").contiguous()
       return w[:rows].reshape(B, T, m.dim).float()
     x = inp[:rows].reshape(B, T, m.dim)
     return x.float() if m._bdtype != dtypes.float32 else x

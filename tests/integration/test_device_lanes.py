@@ -119,6 +119,29 @@ def test_gpu_projections_share_each_sum_over_a_warp_of_threads(tiny, device, wei
   assert all(prod(k.local_size) <= 1024 for k in every), [(k.name, k.local_size) for k in every if prod(k.local_size) > 1024]
 
 
+def test_cl_float32_weights_hold_the_float16_values(tiny):
+  """PoCL has no float16 arithmetic, and a float16 cast met inside one kernel there rounds nothing: the float32 mode's
+  weights and the head's embedding rows are rounded through stored float16 buffers, so a CL stage holds the CPU's
+  values (but float16 subnormals, which PoCL's conversion flushes to zero), and its logits are within float32's
+  rounding of the model's float64 arithmetic (they were 160 times further: every weight unrounded)."""
+  lane_device(CL)
+  import numpy as np
+  from pyruntime.bench.exactness import compare, pyruntime_logits, reference_logits, weights64
+
+  from pyruntime.stage.model import StageModel
+  cpu, cl = (StageModel.load(tiny, 0, 5, device=d, max_context=128, slots=1, weights="float32") for d in (None, CL))
+  for b1, b2 in zip(cpu.blk, cl.blk, strict=True):
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+      a, b = getattr(b1, name).rows_blocked.numpy(), getattr(b2, name).rows_blocked.numpy()
+      assert np.array_equal(a, a.astype(np.float16).astype(np.float32)), name
+      off = a != b
+      assert np.all(np.abs(a[off]) < 2.0 ** -14) and np.all(b[off] == 0), (name, a[off][:4], b[off][:4])
+  tokens = list(range(3, 40))
+  ref = reference_logits(*weights64(str(tiny)), tokens)
+  got = compare(ref, pyruntime_logits(str(tiny), tokens, CL, weights="float32"))
+  assert got["rms"] < 5e-5 * np.sqrt((ref * ref).mean()), got
+
+
 def test_cl_copies_only_a_records_own_bytes(tiny):
   """On CL (no buffer views): a write at an offset lands there and keeps the rest of the buffer, and a one-row decode
   step copies its inputs' own bytes to the device, one copy each, where every write used to read the whole staging

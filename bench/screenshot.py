@@ -21,7 +21,8 @@ def main() -> None:
   from selenium.webdriver.common.by import By
 
   from pyruntime.engine.launcher import Launcher
-  from pyruntime.serving.server import BackgroundServer, create_app
+  from pyruntime.serving.httpd import BackgroundServer
+  from pyruntime.serving.server import create_app
   with Launcher(None, stages=2, max_context=1024, warmup=True) as lm, BackgroundServer(create_app(lm)) as srv:
     stop = threading.Event()
 

@@ -308,7 +308,8 @@ def prompt_scenario(url: str, model: str, a: argparse.Namespace) -> dict:
 def server_here(a: argparse.Namespace, prefill_share: float) -> Iterator[tuple[str, Any]]:
   """A 2-stage launcher (every batch shape's kernels captured first) and the OpenAI server over it, in this process."""
   from pyruntime.engine.launcher import Launcher
-  from pyruntime.serving.server import BackgroundServer, create_app
+  from pyruntime.serving.httpd import BackgroundServer
+  from pyruntime.serving.server import create_app
   with Launcher(a.model, stages=a.stages, max_streams=a.max_streams, max_context=a.max_context, weights=a.weights, warmup=True,
                 prefill_share=prefill_share) as lm:
     server = BackgroundServer(create_app(lm, queue_size=64)).start()

@@ -60,6 +60,15 @@ CHOICES = {c.name: c for c in (
          "the pipeline in one step each (exactly plain decoding's tokens; greedy streams; docs/speculation.md)", prefixed=("model:",)),
 )}
 
+# `pyruntime serve`'s limits on what one client may hold, and its healing (pyruntime/serving/): here, so that the CLI
+# builds the serve command's flags without importing the server
+MAX_BODY_BYTES = 4 << 20        # a request body beyond this is refused with 413 (read and dropped up to DRAIN_FACTOR times it)
+TIMEOUT_REQUEST_HEAD = 10.0     # seconds from connecting (or from the first byte of a keep-alive request) to a complete head
+TIMEOUT_REQUEST_BODY = 60.0     # seconds for the whole body, once the head is in
+TIMEOUT_KEEP_ALIVE = 5.0        # seconds an idle keep-alive connection is kept
+SHUTDOWN_GRACE_S = 30.0         # on SIGTERM, how long running requests may take to finish before they are ended
+RESTART_ATTEMPTS = 5            # consecutive failed attempts to restart the pipeline before the server gives up (503 for good)
+
 PREFIX_CACHE_TOKENS = 8192  # the default budget: tokens whose keys and values every stage keeps (SmolLM2: 46 KB each)
 PREFILL_SHARE = 2.0   # bounds a step that carries a chunk at about 3 decode steps (bench/results/log-through-2026-12-03.md has the trade measured)
 # The stall rule (docs/control-channel.md, "Stalls"): a stage with work and no progress (Heartbeat counters) this long,

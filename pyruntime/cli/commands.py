@@ -347,7 +347,7 @@ def _server_expert_load(url: str) -> dict[int, list[int]]:
   import urllib.error
   import urllib.request
 
-  from pyruntime.serving.server import parse_expert_load
+  from pyruntime.serving.metrics import parse_expert_load
   try:
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as r: text = r.read().decode()
   except (urllib.error.URLError, OSError, ValueError) as e: raise errors.ServerUnreachable(f"{url}/metrics: {e}") from None
@@ -451,7 +451,7 @@ def cmd_top(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
   # long (~65 lines): one declaration per subcommand and flag, a table more than logic
-  from pyruntime.serving import server
+  from pyruntime import options
   ap = argparse.ArgumentParser(prog="pyruntime", description="Serve an LLM split across the devices of one host over shared-memory rings.",
                                formatter_class=_Help)
   ap.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -485,16 +485,16 @@ def build_parser() -> argparse.ArgumentParser:
                  help="a Host name the server answers to besides loopback and --host (repeatable; against DNS rebinding) (default: none)")
   p.add_argument("--port", type=int, default=8000, help="TCP port")
   p.add_argument("--queue-size", type=int, default=16, help="requests waiting beyond this get 429")
-  p.add_argument("--max-body-bytes", type=int, default=server.MAX_BODY_BYTES, help="a request body longer than this gets 413")
-  p.add_argument("--timeout-request-head", type=float, default=server.TIMEOUT_REQUEST_HEAD,
+  p.add_argument("--max-body-bytes", type=int, default=options.MAX_BODY_BYTES, help="a request body longer than this gets 413")
+  p.add_argument("--timeout-request-head", type=float, default=options.TIMEOUT_REQUEST_HEAD,
                  help="seconds a connection may take to send a complete request head before it is closed")
-  p.add_argument("--timeout-request-body", type=float, default=server.TIMEOUT_REQUEST_BODY,
+  p.add_argument("--timeout-request-body", type=float, default=options.TIMEOUT_REQUEST_BODY,
                  help="seconds a request body may take to arrive before it gets 408")
-  p.add_argument("--timeout-keep-alive", type=float, default=server.TIMEOUT_KEEP_ALIVE,
+  p.add_argument("--timeout-keep-alive", type=float, default=options.TIMEOUT_KEEP_ALIVE,
                  help="seconds an idle keep-alive connection is kept open")
-  p.add_argument("--shutdown-grace", type=float, default=server.SHUTDOWN_GRACE_S,
+  p.add_argument("--shutdown-grace", type=float, default=options.SHUTDOWN_GRACE_S,
                  help="on SIGTERM, seconds running requests get to finish (new ones get 503) before they are ended")
-  p.add_argument("--restart-attempts", type=int, default=server.RESTART_ATTEMPTS,
+  p.add_argument("--restart-attempts", type=int, default=options.RESTART_ATTEMPTS,
                  help="when a stage dies, restart the pipeline, giving up after this many failed attempts in a row; 0: never restart")
   p.set_defaults(fn=cmd_serve)
   p = command("top", "a running server's pipeline, live: per stage busy %, rows per step, rings, streams, tokens/s, cache hits")

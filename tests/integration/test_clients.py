@@ -15,7 +15,8 @@ import pytest
 from tinymodels import TINY_MODELS, write_tiny_gguf
 
 from pyruntime.engine.launcher import Launcher
-from pyruntime.serving.server import BackgroundServer, create_app
+from pyruntime.serving.httpd import BackgroundServer
+from pyruntime.serving.server import create_app
 
 MAX_TOKENS = 96
 

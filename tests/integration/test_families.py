@@ -85,7 +85,8 @@ def test_streams_equal_reference_alone_and_together(family):
 def test_inspect_shows_a_running_servers_expert_load(family, capsys):
   """`pyruntime inspect MODEL --server URL` after a run: each stage's expert load, as the stages counted it."""
   from pyruntime.cli import commands as cli
-  from pyruntime.serving.server import BackgroundServer, create_app
+  from pyruntime.serving.httpd import BackgroundServer
+  from pyruntime.serving.server import create_app
   name, path, lm = family
   generate(lm, 1)
   with BackgroundServer(create_app(lm)) as srv:

@@ -11,7 +11,8 @@ import socket
 import pytest
 
 from pyruntime.engine.launcher import Done
-from pyruntime.serving.server import BackgroundServer, create_app
+from pyruntime.serving.httpd import BackgroundServer
+from pyruntime.serving.server import create_app
 
 pytestmark = pytest.mark.slow
 

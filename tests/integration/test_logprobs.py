@@ -13,7 +13,8 @@ import pytest
 
 from pyruntime.engine.launcher import Done
 from pyruntime.params import choice_seed
-from pyruntime.serving.server import BackgroundServer, create_app
+from pyruntime.serving.httpd import BackgroundServer
+from pyruntime.serving.server import create_app
 
 pytestmark = pytest.mark.slow
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]

@@ -21,7 +21,8 @@ from pyruntime import errors
 from pyruntime.engine.driver import Driver, StreamHandle
 from pyruntime.engine.launcher import Done, Launcher
 from pyruntime.engine.prefix_cache import PrefixIndex
-from pyruntime.serving.server import BackgroundServer, create_app
+from pyruntime.serving.httpd import BackgroundServer
+from pyruntime.serving.server import create_app
 
 POISON = "poison"
 

@@ -12,7 +12,8 @@ import openai
 import pydantic
 import pytest
 
-from pyruntime.serving.server import BackgroundServer, create_app
+from pyruntime.serving.httpd import BackgroundServer
+from pyruntime.serving.server import create_app
 
 pytestmark = pytest.mark.slow
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",

@@ -13,8 +13,9 @@ from conftest import SMOLLM2_CONTEXT as MAX_CONTEXT  # the shared launcher's (te
 from conftest import sample
 
 from pyruntime.engine.launcher import Done, Launcher
+from pyruntime.serving.httpd import BackgroundServer
 from pyruntime.serving.openai_api import model_id
-from pyruntime.serving.server import BackgroundServer, create_app
+from pyruntime.serving.server import create_app
 
 pytestmark = pytest.mark.slow
 

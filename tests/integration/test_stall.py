@@ -18,7 +18,8 @@ from tinymodels import TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
 from pyruntime.engine.launcher import Delta, Done, Launcher
-from pyruntime.serving.server import BackgroundServer, create_app
+from pyruntime.serving.httpd import BackgroundServer
+from pyruntime.serving.server import create_app
 
 pytestmark = pytest.mark.slow
 SPLIT = [(0, 2), (2, 5)]

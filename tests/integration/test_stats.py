@@ -16,7 +16,8 @@ from tinymodels import TINY_MODELS, write_tiny_gguf
 
 from pyruntime.cli.commands import main as cli_main
 from pyruntime.engine.launcher import Launcher
-from pyruntime.serving.server import BackgroundServer, create_app
+from pyruntime.serving.httpd import BackgroundServer
+from pyruntime.serving.server import create_app
 
 
 @pytest.fixture(scope="module")

@@ -186,7 +186,8 @@ def sse_token_times(client, body: dict) -> tuple[int, list[float]]:
 def test_server_runs_requests_concurrently(lm):
   import httpx
 
-  from pyruntime.serving.server import BackgroundServer, create_app
+  from pyruntime.serving.httpd import BackgroundServer
+  from pyruntime.serving.server import create_app
   with BackgroundServer(create_app(lm, queue_size=4)) as srv:
     model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
     results: dict[int, tuple[int, list[float]]] = {}
@@ -207,7 +208,8 @@ def test_server_runs_requests_concurrently(lm):
 def test_server_client_gone_frees_its_stream_in_every_stage(lm):
   import httpx
 
-  from pyruntime.serving.server import BackgroundServer, create_app
+  from pyruntime.serving.httpd import BackgroundServer
+  from pyruntime.serving.server import create_app
   with BackgroundServer(create_app(lm)) as srv:
     with httpx.Client(base_url=srv.url, timeout=300) as c:
       body = {"model": "default", "prompt": PROMPTS[4], "max_tokens": 100, "stream": True, "ignore_eos": True}

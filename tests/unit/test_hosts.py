@@ -131,7 +131,8 @@ def test_a_lost_host_or_stage_is_named_within_5_s_and_nothing_is_left(cluster, m
 def test_the_server_heals_once_the_cluster_can_place_the_pipeline_again(cluster, model):
   import httpx
 
-  from pyruntime.serving.server import BackgroundServer, create_app
+  from pyruntime.serving.httpd import BackgroundServer
+  from pyruntime.serving.server import create_app
   made: list[Launcher] = []
   def make() -> Launcher:
     made.append(Launcher(model, stages=2, placement="ray", hosts=2))

@@ -8,7 +8,8 @@ import pytest
 from conftest import wait_for
 from test_server_unit import FakeLauncherForUnitTests
 
-from pyruntime.serving.server import BackgroundServer, create_app
+from pyruntime.serving.httpd import BackgroundServer
+from pyruntime.serving.server import create_app
 
 pytestmark = pytest.mark.integration
 

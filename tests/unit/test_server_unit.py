@@ -23,7 +23,9 @@ from conftest import sample, scrape
 from pyruntime import errors, params
 from pyruntime.engine.launcher import Delta, Done, Timings, Usage
 from pyruntime.serving import openai_api as api
-from pyruntime.serving.server import BackgroundServer, create_app, parse_expert_load
+from pyruntime.serving.httpd import BackgroundServer
+from pyruntime.serving.metrics import parse_expert_load
+from pyruntime.serving.server import create_app
 
 SAMPLING = set(params.SAMPLING)
 

@@ -272,7 +272,8 @@ def test_logits_and_a_grammar_do_not_mix(lm):
 def test_the_openai_client_gets_valid_answers_streamed_and_not(lm):
   import openai
 
-  from pyruntime.serving.server import BackgroundServer, create_app
+  from pyruntime.serving.httpd import BackgroundServer
+  from pyruntime.serving.server import create_app
   with BackgroundServer(create_app(lm)) as srv:
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
     for i in (0, 4, 11, 18):

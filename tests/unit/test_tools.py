@@ -270,7 +270,8 @@ def test_tools_and_a_response_format_or_logits_are_refused_by_name(lm):
 def test_the_openai_client_streams_calls_that_reassemble_into_the_response(lm):
   import openai
 
-  from pyruntime.serving.server import BackgroundServer, create_app
+  from pyruntime.serving.httpd import BackgroundServer
+  from pyruntime.serving.server import create_app
   with BackgroundServer(create_app(lm)) as srv:
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
     msgs = [{"role": "user", "content": "Weather in Paris?"}]

@@ -223,7 +223,8 @@ class Launcher:
   def _place(self, specs: list[RingSpec]) -> LocalPlacement | RayPlacement:
     """Every stage on this host (one arena), or over Ray nodes (docs/hosts.md: agents, bridges)."""
     if self.options.placement == "ray":
-      from pyruntime.engine.hosts import RayPlacement, model_identity
+      from pyruntime.engine.host_agent import model_identity
+      from pyruntime.engine.hosts import RayPlacement
       source = None if self.model_source is None else str(self.model_source)
       return RayPlacement(specs=specs, n_stages=len(self.split), hosts=self.options.hosts, address=self.options.ray_address, source=source,
                           cache_dir=self.options.cache_dir, local_model=model_identity(self.path), env=self.options.stage_env, devices=self.devices,

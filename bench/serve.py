@@ -331,7 +331,7 @@ def levels(url: str, lm: Any, a: argparse.Namespace, model: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  from pyruntime.protocol import PREFILL_SHARE
+  from pyruntime.options import PREFILL_SHARE
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--url", default=None, help="a running server (default: start one here)")
   ap.add_argument("--model", default=None, help="GGUF for the server started here (default: the bundled SmolLM2)")

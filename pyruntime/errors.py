@@ -1,4 +1,7 @@
-"""Every named error pyruntime raises.
+"""Every named error pyruntime raises, but the HTTP server's own refusals of a request (MalformedRequest, QueueFull,
+ServiceUnavailable and its phases, RequestTooLarge, RequestTimeout, ModelNotFound): those exist only as HTTP answers
+and live beside the status each maps to, in pyruntime/serving/openai_api.py. A stage's `Fatal`
+(pyruntime/stage/worker.py) is not one either: it carries a WorkerFatal reason (docs/control-channel.md) to the launcher.
 
 Each class name is the name used on the wire (WorkerFatal reason codes, C status names, HTTP
 error codes), so a caller can match on `type(e).__name__` or `e.code` across process

@@ -59,13 +59,6 @@ PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: the largest 
 MAX_CHUNK = 256       # the most prompt rows one record between stages carries (the rows path's largest chunk)
 MAX_VERIFY_ROWS = 16  # a speculative record: the last token and up to 15 drafted ones (one unit of the rows path)
 # ConfigureRole's options (prefill_share, weights, decode, the stall bounds) are defined once, in pyruntime/options.py
-# (a prompt chunk beside decoding streams costs about prefill_share of their step: StageScheduler.prefill_size)
-from pyruntime.options import DECODE_MODES as DECODE_MODES  # noqa: E402
-from pyruntime.options import PREFILL_SHARE as PREFILL_SHARE  # noqa: E402
-from pyruntime.options import STALL_CAPTURE_TIMEOUT_S as STALL_CAPTURE_TIMEOUT_S  # noqa: E402
-from pyruntime.options import STALL_STEPS as STALL_STEPS  # noqa: E402
-from pyruntime.options import STALL_TIMEOUT_S as STALL_TIMEOUT_S  # noqa: E402
-from pyruntime.options import WEIGHT_MODES as WEIGHT_MODES  # noqa: E402
 
 POSITION_BITS = 32
 POSITION_MASK = (1 << POSITION_BITS) - 1

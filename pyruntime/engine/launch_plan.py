@@ -73,7 +73,7 @@ class LaunchPlan:
   model_name: str
   split: list[tuple[int, int]]
   devices: list[str]
-  weights: list[str]        # per stage: how it keeps its weights (protocol.WEIGHT_MODES)
+  weights: list[str]        # per stage: how it keeps its weights (options.WEIGHT_MODES)
   micro_batches: int
   context_length: int
   tokenizer: Tokenizer

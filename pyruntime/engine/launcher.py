@@ -32,7 +32,8 @@ from pyruntime.engine.prefix_cache import PREFIX_CACHE_TOKENS, PrefixCache
 from pyruntime.engine.request import RequestBuilder
 from pyruntime.engine.speculation import SOLO_STREAMS
 from pyruntime.engine.stage_pool import LocalPlacement, StageHandle, StagePool
-from pyruntime.protocol import ABI_VERSION, PREFILL_SHARE, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S, Command, Event, ring_bytes
+from pyruntime.options import PREFILL_SHARE, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S
+from pyruntime.protocol import ABI_VERSION, Command, Event, ring_bytes
 
 log = logging.getLogger("pyruntime.launcher")
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pyruntime import errors
-from pyruntime.protocol import STALL_STEPS, Command, Event
+from pyruntime.options import STALL_STEPS
+from pyruntime.protocol import Command, Event
 
 
 @dataclass

@@ -40,7 +40,8 @@ from pyruntime import errors
 from pyruntime.modelfile.boundary import DTYPES, MLA_POS, ROUTER, StageBoundary
 from pyruntime.modelfile.gguf import GGUFHeader, TensorInfo, read_header
 from pyruntime.modelfile.plan import FFN_NORM_RENAMED, block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
-from pyruntime.protocol import DECODE_MODES, PREFILL_CHUNK, WEIGHT_MODES
+from pyruntime.options import DECODE_MODES, WEIGHT_MODES
+from pyruntime.protocol import PREFILL_CHUNK
 from pyruntime.stage import cpu_graph, cuda_graph, device_memory, kernel_opts
 from pyruntime.stage.graph_cache import GraphCache
 from pyruntime.stage.packed import PackedMatrix, packable, repack
@@ -51,7 +52,7 @@ from pyruntime.stage.rows import MAX_ROWS, ROW_UNIT, RowPath
 kernel_opts.install()  # before any kernel compiles: the prefill's kernels upcast and threaded (bits unchanged)
 cpu_graph.install()  # a CPU's captured graphs replay from a native loop (the same kernels in the same order)
 cuda_graph.install()  # CUDA's captured graphs can hold kernels whose launch size is a variable's (tinygrad 0.13 cannot)
-BOUNDARY_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16}
+BOUNDARY_TENSOR_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16}  # options.BOUNDARY_DTYPES as tinygrad dtypes
 
 
 # --- model description from the header alone ---------------------------------------------------
@@ -233,8 +234,8 @@ class StageModel:
     if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool) or isinstance(end, bool) \
        or not 0 <= start < end <= L:
       raise errors.LayerRangeInvalid(f"layer range [{start}, {end}) is empty or outside the model's blocks [0, {L})")
-    if boundary_dtype not in BOUNDARY_DTYPES:
-      raise errors.BoundarySchemaMismatch(f"boundary dtype must be one of {sorted(BOUNDARY_DTYPES)}, not {boundary_dtype!r}")
+    if boundary_dtype not in BOUNDARY_TENSOR_DTYPES:
+      raise errors.BoundarySchemaMismatch(f"boundary dtype must be one of {sorted(BOUNDARY_TENSOR_DTYPES)}, not {boundary_dtype!r}")
     if not isinstance(slots, int) or slots < 1: raise errors.SlotInvalid(f"a stage needs at least one KV slot, got {slots!r}")
     if max_context is not None and (not isinstance(max_context, int) or max_context < 2):
       raise errors.InvalidOption("max_context", f"must be an integer >= 2, got {max_context!r}")
@@ -247,7 +248,7 @@ class StageModel:
     self.dim, self.vocab_size, self.context_length, self.slots = cfg.dim, cfg.vocab_size, cfg.max_context, slots
     self.device = resolve_device(device)
     self.boundary_dtype = boundary_dtype
-    self._bdtype = BOUNDARY_DTYPES[boundary_dtype]
+    self._bdtype = BOUNDARY_TENSOR_DTYPES[boundary_dtype]
     self.boundary = StageBoundary.for_range(self.arch, start, end, L, cfg.dim, boundary_dtype, experts=cfg.num_experts)
     self.family = family(cfg)
     # tinygrad's generate prefills one token at a time when any block of the model is recurrent: every stage must cut the

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from pyruntime.protocol import PREFILL_SHARE
+from pyruntime.options import PREFILL_SHARE
 
 if TYPE_CHECKING:
   from pyruntime.stage.sampling import Sampler
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 GATHER_STEPS, GATHER_MIN_S, GATHER_MAX_S = 3.0, 0.005, 1.0  # how long a stage waits for decode rows still on their way
 # Where a prompt is cut never changes a number: every prefill chunk of 1..model.chunk tokens runs the same kernels
 # (symbolic T), each row reduced in the same order (tests/integration/test_model.py proves it bit for bit), so chunks sized by load
-# (StageScheduler.prefill_size, protocol.PREFILL_SHARE) keep every stream's tokens independent of the others.
+# (StageScheduler.prefill_size, options.PREFILL_SHARE) keep every stream's tokens independent of the others.
 
 
 @dataclass

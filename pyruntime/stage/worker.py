@@ -25,7 +25,8 @@ import numpy as np
 
 from pyruntime import errors
 from pyruntime.devices import nvidia_compilers, parse_device
-from pyruntime.protocol import ABI_VERSION, PREFILL_SHARE, WEIGHT_MODES, Command, Event, split_object_id
+from pyruntime.options import PREFILL_SHARE, WEIGHT_MODES
+from pyruntime.protocol import ABI_VERSION, Command, Event, split_object_id
 from pyruntime.stage.dataloop import DataLoop
 from pyruntime.stage.gc_policy import collect_due, collect_on_this_thread
 from pyruntime.stage.scheduler import StageScheduler

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyruntime.protocol import PREFILL_SHARE
+from pyruntime.options import PREFILL_SHARE
 from pyruntime.stage.scheduler import StageScheduler, Stream
 
 NEWCOMER = 99

@@ -14,38 +14,39 @@ file), and the head keeps the token embedding on the host: the rows a step needs
 file as raw GGML blocks and dequantised on the device by the same tinygrad code as the reference, so the values are
 identical while the device holds none of the table.
 
+The modules are built and filled from the file by pyruntime/stage/weights.py (each tensor in the form the weights mode
+asks); this module runs them.
+
 KV caches are per slot (one stream each). One pair of JITs serves every slot: the slot's cache tensors are JIT
 inputs, swapped in on each call, so a new stream costs no new capture.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
-import threading
 import time
-from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
-from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, function, nn
+from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, function
 from tinygrad.device import Buffer
 from tinygrad.helpers import DEV, flat_mv, getenv, prod
 from tinygrad.llm.gguf import ggml_data_to_tensor
-from tinygrad.llm.model import FFNBlock, GatedDeltaNetBlock, MLATransformerBlock, SSMConfig, TransformerBlock, TransformerConfig, precompute_freqs_cis
+from tinygrad.llm.model import FFNBlock, GatedDeltaNetBlock, MLATransformerBlock, SSMConfig, TransformerBlock, TransformerConfig
 from tinygrad.nn.state import get_state_dict
 from tinygrad.uop.ops import Ops
 
 from pyruntime import errors
 from pyruntime.modelfile.boundary import DTYPES, MLA_POS, ROUTER, StageBoundary
-from pyruntime.modelfile.gguf import GGUFHeader, TensorInfo, read_header
-from pyruntime.modelfile.plan import FFN_NORM_RENAMED, block_tensor_names, check_architecture, num_blocks, output_tensor_name, stage_tensor_names
+from pyruntime.modelfile.gguf import GGUFHeader, read_header
+from pyruntime.modelfile.plan import check_architecture, num_blocks, output_tensor_name
 from pyruntime.options import DECODE_MODES, WEIGHT_MODES
 from pyruntime.protocol import PREFILL_CHUNK
 from pyruntime.stage import cpu_graph, cuda_graph, device_memory, kernel_opts
 from pyruntime.stage.graph_cache import GraphCache
-from pyruntime.stage.packed import PackedMatrix, packable, repack
 from pyruntime.stage.rows import MAX_ROWS, ROW_UNIT, RowPath
+from pyruntime.stage.weights import PROJECTIONS, held_buffers, linears
+from pyruntime.stage.weights import load as load_weights
 
 # PREFILL_CHUNK (32) is Transformer.generate's chunk_size; a chunk of any 1..32 tokens runs the same kernels, so where a
 # prompt is cut changes no bit (tests/integration/test_model.py::test_where_the_prompt_is_cut_changes_no_bit)
@@ -90,16 +91,6 @@ def model_config(header: GGUFHeader, max_context: int | None = None) -> Transfor
     raise errors.ModelLoadFailed(f"{header.path}: GGUF metadata lacks {e.args[0]!r}") from e
 
 
-def new_block(cfg: TransformerConfig, i: int) -> FFNBlock:
-  """Block i as `Transformer.__init__` builds it: recurrent or attention (MLA when kv_lora_rank > 0), dense FFN for the
-  leading dense blocks, else the config's FFN (experts when it has them)."""
-  dense = replace(cfg, num_experts=0, num_experts_per_tok=0, shared_expert_dim=0, hidden_dim=cfg.dense_hidden_dim or cfg.hidden_dim)
-  if cfg.ssm:
-    cfg = replace(cfg, qk_norm=cfg.head_dim)
-    if (i + 1) % cfg.full_attention_interval != 0: return GatedDeltaNetBlock(cfg, cfg.ssm)
-  return (MLATransformerBlock if cfg.kv_lora_rank > 0 else TransformerBlock)(dense if i < cfg.leading_dense_blocks else cfg)
-
-
 def family(cfg: TransformerConfig) -> str:
   """dense (llama / qwen2 / qwen3 blocks only: the batched decode serves them), else what the model adds to them."""
   if cfg.ssm: return "hybrid"
@@ -138,79 +129,15 @@ _TRACE_REUSE = bool(getenv("PYRUNTIME_TRACE_REUSE", 1))
 def _buffers(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.BUFFER]
 
 
-# Projections that read the same input, kept as one column-blocked matrix: the rows path computes them in one kernel
-# (rows._projections). Each output's sum is the one it was alone (same inputs, same order), so the bits do not change.
-FUSED = {"rows_qkv": ("attn_q", "attn_k", "attn_v"), "rows_gate_up": ("ffn_gate", "ffn_up")}
-
-
-def _fuse_projections(b: Any, device: str) -> None:
-  """Join each FUSED group's column blocks into one buffer (packed ones, still on the host: one set of buffers on
-  `device`); every member's `rows_blocked` and `weight` become views of its part (no second copy)."""
-  for attr, names in FUSED.items():
-    lins = [getattr(b, n, None) for n in names]
-    blocks = [getattr(lin, "rows_blocked", None) for lin in lins]
-    if any(w is None for w in blocks) or len({w.shape[1:] for w in blocks}) != 1: continue
-    if all(isinstance(w, PackedMatrix) for w in blocks):
-      if (fused := PackedMatrix.cat(blocks)) is None: continue
-      fused = fused.upload(device)
-    elif any(isinstance(w, PackedMatrix) for w in blocks): continue
-    else: fused = Tensor.cat(*blocks, dim=0).contiguous().realize()
-    at = 0
-    for lin, w in zip(lins, blocks, strict=True):
-      _set_blocks(lin, fused[at:at + w.shape[0]])
-      at += w.shape[0]
-    setattr(b, attr, fused)
-
-
-def _set_blocks(lin: nn.Linear, blocks: Tensor | PackedMatrix) -> None:
-  """A linear's column blocks, and (float blocks) its `weight` a view of them, the matrix it was: tinygrad's own kernels
-  read it. A packed linear's `weight` stays the unallocated placeholder _weight made: packed weights exist only on the
-  rows path, which reads `rows_blocked` (rows._linear), and the lazy expression of its values cost ~10 ms of Python a
-  matrix at load, a third of a new process's weight load."""
-  lin.rows_blocked = blocks
-  if isinstance(blocks, PackedMatrix): return
-  n, K, vec = blocks.shape
-  lin.weight.replace(blocks.permute(1, 0, 2).reshape(K, n * vec).T)
-
-
-def _held(lin: Any, p: Tensor) -> list[Tensor]:
-  """The realized buffers that hold parameter p: its linear's column blocks (or packed buffers) when it has them."""
-  held = getattr(lin, "rows_blocked", p)
-  return held.buffers() if isinstance(held, PackedMatrix) else [held]
-
-
-_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
-
-def _linears(b: FFNBlock) -> list[nn.Linear]:
-  """A block's dense projections (the rows path keeps their matrices in column blocks)."""
-  return [m for m in (getattr(b, n, None) for n in _PROJECTIONS) if isinstance(m, nn.Linear)]
-
-
 # block attributes a graph sets while it is traced (caches, views of them): not weights, named by their owners instead
 _GRAPH_STATE = {"rows_k", "rows_v", "rows_join", "cache_kv", "cache_k", "conv_state", "recurrent_state", "batch_kv"}
-
-
-_init_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _no_random_init():
-  """Build tinygrad modules without their random initial weights (every one is replaced from the file anyway):
-  nn.Linear's lazy Tensor.uniform graphs cost ~0.2 s of Python per block."""
-  with _init_lock:
-    orig = Tensor.__dict__["uniform"]  # restored exactly as it was defined
-    def empty(*shape, low=0.0, high=1.0, dtype=None, device=None, **kwargs): return Tensor.empty(*shape, dtype=dtype, device=device)
-    Tensor.uniform = staticmethod(empty)  # type: ignore[assignment]
-    try: yield
-    finally: Tensor.uniform = orig
 
 
 # --- the stage ----------------------------------------------------------------------------------
 class StageModel:
   """Blocks [start, end) of a GGUF model on one device, with `slots` independent KV caches.
 
-  Its length (~600 lines, ~50 attributes) is one tinygrad model instance: its weights, caches and the captured graphs
+  Its length (~570 lines, ~50 attributes) is one tinygrad model instance: its weights, caches and the captured graphs
   that close over those buffers, for every family's path (the dense rows path is RowPath, rows.py; the reference T=1
   decode, MoE, MLA and hybrid paths are here). Cutting it by family would scatter buffers the graphs share."""
 
@@ -269,7 +196,7 @@ class StageModel:
     if self.tensor_cores and (self.weights == "float32" or not self.half):
       raise errors.InvalidOption("tensor_cores", "needs float16 weights (weights 'float16', 'packed' or 'quantized', and not HALF=0), "
                                  f"not {self.weights!r}" + ("" if self.half else " with HALF=0"))
-    try: self._load_weights()
+    try: load_weights(self)
     except errors.PyruntimeError: raise
     except Exception as e: raise errors.ModelLoadFailed(f"{self.path}: loading blocks [{start}, {end}) failed: {type(e).__name__}: {e}") from e
 
@@ -304,147 +231,6 @@ class StageModel:
     t.uop.buffer.ensure_allocated()
     return t
 
-  def _load_weights(self) -> None:
-    # long (~60 lines): one pass over the stage's tensors, each kept in the form its weights mode asks, with the checks
-    cfg, header = self.config, self.header
-    names = list(dict.fromkeys(stage_tensor_names(header, self.start, self.end)))
-    if missing := [n for n in names if n not in header.tensors]: raise errors.ModelLoadFailed(f"{self.path}: missing tensors {missing}")
-    # each owned tensor's own byte range, straight from (an mmap of) the file into a device buffer: one copy each,
-    # nothing else of the file is read, and no tinygrad scheduling is involved
-    mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-    # projections kept packed are repacked from the mmap below: no device copy of their bytes, no dequantising graph
-    self._packed = {n for n in names if self._keeps_packed(n)}
-    self._ready: dict[str, Tensor] = {}  # tensors uploaded as the value their parameter holds (_host_vector)
-    raws: dict[str, Tensor] = {}
-    for n in names:
-      ti = header.tensors[n]
-      if ti.offset + ti.nbytes > mm.shape[0]: raise errors.ModelLoadFailed(f"{self.path}: tensor {n!r} runs past the end of the file")
-      if n in self._packed: continue
-      # a float vector (a norm, a bias) is converted on the host and uploaded as the value the kernels read: scheduling
-      # its conversion on the device cost ~50 ms a block at load
-      if (vec := self._host_vector(ti, mm)) is not None: raws[n] = self._ready[n] = device_memory.upload(vec, self.device)
-      else: raws[n] = device_memory.upload(mm[ti.offset:ti.offset + ti.nbytes], self.device)
-    self.resident_bytes = sum(r.nbytes() for r in raws.values())  # the quantized mode's; the others' are set below
-    # each tensor's bytes as in the file: with weights="quantized" the kernels dequantise them (the graph cache names them)
-    self.raw_tensors = raws if self.weights == "quantized" else {}
-    self.tensor_names = names
-
-    with _no_random_init(): self.blk = [new_block(cfg, i) for i in range(self.start, self.end)]
-    self._block_sigs = [(type(b).__name__,) + tuple(sorted((n.split(".", 2)[2], header.tensors[n].ggml_type, header.tensors[n].dims)
-                                                           for n in block_tensor_names(header, i)))
-                        for i, b in zip(range(self.start, self.end), self.blk, strict=True)]
-    freqs_cis = precompute_freqs_cis(cfg.rope_dim, cfg.max_context, cfg.rope_theta, device=self.device).realize()
-    file_name: dict[int, str] = {}  # a parameter's tensor in the file (packed weights are repacked from its bytes)
-    for i, b in zip(range(self.start, self.end), self.blk, strict=True):
-      self._assign(b, {k: self._weight(raws, self._tensor_name(i, k)) for k in get_state_dict(b)}, f"blk.{i}")
-      file_name.update({id(v): self._tensor_name(i, k) for k, v in get_state_dict(b).items()})
-      # set here, not by the block's _init_state, which only runs without a cache
-      if not isinstance(b, GatedDeltaNetBlock): b.freqs_cis = freqs_cis
-    if self.is_tail:
-      with _no_random_init(): self.output_norm, self.output = nn.RMSNorm(cfg.dim, cfg.norm_eps), nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-      self._assign(self.output_norm, {"weight": self._weight(raws, "output_norm.weight")}, "output_norm")
-      self._assign(self.output, {"weight": self._weight(raws, output_tensor_name(header))}, "output")
-      file_name[id(self.output.weight)] = output_tensor_name(header)
-    if self.is_head:
-      ti = header.tensors["token_embd.weight"]
-      if ti.shape[0] != cfg.vocab_size or ti.nbytes % cfg.vocab_size:
-        raise errors.ModelLoadFailed(f"token_embd.weight {ti.shape} does not match the vocabulary of {cfg.vocab_size}")
-      self._embd_info: TensorInfo = ti
-      self._embd_row_bytes = ti.nbytes // cfg.vocab_size
-      self._embd_rows = np.memmap(self.path, dtype=np.uint8, mode="r", offset=ti.offset, shape=(cfg.vocab_size, self._embd_row_bytes))
-    if self.weights != "quantized":  # dequantised once at load, not inside every kernel
-      groups = [list(dict.fromkeys(get_state_dict(b).values())) for b in self.blk]
-      if self.is_tail: groups.append([self.output_norm.weight, self.output.weight])
-      linears = {id(lin.weight): lin for b in self.blk for lin in _linears(b)} | ({id(self.output.weight): self.output} if self.is_tail else {})
-      # float16 (a CPU's default) and float32 hold the same values (every product is the same); the kernels convert
-      # a float16 vector to float32 in one instruction (kernel_opts._keep_half_to_float_vectors), so float16 reads
-      # half the bytes for the same bits
-      done: set[int] = set()
-      row_orders: dict[tuple[str, int], np.ndarray | None] = {}
-      for group in groups:  # a block at a time: blocks of one kind schedule alike, and tinygrad reuses the first's schedule
-        group = [p for p in group if id(p) not in done]
-        done.update(id(p) for p in group)
-        for p in group:
-          # float32 mode widens the float16 values once stored: a device without float16 arithmetic may skip the
-          # rounding of a float16 cast it meets inside one kernel (PoCL's CPU device does), and hold other weights
-          w = p.contiguous().float() if self.weights == "float32" else p
-          lin = linears.get(id(p)) if self.batched else None
-          if lin is not None and (name := file_name.get(id(p))) in self._packed:
-            # the file's blocks, repacked into column blocks and dequantised inside the kernels (pyruntime/stage/packed.py)
-            ti = header.tensors[name]
-            if (key := (name.rsplit(".", 2)[-2], p.shape[0])) not in row_orders:  # the same for every block
-              rows = Tensor.arange(p.shape[0], device=self.device).reshape(-1, 1)
-              # realized only where _rotary permutes (q and k): each realize is a small schedule, ~60 ms at load
-              row_orders[key] = None if (order := self._rotary(name, rows)) is rows else order.numpy()[:, 0]
-            lin.rows_blocked = repack(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, row_orders[key], kernel_opts.VEC, self.half)
-          elif lin is not None and p.shape[0] % kernel_opts.VEC == 0:
-            # the rows path keeps a projection's matrix in column blocks (outputs / VEC, inputs, VEC): a kernel streams
-            # each block's VEC outputs of every input as one run of memory (rows._linear); the block's own
-            # `weight` becomes a view of the same bytes, the matrix it was
-            _set_blocks(lin, w.reshape(p.shape[0] // kernel_opts.VEC, kernel_opts.VEC, p.shape[1]).permute(0, 2, 1).contiguous())
-          else: p.replace(w.contiguous())
-        Tensor.realize(*[t for p in group for t in _held(linears.get(id(p)), p)])
-      if self.batched:
-        for b in self.blk: _fuse_projections(b, self.device)
-      for lin in linears.values():  # packed matrices no group took: each on the device alone
-        if isinstance(pm := getattr(lin, "rows_blocked", None), PackedMatrix) and pm.on_host: _set_blocks(lin, pm.upload(self.device))
-      params = [t for g in groups for p in g for t in _held(linears.get(id(p)), p)]
-      self.resident_bytes = sum(t.nbytes() for t in dict.fromkeys(params))
-
-  def _tensor_name(self, i: int, key: str) -> str:
-    """The file's tensor for block i's state_dict key: from_gguf reads glm4moe's and qwen35's post_attention_norm as ffn_norm."""
-    name = f"blk.{i}.{key}"
-    if key == "ffn_norm.weight" and self.arch in FFN_NORM_RENAMED and name not in self.header.tensors:
-      return f"blk.{i}.post_attention_norm.weight"
-    return name
-
-  def _weight(self, raws: dict[str, Tensor], name: str) -> Tensor:
-    """The reference's state_dict entry for `name`: dequantised (lazily), cast to float16, its rows in the reference's
-    order (_rotary)."""
-    if name in self._packed:  # replaced by its packed matrix's values (_set_blocks): never realized
-      return Tensor.empty(*self.header.tensors[name].shape, dtype=dtypes.float16 if self.half else dtypes.float32, device=self.device)
-    if name in self._ready: return self._ready[name]
-    if name not in raws: raise errors.ModelLoadFailed(f"{self.path}: tensor {name!r} is missing")
-    ti = self.header.tensors[name]
-    w = ggml_data_to_tensor(raws[name], prod(ti.dims), ti.ggml_type).reshape(*ti.shape)
-    return self._rotary(name, w.cast("float16") if self.half else w)
-
-  def _host_vector(self, ti: TensorInfo, mm: np.ndarray) -> np.ndarray | None:
-    """A float32 or float16 vector of the file as the value its parameter holds once loaded (float16-rounded like every
-    weight of the reference unless HALF=0, float32 in float32 mode: numpy and the kernels both round to nearest even), or None where
-    the kernels read the file's bytes (quantized mode) or the tensor is not a plain float vector."""
-    if self.weights == "quantized" or len(ti.shape) != 1 or (dt := {0: np.float32, 1: np.float16}.get(ti.ggml_type)) is None: return None
-    v = mm[ti.offset:ti.offset + ti.nbytes].view(dt)
-    v = v.astype(np.float16) if self.half else v.copy()  # without HALF the file's own type, as _weight gives it
-    return v.astype(np.float32) if self.weights == "float32" else v
-
-  def _keeps_packed(self, name: str) -> bool:
-    """Whether the stage keeps tensor `name` as the file's blocks (weights="packed": the rows path's projections)."""
-    if self.weights != "packed" or not self.batched: return False
-    ti = self.header.tensors[name]
-    projection = name.rsplit(".", 2)[-2] in _PROJECTIONS or (self.is_tail and name == output_tensor_name(self.header))
-    return projection and packable(ti.ggml_type, ti.shape, kernel_opts.VEC)
-
-  def _rotary(self, name: str, w: Tensor) -> Tensor:
-    """w (the file's rows of `name`) in the reference's order of rows: from_gguf's permutation of llama's Q/K rotary
-    halves, and for MLA of the rotary part of q (q_b) and of the shared key (kv_a_mqa)."""
-    cfg = self.config
-    if (name.endswith("attn_q.weight") or name.endswith("attn_q_b.weight")) and (self.arch == "llama" or cfg.kv_lora_rank):
-      w = w.reshape(cfg.n_heads, w.shape[0] // cfg.n_heads, -1)
-      prefix = cfg.head_dim - cfg.rope_dim
-      w = w[:, :prefix].cat(w[:, prefix:].rearrange("n (h two) d -> n (two h) d", two=2), dim=1).reshape(-1, w.shape[-1])
-    elif self.arch == "llama" and name.endswith("attn_k.weight"):
-      w = w.reshape(cfg.n_kv_heads, w.shape[0] // cfg.n_kv_heads, -1)
-      w = w.rearrange("n (h two) d -> n (two h) d", two=2).reshape(-1, w.shape[-1])
-    elif cfg.kv_lora_rank and name.endswith("attn_kv_a_mqa.weight"):
-      w = w[:cfg.kv_lora_rank].cat(w[cfg.kv_lora_rank:].rearrange("(h two) d -> (two h) d", two=2), dim=0)
-    return w
-
-  def _assign(self, module, weights: dict[str, Tensor], where: str) -> None:
-    for k, v in get_state_dict(module).items():
-      w = weights[k]
-      if v.shape != w.shape: raise errors.ModelLoadFailed(f"{where}.{k}: expected shape {v.shape}, the file has {w.shape}")
-      v.replace(w)
 
   # --- captured graphs ---------------------------------------------------------------------------
   def _jit(self, name: str, fxn: Callable) -> TinyJit:
@@ -492,10 +278,10 @@ class StageModel:
   def projection_buffers(self) -> set[UOp]:
     """The buffers holding this stage's dense projections (column blocks, packed buffers, or with quantized weights
     the file's bytes): a kernel that reads one computes a projection (the launch report's measure of threads)."""
-    lins = [lin for b in self.blk for lin in _linears(b)] + ([self.output] if self.is_tail else [])
-    held = [t for lin in lins for t in _held(lin, lin.weight)]
+    lins = [lin for b in self.blk for lin in linears(b)] + ([self.output] if self.is_tail else [])
+    held = [t for lin in lins for t in held_buffers(lin, lin.weight)]
     out = output_tensor_name(self.header) if self.is_tail else None
-    held += [t for n, t in self.raw_tensors.items() if n.rsplit(".", 2)[-2] in _PROJECTIONS or n == out]
+    held += [t for n, t in self.raw_tensors.items() if n.rsplit(".", 2)[-2] in PROJECTIONS or n == out]
     return {u for t in held if (u := t.uop.base).op is Ops.BUFFER}
 
   # --- running ----------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def _blocked_product(x: Tensor, wb: Tensor | PackedMatrix, tc: bool) -> Tensor:
 
 def _linear(lin: Any, x: Tensor, tc: bool = False) -> Tensor:
   """nn.Linear's x @ weight.T (+ bias), from the matrix's column blocks (outputs / VEC, inputs, VEC) when the stage keeps
-  them (realized weights: StageModel._load_weights): for each block of VEC outputs the kernel reads one run of memory,
+  them (realized weights: weights.load): for each block of VEC outputs the kernel reads one run of memory,
   every input's VEC weights in a row, instead of VEC floats per row of the whole matrix. The same sum over the inputs.
   `tc`: the tensor-core mode's inputs (_tensor_core_rows)."""
   if (wb := getattr(lin, "rows_blocked", None)) is None:

@@ -1,7 +1,8 @@
 """Decode speed beside llama.cpp: the same GGUF file, the same prompts, greedy, a fixed number of tokens, in one run.
 
   python bench/decode.py [--model PATH] [--stages 1,2] [--streams 1,8] [--tokens 128] [--threads 2] [--json]
-  pip install -e '.[bench]'     # llama-cpp-python, the peer (built from source: minutes)
+  pip install -e '.[bench]'     # llama-cpp-python, the peer (built from source: minutes; `.ci/setup --test` builds it
+                                # as below, with this CPU's AVX-512 units where it has them)
 
 A VM that lists AMX in /proc/cpuinfo without running it kills a `-march=native` build of the peer with SIGILL on its
 first batch (`tilezero`); build it without AMX there:

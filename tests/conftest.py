@@ -36,6 +36,13 @@ def pytest_configure(config: pytest.Config) -> None:
   bound_launcher_loads()
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+  """`-n auto`: one worker more than the CPUs. Two workers kept a 2-core machine 90 % busy (tests wait on stage
+  processes, sockets and timeouts); three kept it 98 % busy and took a cold suite from 14:12 to 12:48
+  (bench/results/2026-12-06-suite.md)."""
+  return (os.cpu_count() or 1) + 1
+
+
 LOAD_BOUND_S = 300.0
 
 

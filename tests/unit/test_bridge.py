@@ -19,13 +19,16 @@ SECRET = os.urandom(32)
 HELLO = link_hello("1.0", 4, "model-abc", "ring 1 (stage 0 to stage 1)")
 
 
+OPENED: list[BridgeReceiver | BridgeSender] = []  # every bridge end a test opens (receiver(), sender())
+
+
 @pytest.fixture
 def rings():
   with Arena.create([RingSpec(1 << 16, 4096, 4), RingSpec(1 << 16, 4096, 4)]) as a:
     yield a
-
-
-OPENED: list[BridgeReceiver | BridgeSender] = []
+    # a test that failed midway still stops its bridges' threads before the arena they read and write is unmapped
+    # (a thread left in a read of an unmapped ring takes the whole worker down)
+    while OPENED: OPENED.pop().close()
 
 
 def receiver(*args, **kw) -> BridgeReceiver:
@@ -36,14 +39,6 @@ def receiver(*args, **kw) -> BridgeReceiver:
 def sender(*args, **kw) -> BridgeSender:
   OPENED.append(tx := BridgeSender(*args, **kw))
   return tx
-
-
-@pytest.fixture(autouse=True)
-def bridges_closed_before_their_rings(rings):
-  """A test that fails midway still stops its bridges' threads before `rings` unmaps the arena they read and write
-  (a thread left in a read of an unmapped ring takes the whole worker down)."""
-  yield
-  while OPENED: OPENED.pop().close()
 
 
 def ended(rx: BridgeReceiver) -> errors.PyruntimeError | None:

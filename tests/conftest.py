@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import os
@@ -66,6 +67,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
   skip = pytest.mark.skip(reason="needs --long")
   for item in items:
     if "long" in item.keywords: item.add_marker(skip)
+
+
+@functools.cache
+def stage_graphs():
+  """The graph cache the exactness tests' in-process stages share: the stage processes' own directory
+  ($PYRUNTIME_CACHE/graphs), so a configuration that several tests load (a model's float32 stage in the decode-row,
+  weight-form and split tests) is captured once, by the first, and later loaded as a launcher's stage would load it.
+  Every key holds pyruntime's source and tinygrad's version: a graph is never reused across a change of either."""
+  import warnings
+
+  from pyruntime.stage.graph_cache import GraphCache
+  return GraphCache(warn=lambda text: warnings.warn(text, stacklevel=1))
 
 
 def lane_device(device: str) -> str:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
+from conftest import stage_graphs
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.llm.model import Transformer
 from tinymodels import TINY_MODELS, write_tiny_gguf, write_unsupported_gguf
@@ -112,8 +113,9 @@ def chain(stages: list[StageModel], prompt: list[int], n: int, slot: int = 0, lo
 
 
 def load_split(path, ranges, **kw) -> list[StageModel]:
-  """The stages of a split; tinygrad's own kernels (decode="reference") unless `decode` says otherwise."""
-  ctx, kw = kw.pop("max_context", CTX), {"decode": "reference", **kw}
+  """The stages of a split; tinygrad's own kernels (decode="reference") unless `decode` says otherwise. Their graphs
+  come from the tests' graph cache when an earlier test captured the same configuration (conftest.stage_graphs)."""
+  ctx, kw = kw.pop("max_context", CTX), {"decode": "reference", "graph_cache": stage_graphs(), **kw}
   return [StageModel.load(path, a, b, max_context=ctx, **kw) for a, b in ranges]
 
 

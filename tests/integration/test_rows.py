@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import lane_device, stage_graphs
 from test_model import CTX, PROMPT, PROMPT2, SPLITS, bits, chain, load_split, reference_tokens, tiny_refs_blocks
 from tinygrad.llm.model import Transformer
 from tinymodels import TINY_MODELS, write_tiny_gguf
@@ -30,7 +31,8 @@ def paths(tmp_path_factory) -> dict:
 
 
 def whole(path, **kw) -> StageModel:
-  return StageModel.load(path, 0, tiny_refs_blocks(path), max_context=kw.pop("max_context", CTX), decode="batched", **kw)
+  return StageModel.load(path, 0, tiny_refs_blocks(path), max_context=kw.pop("max_context", CTX), decode="batched",
+                         graph_cache=stage_graphs(), **kw)
 
 
 # the contract's three tests also run on the CL lane (tests/integration/test_device_lanes.py): OpenCL through PoCL, a GPU-style
@@ -40,9 +42,7 @@ CL = os.environ.get("PYRUNTIME_LANE_DEVICE", "CL")
 
 
 def on(device: str | None) -> dict:
-  if device is None: return {}
-  from conftest import lane_device
-  return {"device": lane_device(device)}
+  return {} if device is None else {"device": lane_device(device)}
 
 
 def position_kv(m: StageModel, slot: int, pos: int) -> list[np.ndarray]:

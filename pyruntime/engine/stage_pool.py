@@ -34,6 +34,7 @@ class StageHandle:
   beat: dict | None = None      # its last Heartbeat, and when it came
   beat_t: float = 0.0
   progress_t: float = 0.0       # when it last made progress, or said it had nothing to do (the stall rule)
+  working_t: float = 0.0        # when a Heartbeat last showed its CPU time advancing at a working rate (the stall rule)
   read_all: threading.Event = field(default_factory=threading.Event)  # its output is read to the end (it exited)
   host: dict | None = None      # where it runs, when not on this host (pyruntime/engine/hosts.py: index, node, ip, model_path)
 
@@ -44,7 +45,16 @@ class StageHandle:
     now, last = time.monotonic(), self.beat
     if last is None or not ev.get("busy") or (ev.get("steps"), ev.get("records")) != (last.get("steps"), last.get("records")):
       self.progress_t = now
+    if last is not None and _cpu_share(last, ev) >= WORKING_CPU_SHARE: self.working_t = now
     self.beat, self.beat_t = ev, now
+
+  def state(self) -> str:
+    """Its process's state as the kernel tells it ('stopped' for SIGSTOP), where it runs on this host; else ''."""
+    if self.host is not None: return ""
+    try:
+      with open(f"/proc/{self.proc.pid}/stat", "rb") as f: letter = f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError): return ""
+    return PROCESS_STATES.get(letter, letter)
 
   def take_event(self, ev: dict, on_event: Callable[[dict], None] | None) -> None:
     """One event from the stage's control channel (read here, or relayed by its host's agent, pyruntime/engine/hosts.py)."""
@@ -107,9 +117,21 @@ def _pump(h: StageHandle, on_event: Callable[[dict], None] | None) -> None:
   h.events.put(None)  # EOF: the process is gone
 
 
+PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped by a tracer",
+                  "Z": "exited"}  # /proc/PID/stat's state letter, in words
+
+
+def _cpu_share(a: dict, b: dict) -> float:
+  """The share of one core a stage's process used between two of its Heartbeats (by its own clock), 0 if unknown."""
+  try: dt, dc = float(b["clock_s"]) - float(a["clock_s"]), float(b["cpu_s"]) - float(a["cpu_s"])
+  except (KeyError, TypeError, ValueError): return 0.0
+  return dc / dt if dt > 0 else 0.0
+
+
 # --- watching and stopping a pipeline's stages ----------------------------------------------------------------------
 AFTERMATH = {"PeerDead": 2, "RingClosed": 2, "BridgeLost": 1}  # what a failure elsewhere causes: reported after a root cause
 POLL_S = 0.05   # how often a waiting launcher looks at its stages' health
+WORKING_CPU_SHARE = 0.25  # a stage whose process used this share of a core between two Heartbeats is computing, not hung
 SETTLE_S = 0.5  # how long a closed tail ring waits for the failure behind it to be reported
 
 
@@ -175,22 +197,37 @@ class StagePool:
 
   def stall_bound(self, h: StageHandle) -> float:
     """How long stage h may have work and make no progress: `stall_timeout`, or STALL_STEPS of its slowest step if that
-    is longer; `stall_capture_timeout` while it captures a graph (it says so before, and beats again after)."""
+    is longer; `stall_capture_timeout` while it captures a graph (it says so before, and beats again after) or while
+    its CPU time advances (a step that computes: a first launch compiling, a long chunk on a big model)."""
     b = h.beat or {}
-    if b.get("capturing"): return self.stall_capture_timeout
+    if b.get("capturing") or self.working(h): return self.stall_capture_timeout
     return max(self.stall_timeout, STALL_STEPS * float(b.get("slowest_s") or 0.0))
+
+  def working(self, h: StageHandle) -> bool:
+    """Whether h's CPU time advanced at a working rate within the last `stall_timeout` (its Heartbeats say)."""
+    return time.monotonic() - h.working_t <= self.stall_timeout
 
   def stalled(self) -> errors.StageStalled | None:
     """The stall rule (docs/control-channel.md, "Stalls"): the first stage whose last progress (a step finished or a
     record taken, counted by its data loop's own thread and reported in Heartbeats; or a Heartbeat saying it had nothing
-    to do) is older than its bound. The caller asks only while the pipeline has work."""
+    to do) is older than its bound: `stall_timeout` for a stage whose CPU time stands still (hung, stopped), the larger
+    `stall_capture_timeout` for one that computes. The caller asks only while the pipeline has work."""
     now = time.monotonic()
     for h in self.handles:
       quiet = now - h.progress_t
       if quiet > (b := self.stall_bound(h)):
-        heard = f"{now - h.beat_t:.1f} s ago: {h.beat.get('doing')}" if h.beat else "never since it started"
-        return errors.StageStalled(h.index, f"no progress for {quiet:.1f} s (bound {b:.1f} s) while the pipeline had work; last heard {heard}")
+        return errors.StageStalled(h.index, f"no progress for {quiet:.1f} s (bound {b:.1f} s) while the pipeline had work; {self._why(h, now)}")
     return None
+
+  def _why(self, h: StageHandle, now: float) -> str:
+    """Which kind of stall, and what the stage last said it was doing."""
+    if self.working(h): kind = "it was computing all along (its CPU time advancing), longer than a step may take"
+    elif h.working_t: kind = f"its CPU time stood still for {now - h.working_t:.1f} s"
+    else: kind = "its CPU time never advanced while it had work"
+    if state := h.state(): kind += f"; its process is {state}"
+    if not h.beat: return f"{kind}; never heard from since it started"
+    step = f" (a step running for {h.beat['step_s']:.1f} s)" if h.beat.get("step_s") is not None else ""
+    return f"{kind}; last heard {now - h.beat_t:.1f} s ago: {h.beat.get('doing')}{step}"
 
   def view(self, split: list, devices: list) -> list[dict]:
     """What each stage is and last said of itself, without a round trip: layers, device, memory, alive, and its last

@@ -9,6 +9,8 @@ and streams join and leave the batch at every step. The control commands that se
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -129,6 +131,9 @@ class DataLoop:
     self.records_taken = 0
     self.slowest_step_s = 0.0
     self.doing: str | tuple[int, int | None] = "waiting for records"
+    self.step_t0: float | None = None    # when the step now running began (None between steps): the watch's view
+    self.capturing = False               # the step now running captures a graph (on_capture)
+    threading.Thread(target=self.watch, name="step-watch", daemon=True).start()
 
   # --- the ring sides ---------------------------------------------------------------------------
   def install(self, name: str, ingress: int, egress: int) -> None:
@@ -269,23 +274,40 @@ class DataLoop:
     now = time.monotonic()
     if not force and (now - self.beat_t < HEARTBEAT_S or not self.looping): return
     self.beat_t = now
+    self.send_beat(now, busy=self.sched.has_work(), capturing=capturing)
+
+  def send_beat(self, now: float, busy: bool, capturing: bool = False, step_s: float | None = None) -> None:
     # tokens and busy_s (rows computed, seconds computing and emitting, since the start) give the operator's view a
-    # stage's busy fraction and rows per step between two beats (pyruntime/serving/metrics.py)
-    self.emit_event(Event.HEARTBEAT, stage=self.index, steps=self.steps_run, records=self.records_taken, busy=self.sched.has_work(),
-                    doing=self.doing if isinstance(self.doing, str) else _step_text(*self.doing), slowest_s=round(self.slowest_step_s, 4),
-                    capturing=capturing, tokens=self.stats["tokens"],
-                    busy_s=round(self.stats["compute_s"] + self.stats["emit_s"], 4))
+    # stage's busy fraction and rows per step between two beats (pyruntime/serving/metrics.py); cpu_s against clock_s
+    # tells the launcher whether a stage that finishes nothing is computing or hung
+    doing = self.doing if isinstance(self.doing, str) else _step_text(*self.doing)
+    self.emit_event(Event.HEARTBEAT, stage=self.index, steps=self.steps_run, records=self.records_taken, busy=busy, doing=doing,
+                    slowest_s=round(self.slowest_step_s, 4), capturing=capturing, tokens=self.stats["tokens"],
+                    busy_s=round(self.stats["compute_s"] + self.stats["emit_s"], 4), cpu_s=round(cpu_seconds(), 4),
+                    clock_s=round(now, 4), step_s=None if step_s is None else round(step_s, 3))
+
+  def watch(self) -> None:
+    """The step-watch thread: while one step runs longer than HEARTBEAT_S (a first launch that compiles, a long prompt
+    chunk on a big model), it says so every HEARTBEAT_S, with what the step is and the process's CPU time. It reports
+    no progress (the counters are the loop's own, unchanged until the step ends): it lets the launcher tell a stage
+    that computes from one that is hung (docs/control-channel.md, "Stalls"). It reads only plain attributes."""
+    while True:
+      time.sleep(HEARTBEAT_S)
+      t0, now = self.step_t0, time.monotonic()
+      if t0 is not None and self.looping and now - t0 >= HEARTBEAT_S and now - self.beat_t >= HEARTBEAT_S:
+        self.send_beat(now, busy=True, capturing=self.capturing, step_s=now - t0)
 
   def on_capture(self, graph: str) -> None:
     """A graph is captured now (not prepared at load: a decode window first used, say): the launcher allows a capture's
     time, not a step's, until the next Heartbeat."""
-    self.doing = f"capturing the {graph} graph"
+    self.doing, self.capturing = f"capturing the {graph} graph", True
     self.beat(force=True, capturing=True)
 
   # --- steps ------------------------------------------------------------------------------------
   def run_step(self) -> None:
-    t0 = time.monotonic()
-    self.step()
+    t0 = self.step_t0 = time.monotonic()
+    try: self.step()
+    finally: self.step_t0, self.capturing = None, False
     dt = time.monotonic() - t0
     self.steps_run += 1
     self.slowest_step_s = max(self.slowest_step_s, dt)
@@ -373,6 +395,12 @@ class DataLoop:
     self.stats.update(records=self.stats["records"] + 1, tokens=self.stats["tokens"] + n, prefill_chunks=self.stats["prefill_chunks"] + 1,
                       compute_s=self.stats["compute_s"] + t1 - t0, emit_s=self.stats["emit_s"] + t2 - t1,
                       prefill_s=self.stats["prefill_s"] + t2 - t0)
+
+def cpu_seconds() -> float:
+  """CPU time of this process (every thread) and of the children it reaped (a compiler it ran), in seconds."""
+  t = os.times()
+  return t.user + t.system + t.children_user + t.children_system
+
 
 def _step_text(rows: int, chunk_of: int | None) -> str:
   """What a step does, in words, for a Heartbeat."""

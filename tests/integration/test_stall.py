@@ -2,11 +2,16 @@
 processes on a tiny model: SIGSTOP stops every thread of a stage (as a deadlock or a hung device would stop its data
 loop), so its Heartbeats stop; the launcher ends every stream with StageStalled naming the stage within its bound,
 leaves no process and no segment; an idle stopped stage is named when a request comes; the server answers a request
-whose answer had not started with 503 and Retry-After, reports the stall and heals."""
+whose answer had not started with 503 and Retry-After, reports the stall and heals.
+
+A stage whose step is slow on purpose (a `sitecustomize` on the stage's PYTHONPATH wraps its first prompt chunk) tells
+computing from hung: a step that burns CPU for several bounds (as PoCL's first launches do) is waited for; one that
+sleeps (a deadlock) is named within the bound; one that computes past `stall_capture_timeout` is named too."""
 from __future__ import annotations
 
 import glob
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -40,8 +45,9 @@ def segments() -> list[str]:
 
 
 def ended(lm: Launcher, stopped: int) -> None:
-  try: os.kill(stopped, signal.SIGCONT)
-  except OSError: pass
+  if stopped > 0:
+    try: os.kill(stopped, signal.SIGCONT)
+    except OSError: pass
   lm.close()
   deadline = time.monotonic() + 30
   while any(h.proc.poll() is None for h in lm.handles): assert time.monotonic() < deadline; time.sleep(0.05)
@@ -62,6 +68,7 @@ def test_a_stopped_stage_ends_the_running_streams_by_name(tiny, victim):
       for ev in it: got.append(ev)
     waited = time.monotonic() - t0
     assert e.value.stage == victim and e.value.reason == "StageStalled" and "no progress" in str(e.value), str(e.value)
+    assert "its process is stopped" in str(e.value) and "computing" not in str(e.value), str(e.value)
     assert waited < BOUND + 30, waited  # the bound, and room for a loaded machine
     assert isinstance(got[0], Delta) and not any(isinstance(ev, Done) for ev in got)
     with pytest.raises(errors.PyruntimeError): next(lm.generate("hi", max_tokens=2))  # the pipeline is down, not hanging
@@ -150,3 +157,65 @@ def test_a_stage_that_never_loads_fails_start_within_the_load_bound_by_name(tiny
   finally:
     if stopped: ended(lm, stopped[0])
   assert all(h.proc.poll() is not None for h in lm.handles) and not segments()
+
+
+SLOW_STEP = """
+import time
+from pyruntime.stage import dataloop
+_chunk, _slowed = dataloop.DataLoop.prefill_chunk, []
+def prefill_chunk(self, *args):
+  if not _slowed and self.index == {stage}:
+    _slowed.append(1)
+    end = time.monotonic() + {seconds}
+    while time.monotonic() < end: {work}
+  return _chunk(self, *args)
+dataloop.DataLoop.prefill_chunk = prefill_chunk
+"""
+
+
+def slow_first_step(tmp: pathlib.Path, seconds: float, burn: bool, stage: int = 0) -> dict[str, str]:
+  """The stage environment that makes stage `stage`'s first prompt chunk last `seconds`, burning CPU or asleep."""
+  work = "sum(range(20000))" if burn else "time.sleep(0.05)"
+  (tmp / "sitecustomize.py").write_text(SLOW_STEP.format(stage=stage, seconds=seconds, work=work))
+  return {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def test_a_step_that_computes_longer_than_the_bound_is_waited_for(tiny, tmp_path):
+  """The EPYC's CL lane: a first step that computes (PoCL compiling its kernels) for several times the bound is not
+  a stall. On the old rule (progress only) this stream failed with StageStalled after BOUND."""
+  env = slow_first_step(tmp_path, 4 * BOUND, burn=True)
+  with Launcher(tiny, split=SPLIT, max_context=256, max_streams=2, stall_timeout=BOUND, stage_env=env) as lm:
+    t0 = time.monotonic()
+    done = next(ev for ev in lm.generate("The quick brown fox", raw=True, max_tokens=4, ignore_eos=True) if isinstance(ev, Done))
+    assert time.monotonic() - t0 >= 4 * BOUND  # the slow step really ran
+    assert len(done.token_ids) == 4 and lm.alive() == [True, True]
+
+
+def test_a_step_that_sleeps_is_named_within_the_bound(tiny, tmp_path):
+  """A step that waits without computing (a deadlock, a device that never answers) is hung: named within the bound,
+  saying its CPU time stood still and what the step was."""
+  env = slow_first_step(tmp_path, 600, burn=False)
+  lm = Launcher(tiny, split=SPLIT, max_context=256, max_streams=2, stall_timeout=BOUND, stage_env=env).start()
+  try:
+    t0 = time.monotonic()
+    with pytest.raises(errors.StageStalled) as e: list(lm.generate("The quick brown fox", raw=True, max_tokens=4))
+    assert time.monotonic() - t0 < BOUND + 30, str(e.value)  # the bound, and room for a loaded machine
+    msg = str(e.value)
+    assert e.value.stage == 0 and "CPU time" in msg and "computing" not in msg, msg
+    assert "a prompt chunk of stream" in msg and "a step running for" in msg, msg  # what it does now, not "waiting for records"
+  finally:
+    ended(lm, -1)
+
+
+def test_a_step_that_computes_past_the_capture_bound_is_named(tiny, tmp_path):
+  env = slow_first_step(tmp_path, 600, burn=True)
+  lm = Launcher(tiny, split=SPLIT, max_context=256, max_streams=2, stall_timeout=BOUND, stall_capture_timeout=3 * BOUND,
+                stage_env=env).start()
+  try:
+    t0 = time.monotonic()
+    with pytest.raises(errors.StageStalled) as e: list(lm.generate("The quick brown fox", raw=True, max_tokens=4))
+    waited, msg = time.monotonic() - t0, str(e.value)
+    assert 3 * BOUND <= waited < 3 * BOUND + 30, msg
+    assert e.value.stage == 0 and "computing all along" in msg and "a prompt chunk of stream" in msg, msg
+  finally:
+    ended(lm, -1)

@@ -56,6 +56,44 @@ def parse_device(spec: str) -> DeviceSpec:
   return DeviceSpec(base, index, rest[0].upper() if rest else "", rest[1] if len(rest) > 1 else "")
 
 
+def tinygrad_backends() -> set[str]:
+  """The backends the installed tinygrad has (its `runtime/ops_*.py`), found without importing it; empty if unknown."""
+  import importlib.util
+  spec = importlib.util.find_spec("tinygrad")
+  roots = spec.submodule_search_locations or [] if spec is not None else []
+  return {os.path.basename(p)[4:-3].upper() for root in roots for p in glob.glob(os.path.join(root, "runtime", "ops_*.py"))}
+
+
+def check_opens(device: str) -> None:
+  """What can be known before any stage is spawned of whether `device` opens here, without loading tinygrad: a backend
+  tinygrad has, a GPU present for CUDA/NV/AMD (its index among those visible), an OpenCL driver for CL, NVIDIA's
+  compiler for CUDA kernels. `InvalidOption("device", ...)` naming what is missing (the launch plan's preflight)."""
+  from pyruntime.errors import InvalidOption
+  spec = parse_device(device)
+  if (backends := tinygrad_backends()) and spec.base not in backends:
+    raise InvalidOption("device", f"{device}: tinygrad has no backend {spec.base!r} (it has {', '.join(sorted(backends))})")
+  if spec.base in ("CUDA", "NV"):
+    if (n := gpu_count()) == 0: raise InvalidOption("device", f"{device}: no NVIDIA GPU is visible here (/dev/nvidia*, CUDA_VISIBLE_DEVICES)")
+    if (spec.index or 0) >= n: raise InvalidOption("device", f"{device}: index {spec.index}, but {n} NVIDIA GPU(s) are visible")
+  if spec.base in ("AMD", "HIP") and not os.path.exists("/dev/kfd"): raise InvalidOption("device", f"{device}: no AMD GPU here (/dev/kfd)")
+  if spec.base == "CL" and not (os.environ.get("OCL_ICD_VENDORS") or glob.glob("/etc/OpenCL/vendors/*.icd")):
+    raise InvalidOption("device", f"{device}: no OpenCL driver is installed (/etc/OpenCL/vendors; PoCL runs on the CPU: apt install pocl-opencl-icd)")
+  if (spec.base == "CUDA" and spec.renderer in ("", "CUDA")) or (spec.base == "NULL" and spec.renderer == "CUDA"):
+    if not nvrtc_available():
+      raise InvalidOption("device", f"{device}: CUDA kernels need NVIDIA's NVRTC, which is not installed (pip install nvidia-cuda-nvrtc-cu12)")
+
+
+def nvrtc_available() -> bool:
+  """NVIDIA's runtime compiler can be loaded: named by NVRTC_PATH, in its PyPI wheel, or in a system folder."""
+  import ctypes.util
+  if os.environ.get("NVRTC_PATH"): return os.path.exists(os.environ["NVRTC_PATH"])
+  saved = {k: os.environ.get(k) for k in ("NVRTC_PATH", "NVJITLINK_PATH")}
+  found = "NVRTC_PATH" in nvidia_compilers()
+  for k, v in saved.items():  # only a look: the stage points tinygrad at the wheels itself
+    if v is None: os.environ.pop(k, None)
+  return found or ctypes.util.find_library("nvrtc") is not None
+
+
 def nvidia_compilers() -> dict[str, str]:
   """Point tinygrad at NVIDIA's compilers from their PyPI wheels (nvidia-cuda-nvrtc-cu12, nvidia-nvjitlink-cu12) when
   installed and not named already: tinygrad looks for the libraries only in system folders, or where NVRTC_PATH /
@@ -106,12 +144,25 @@ def parse_devices(spec: str | list[str] | None, n_stages: int) -> list[str]:
 
 
 def _split(spec: str | list[str], n_stages: int) -> list[str]:
-  devs = [d.strip() for d in (spec.split(",") if isinstance(spec, str) else spec) if d.strip()]
+  devs = [d.strip() for d in (_devices_in(spec) if isinstance(spec, str) else spec) if d.strip()]
   if len(devs) == 1: return devs * n_stages
   if len(devs) != n_stages:
     from pyruntime.errors import InvalidOption
     raise InvalidOption("device", f"{len(devs)} devices given for {n_stages} stages")
   return devs
+
+
+def _devices_in(spec: str) -> list[str]:
+  """A comma-separated list of devices: a comma also separates a CPU target's features (`CPU:CLANGJIT:x86_64,x86-64-v3`),
+  so a piece that does not start with a backend's name (one of tinygrad's, or any all-letter word where tinygrad is not
+  found) belongs to the device before it."""
+  backends, out = tinygrad_backends(), []
+  for piece in spec.split(","):
+    head = piece.strip().split(":")[0]
+    new = head.upper() in backends if backends else head.isalpha()
+    if out and not new and out[-1].count(":") >= 2: out[-1] += "," + piece
+    else: out.append(piece)
+  return out
 
 
 def available_memory() -> int:

@@ -133,15 +133,24 @@ def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool,
   return "packed" if copy_fits else "quantized"
 
 
+def preflight(header: GGUFHeader, options: LaunchOptions, devices: list[str]) -> None:
+  """The one check before any stage is spawned of what can be refused without loading the model or tinygrad: options
+  the model cannot take, devices that cannot open here (devices.check_opens). A refusal names its field."""
+  from pyruntime.devices import check_opens
+  from pyruntime.modelfile.plan import DENSE_ARCHS
+  if options.tensor_cores == "on" and header.arch not in DENSE_ARCHS:
+    raise errors.InvalidOption("tensor_cores", f"needs a dense model (the batched path); {header.arch} decodes with tinygrad's own kernels")
+  for d in dict.fromkeys(devices): check_opens(d)
+
+
 def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: int) -> LaunchPlan:
   """The plan for `options` over the model at `path` (its header read), with `memory` bytes available on this host."""
   from pyruntime.devices import parse_device, parse_devices
-  from pyruntime.modelfile.plan import DENSE_ARCHS, plan_split
-  if options.tensor_cores == "on" and header.arch not in DENSE_ARCHS:
-    raise errors.InvalidOption("tensor_cores", f"needs a dense model (the batched path); {header.arch} decodes with tinygrad's own kernels")
+  from pyruntime.modelfile.plan import plan_split
   n = len(options.split) if options.split else options.stages
   if not isinstance(n, int) or isinstance(n, bool) or n < 1: raise errors.InvalidOption("stages", f"must be an integer >= 1, got {n!r}")
   devices = parse_devices(options.devices, n)
+  preflight(header, options, devices)
   # stages on devices of their own compute at once when the streams are cut into one micro-batch per stage; stages
   # that share the CPU would only take cores from each other
   specs = [parse_device(d) for d in devices]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pyruntime import errors
-from pyruntime.devices import DeviceSpec, parse_device, parse_devices
+from pyruntime.devices import DeviceSpec, check_opens, parse_device, parse_devices, tinygrad_backends
 
 
 @pytest.mark.parametrize("text,want,name,target", [
@@ -40,6 +40,40 @@ def test_parse_devices_checks_every_stage_and_counts():
   assert parse_devices("NULL:CUDA:sm_90", 3) == ["NULL:CUDA:sm_90"] * 3
   with pytest.raises(errors.InvalidOption, match="3 devices given for 2 stages"): parse_devices("CPU,CPU,CPU", 2)
   with pytest.raises(errors.InvalidOption, match="device"): parse_devices("CPU,CUDA::1", 2)
+
+
+def test_a_cpu_target_with_features_is_one_device_not_two():
+  """The example of the module's docstring and of parse_device's own error: a comma inside a CPU target's ARCH."""
+  assert parse_devices("CPU:CLANGJIT:x86_64,x86-64-v3", 2) == ["CPU:CLANGJIT:x86_64,x86-64-v3"] * 2
+  assert parse_devices("CPU:CLANGJIT:x86_64,x86-64-v3,+avx2,CL", 2) == ["CPU:CLANGJIT:x86_64,x86-64-v3,+avx2", "CL"]
+  assert parse_devices("CPU,CL", 2) == ["CPU", "CL"]
+
+
+@pytest.mark.parametrize("device,why", [("FOO", "no backend 'FOO'"), ("CUDA:0", "no NVIDIA GPU"), ("NV", "no NVIDIA GPU")])
+def test_a_device_that_cannot_open_here_is_refused_before_anything_runs(monkeypatch, device, why):
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # as on a machine without an NVIDIA GPU
+  with pytest.raises(errors.InvalidOption, match=why) as e: check_opens(device)
+  assert e.value.field == "device"
+
+
+def test_the_devices_that_open_here_pass_the_check():
+  assert {"CPU", "CL", "CUDA", "NULL", "NV"} <= tinygrad_backends()
+  check_opens("CPU")
+  check_opens("NULL")
+
+
+@pytest.mark.integration
+def test_the_launcher_refuses_a_device_before_spawning_a_stage(monkeypatch, tmp_path):
+  from tinymodels import TINY_MODELS, write_tiny_gguf
+
+  from pyruntime.engine.launcher import Launcher
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+  path = str(write_tiny_gguf(tmp_path / "tiny.gguf", **TINY_MODELS["llama_tied"]))
+  seen: list[dict] = []
+  lm = Launcher(path, stages=2, devices="CUDA:0,CUDA:1", on_event=seen.append)
+  with pytest.raises(errors.InvalidOption, match="no NVIDIA GPU") as e: lm.start()
+  assert e.value.field == "device" and not [ev for ev in seen if ev.get("event") == "StageSpawned"], seen
+  lm.close()
 
 
 def test_a_stage_with_an_index_compiles_its_kernels():

@@ -104,6 +104,11 @@ class Launcher:
     return self.driver is not None
 
   @property
+  def max_streams(self) -> int:
+    """How many streams run through the pipeline together (a KV slot each); more wait in the driver's queue."""
+    return self.options.max_streams
+
+  @property
   def handles(self) -> list[StageHandle]: return [] if self.pool is None else self.pool.handles
 
   @property

@@ -6,13 +6,13 @@ running uvicorn in a thread (`BackgroundServer`: tests and embedding) or drainin
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
 from typing import Any, Awaitable, Callable
 
 import anyio
+from starlette.responses import JSONResponse
 
 from pyruntime import errors
 from pyruntime.options import TIMEOUT_KEEP_ALIVE, TIMEOUT_REQUEST_HEAD
@@ -21,10 +21,17 @@ from pyruntime.serving.openai_api import (
   RequestTimeout,
   RequestTooLarge,
   error_body,
+  render_json,
 )
 from pyruntime.serving.state import ServerState, announce
 
 CLIENT_CLOSED = 499   # nginx's status for "the client closed the request"; only ever seen in /metrics
+
+
+class JSONBody(JSONResponse):
+  """Every JSON answer of the server, rendered by openai_api.render_json (a client's lone surrogate comes back as its
+  escape, never a 500)."""
+  def render(self, content: Any) -> bytes: return render_json(content).encode()
 
 
 
@@ -129,7 +136,7 @@ def _replay(messages: list[dict], receive: Callable) -> Callable[[], Awaitable[d
 
 async def _refuse(send: Callable, e: BaseException) -> None:
   status, body = error_body(e)
-  data = json.dumps(body).encode()
+  data = render_json(body).encode()
   await send({"type": "http.response.start", "status": status,
               "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), (b"connection", b"close")]})
   await send({"type": "http.response.body", "body": data, "more_body": False})

@@ -55,7 +55,7 @@ class MalformedRequest(errors.PyruntimeError):
 
 class QueueFull(errors.PyruntimeError):
   def __init__(self, size: int):
-    super().__init__(f"the server is busy: {size} requests are already waiting; retry later")
+    super().__init__(f"the server is busy: every stream it runs is taken and {size} more wait; retry later")
     self.size = size
 
 
@@ -122,6 +122,7 @@ class ParsedRequest:
   prompts: list[str | list[int]] = field(default_factory=list)  # completions: each prompt of the batch (text or ids)
   echo: bool = False                     # completions: the prompt comes back before the answer
   logprobs: bool = False                 # the answer carries log-probabilities (generate's logprobs: how many alternatives)
+  origins: list | None = None            # Responses: which input item each chat message came from (its errors' names)
 
   @property
   def choices(self) -> int: return self.n * max(1, len(self.prompts))
@@ -165,6 +166,13 @@ def _int(body: dict, name: str, lo: int = -INT64_MAX - 1, hi: int = INT64_MAX) -
   return v
 
 
+def model_of(body: dict) -> str | None:
+  """The `model` a request names (None: any), checked the same way on every route."""
+  if (model := body.get("model")) is not None and not isinstance(model, str):
+    raise errors.InvalidOption("model", f"must be a string, got {_show(model)}")
+  return model
+
+
 def _param(body: dict, p: Param) -> Any:
   """A field defined in pyruntime/params.py; null is absent (None)."""
   return None if body.get(p.name) is None else p.check(body[p.name])
@@ -190,9 +198,7 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
   # long (~55 lines): one check per OpenAI field, in the reference's order
   _check_unsupported(body, kind)
   req = ParsedRequest(kind)
-  model = body.get("model")
-  if model is not None and not isinstance(model, str): raise errors.InvalidOption("model", f"must be a string, got {_show(model)}")
-  req.model = model
+  req.model = model_of(body)
   if (user := body.get("user")) is not None and not isinstance(user, str): raise errors.InvalidOption("user", "must be a string")
   req.n = _int(body, "n", lo=1, hi=MAX_CHOICES) or 1
   req.stream = bool(_bool(body, "stream"))
@@ -221,9 +227,9 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
     from pyruntime.text.tools import check_tools
     if check_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")) is not None:
       gen.update({k: body[k] for k in ("tools", "tool_choice", "parallel_tool_calls") if body.get(k) is not None})
-    if _bool(body, "logprobs"):
-      req.logprobs, gen["logprobs"] = True, _int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS) or 0
-    elif body.get("top_logprobs"): raise errors.InvalidOption("top_logprobs", "needs logprobs: true")
+    top = _int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)  # typed even where logprobs is off: "" or [] is no integer
+    if _bool(body, "logprobs"): req.logprobs, gen["logprobs"] = True, top or 0
+    elif top: raise errors.InvalidOption("top_logprobs", "needs logprobs: true")
   else:
     req.echo = bool(_bool(body, "echo"))
     if "max_tokens" in body and body["max_tokens"] == 0 and _is_int(body["max_tokens"]) and req.echo: max_tokens = 0  # scoring the prompt alone
@@ -543,7 +549,19 @@ def shaper_for(req: ParsedRequest, model: str, fingerprint: str, tokenizer: Any 
   return CompletionShaper(model, fingerprint, req.include_usage, echo=req.echo, prompts=req.prompts, **kw)
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def render_json(obj: Any) -> str:
+  """The one JSON renderer of every answer, route and stream: UTF-8 text as it is, and a lone surrogate a client sent
+  (JSON's `"\\ud800"` decodes to one; UTF-8 cannot carry it) written back as its `\\uXXXX` escape, so no string a
+  client sent can fail an answer. A valid pair is one character by now: every surrogate left is lone, and inside a
+  string, where the escape is valid JSON."""
+  text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+  return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def sse(obj: Any) -> bytes:
   """One server-sent event: `data: <json>\\n\\n` (or `data: [DONE]\\n\\n`)."""
-  data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+  data = obj if isinstance(obj, str) else render_json(obj)
   return f"data: {data}\n\n".encode()

@@ -11,6 +11,7 @@ does); so is every field this module does not name.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -44,7 +45,7 @@ def parse(body: dict[str, Any]) -> ParsedRequest:
     why = "nothing is stored: send the whole conversation as input" if name in ("store", "previous_response_id", "conversation") else None
     raise errors.UnsupportedFeature(name, why or f"pyruntime does not support {name}={_dump(value)} on /v1/responses")
   chat: dict[str, Any] = {k: body[k] for k in ("model", "parallel_tool_calls", "stream", "user", *SAMPLING) if body.get(k) is not None}
-  chat["messages"] = messages(body.get("input"), body.get("instructions"))
+  chat["messages"], origins = messages(body.get("input"), body.get("instructions"))
   if body.get("max_output_tokens") is not None: chat["max_tokens"] = body["max_output_tokens"]
   if body.get("tools") is not None: chat["tools"] = tools(body["tools"])
   if body.get("tool_choice") is not None: chat["tool_choice"] = tool_choice(body["tool_choice"])
@@ -53,26 +54,66 @@ def parse(body: dict[str, Any]) -> ParsedRequest:
   if not isinstance(include, list): raise errors.InvalidOption("include", "must be a list")
   for i, what in enumerate(include):
     if what != _LOGPROBS: raise errors.UnsupportedFeature(f"include[{i}]", f"pyruntime can include only {_LOGPROBS!r}, not {_dump(what)}")
-  if include or body.get("top_logprobs"):
-    k = body.get("top_logprobs") or 0
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
-      raise errors.InvalidOption("top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {_dump(k)}")
-    chat["logprobs"], chat["top_logprobs"] = True, k
-  if (meta := body.get("metadata")) is not None and not isinstance(meta, dict): raise errors.InvalidOption("metadata", "must be an object")
+  k = body.get("top_logprobs")
+  if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):  # "" and [] too
+    raise errors.InvalidOption("top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {_dump(k)}")
+  if include or k: chat["logprobs"], chat["top_logprobs"] = True, k or 0
+  check_metadata(body.get("metadata"))
   for name in ("prompt_cache_key", "safety_identifier"):
     if body.get(name) is not None and not isinstance(body[name], str): raise errors.InvalidOption(name, "must be a string")
-  req = _renamed(parse_request, chat)
-  req.kind = RESPONSES
+  try: req = parse_request(chat, CHAT)
+  except (errors.InvalidOption, errors.UnsupportedFeature) as e: raise own_names(e, origins) from None
+  req.kind, req.origins = RESPONSES, origins
   return req
 
 
-def _renamed(parse_request: Any, chat: dict[str, Any]) -> ParsedRequest:
-  """The chat parser's errors, in this API's field names."""
-  names = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
-  try: return parse_request(chat, CHAT)
-  except errors.InvalidOption as e:
-    if e.field not in names and not e.field.startswith("messages"): raise
-    raise errors.InvalidOption(names.get(e.field, e.field.replace("messages", "input", 1)), str(e)) from None
+MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's rule for `metadata`
+
+
+def check_metadata(meta: Any) -> None:
+  """OpenAI's rule: at most 16 pairs of a key of at most 64 characters and a string value of at most 512. So what is
+  echoed back is flat: no nesting reaches the JSON renderer."""
+  if meta is None: return
+  if not isinstance(meta, dict): raise errors.InvalidOption("metadata", "must be an object")
+  if len(meta) > MAX_METADATA_KEYS: raise errors.InvalidOption("metadata", f"at most {MAX_METADATA_KEYS} keys, got {len(meta)}")
+  for k, v in meta.items():
+    if len(k) > MAX_METADATA_KEY: raise errors.InvalidOption("metadata", f"a key of {len(k)} characters: at most {MAX_METADATA_KEY}")
+    if not isinstance(v, str) or len(v) > MAX_METADATA_VALUE:
+      raise errors.InvalidOption("metadata", f"the value of {_dump(k)} must be a string of at most {MAX_METADATA_VALUE} characters, got {_dump(v)}")
+
+
+# the chat path's field names for what a Responses request calls otherwise
+_CHAT_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
+               "prompt": "input"}
+_MESSAGE_FIELD = re.compile(r"^messages\[(\d+)\](?:\.tool_calls\[(\d+)\])?(.*)$")
+_CALL_KEYS = {".function.arguments": ".arguments", ".function.name": ".name", ".function": "", ".id": ".call_id"}
+_ITEM_KEYS = {".tool_call_id": ".call_id"}
+
+
+def own_name(field: str, origins: list[Origin] | None) -> str:
+  """A chat-path field name (`messages[3].tool_calls[0].function.arguments`, `response_format.x`) as this request names
+  it (`input[4].arguments`, `text.format.x`): `origins` says which item of `instructions`/`input` each message, and
+  each of its calls, came from (calls in a row are merged into one message, instructions come first)."""
+  if field in _CHAT_NAMES: return _CHAT_NAMES[field]
+  if field.startswith("response_format.json_schema"): return "text.format" + field.removeprefix("response_format.json_schema")
+  if field.startswith("response_format"): return "text.format" + field.removeprefix("response_format")
+  if not (m := _MESSAGE_FIELD.match(field)): return field
+  k, call, rest = int(m[1]), m[2], m[3]
+  if origins is None or k >= len(origins): return "input"
+  item, calls, role = origins[k]
+  if item in ("instructions", "input"): return item  # one string: no deeper path
+  if call is not None: return calls[int(call)] + _CALL_KEYS.get(rest, rest) if int(call) < len(calls) else item
+  if role == "tool" and rest == ".content": rest = ".output"
+  return item + _ITEM_KEYS.get(rest, rest)
+
+
+def own_names(e: errors.InvalidOption | errors.UnsupportedFeature, origins: list[Origin] | None) -> errors.PyruntimeError:
+  """The chat path's error `e`, naming this request's own field."""
+  if isinstance(e, errors.InvalidOption):
+    name = own_name(e.field, origins)
+    return e if name == e.field else errors.InvalidOption(name, str(e).removeprefix(f"invalid {e.field!r}: "))
+  name = own_name(e.feature, origins)
+  return e if name == e.feature else errors.UnsupportedFeature(name, str(e).removeprefix(f"{e.feature!r} is not supported: "))
 
 
 def _dump(v: Any) -> str:
@@ -95,14 +136,19 @@ def _text(content: Any, where: str) -> str:
   return "\n".join(texts)
 
 
-def messages(input_: Any, instructions: Any) -> list[dict[str, Any]]:
-  """`instructions` and `input` as chat messages: a function_call item joins the assistant turn before it (calls in a
-  row are one turn's parallel calls), a function_call_output item is a tool message."""
+Origin = tuple[str, list[str], str]  # where a chat message came from: its item ("input[2]"), each call's item, its role
+
+
+def messages(input_: Any, instructions: Any) -> tuple[list[dict[str, Any]], list[Origin]]:
+  """`instructions` and `input` as chat messages, and where each came from: a function_call item joins the assistant turn
+  before it (calls in a row are one turn's parallel calls), a function_call_output item is a tool message."""
   out: list[dict[str, Any]] = []
+  origins: list[Origin] = []
   if instructions is not None:
     if not isinstance(instructions, str): raise errors.InvalidOption("instructions", "must be a string")
     out.append({"role": "system", "content": instructions})
-  if isinstance(input_, str): return [*out, {"role": "user", "content": input_}]
+    origins.append(("instructions", [], "system"))
+  if isinstance(input_, str): return [*out, {"role": "user", "content": input_}], [*origins, ("input", [], "user")]
   if not isinstance(input_, list) or not input_: raise errors.InvalidOption("input", "must be a string or a non-empty list of items")
   for i, item in enumerate(input_):
     where = f"input[{i}]"
@@ -113,18 +159,23 @@ def messages(input_: Any, instructions: Any) -> list[dict[str, Any]]:
       if role not in ("user", "assistant", "system", "developer"):
         raise errors.InvalidOption(f"{where}.role", f"must be user, assistant, system or developer, got {_dump(role)}")
       out.append({"role": "system" if role == "developer" else role, "content": _text(item.get("content"), f"{where}.content")})
+      origins.append((where, [], role))
     elif kind == "function_call":
       for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str): raise errors.InvalidOption(f"{where}.{key}", "must be a string")
       call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
       if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None: out[-1]["tool_calls"].append(call)
       elif out and out[-1]["role"] == "assistant": out[-1]["tool_calls"] = [call]  # the text of the same turn before its calls
-      else: out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+      else:
+        out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        origins.append((where, [], "assistant"))
+      origins[-1][1].append(where)
     elif kind == "function_call_output":
       if not isinstance(item.get("call_id"), str): raise errors.InvalidOption(f"{where}.call_id", "must be a string")
       out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), f"{where}.output")})
+      origins.append((where, [], "tool"))
     else: raise errors.UnsupportedFeature(f"{where}.type={kind}", "pyruntime takes messages, function_call and function_call_output items")
-  return out
+  return out, origins
 
 
 def tools(ts: Any) -> list[dict[str, Any]]:
@@ -170,6 +221,7 @@ class ResponsesShaper:
   def __init__(self, req: ParsedRequest, body: dict[str, Any], model: str, tokenizer: Any = None):
     self.id, self.created, self.model, self.body = f"resp_{uuid.uuid4().hex}", int(time.time()), model, body
     self.logprobs = req.logprobs
+    self.held: list[dict[str, Any]] = []  # streamed logprobs entries of tokens that brought no text yet
     self.spell = TokenText(tokenizer) if tokenizer is not None else None
     self.seq = 0
     self.items: list[dict[str, Any]] = []  # output items so far (streaming); the open message is the last while open
@@ -201,8 +253,9 @@ class ResponsesShaper:
     return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
 
   def delta_chunks(self, index: int, delta: Any) -> list[dict[str, Any]]:
-    out = []
-    if delta.text:
+    out, entries = [], self._entries(delta.logprobs)
+    if not delta.text: self.held += entries  # a token that ends inside a character: its entry goes with the next text
+    else:
       if self.open is None:
         self.open = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
         self.items.append(self.open)
@@ -210,7 +263,7 @@ class ResponsesShaper:
         out.append(self._event("response.content_part.added", item_id=self.open["id"], output_index=len(self.items) - 1, content_index=0,
                                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
         self.open["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
-      part, entries = self.open["content"][0], self._entries(delta.logprobs)
+      part, entries, self.held = self.open["content"][0], self.held + entries, []
       part["text"] += delta.text
       part["logprobs"] += entries
       out.append(self._event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items) - 1, content_index=0,
@@ -229,14 +282,15 @@ class ResponsesShaper:
   def _close_message(self) -> list[dict[str, Any]]:
     if (m := self.open) is None: return []
     self.open, i, part = None, self.items.index(m), m["content"][0]
-    m["status"] = "completed"
+    part["logprobs"] += self.held  # the last tokens' entries, whose text never came (a character left incomplete)
+    m["status"], self.held = "completed", []
     return [self._event("response.output_text.done", item_id=m["id"], output_index=i, content_index=0, text=part["text"], logprobs=part["logprobs"]),
             self._event("response.content_part.done", item_id=m["id"], output_index=i, content_index=0, part=part),
             self._event("response.output_item.done", output_index=i, item=m)]
 
   def final_chunks(self, index: int, done: Any) -> list[dict[str, Any]]:
     out = self._close_message()
-    if not self.items: self.items.append(_message_item("", []))  # an empty answer is still a message
+    if not self.items: self.items.append(_message_item("", self.held))  # an empty answer is still a message
     status, reason = _status(done)
     out.append(self._event(f"response.{status}", response=self.envelope(status, self.items, usage(done), reason)))
     return out

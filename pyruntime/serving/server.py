@@ -25,14 +25,14 @@ import contextlib
 import functools
 import json
 import sys
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from pyruntime import errors
@@ -50,6 +50,7 @@ from pyruntime.serving import page, responses_api
 from pyruntime.serving.httpd import (
   CLIENT_CLOSED,
   CountRequests,
+  JSONBody,
   LimitRequestBody,
   draining_server,
   listen_socket,
@@ -96,23 +97,11 @@ class SSEResponse:
       await out({"type": "http.response.start", "status": 200,
                  "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                              (b"x-accel-buffering", b"no")]})
-      for c in self.shaper.first_chunks(self.job.choices): await chunk(sse(c))
-      dones: dict[int, Done] = {}
-      while not closed:
-        kind, index, ev = await self.job.events.get()
-        if kind in ("error", "abort"):
-          for c in self.shaper.error_chunks(ev): await chunk(sse(c))
-          if kind == "abort": await chunk(self.shaper.done_marker)   # the server ended it: a clean end of the stream, not a cut
-          break
-        if isinstance(ev, Delta):
-          for c in self.shaper.delta_chunks(index, ev): await chunk(sse(c))
-        elif isinstance(ev, Done):
-          dones[index] = ev
-          for c in self.shaper.final_chunks(index, ev): await chunk(sse(c))
-          if len(dones) == self.job.choices:
-            if self.shaper.include_usage: await chunk(sse(self.shaper.usage_chunk([dones[i] for i in range(len(dones))])))
-            await chunk(self.shaper.done_marker)
-            break
+      try: await self.events(chunk, lambda: closed)
+      except Exception as e:  # noqa: BLE001 - a chunk that cannot be built: the stream ends with an error event, never a cut
+        self.job.cancel()
+        for c in self.shaper.error_chunks(e): await chunk(sse(c))
+        await chunk(self.shaper.done_marker)
       await out({"type": "http.response.body", "body": b"", "more_body": False})
       finished = not closed
 
@@ -122,13 +111,33 @@ class SSEResponse:
     finally: self.job.cancel()
     if gone: scope.setdefault("state", {})["pyruntime_status"] = CLIENT_CLOSED
 
+  async def events(self, chunk: Callable[[bytes], Awaitable[None]], closed: Callable[[], bool]) -> None:
+    """The job's events as chunks, until its end, its error or the client's leaving."""
+    for c in self.shaper.first_chunks(self.job.choices): await chunk(sse(c))
+    dones: dict[int, Done] = {}
+    while not closed():
+      kind, index, ev = await self.job.events.get()
+      if kind in ("error", "abort"):
+        for c in self.shaper.error_chunks(ev): await chunk(sse(c))
+        if kind == "abort": await chunk(self.shaper.done_marker)   # the server ended it: a clean end of the stream, not a cut
+        return
+      if isinstance(ev, Delta):
+        for c in self.shaper.delta_chunks(index, ev): await chunk(sse(c))
+      elif isinstance(ev, Done):
+        dones[index] = ev
+        for c in self.shaper.final_chunks(index, ev): await chunk(sse(c))
+        if len(dones) == self.job.choices:
+          if self.shaper.include_usage: await chunk(sse(self.shaper.usage_chunk([dones[i] for i in range(len(dones))])))
+          await chunk(self.shaper.done_marker)
+          return
 
-def _error(e: BaseException, kind: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+
+def _error(e: BaseException, kind: str | None = None, headers: dict[str, str] | None = None) -> JSONBody:
   status, body = error_body(e, kind)
-  return JSONResponse(body, status_code=status, headers=headers)
+  return JSONBody(body, status_code=status, headers=headers)
 
 
-def _unavailable(e: ServiceUnavailable, kind: str | None = None) -> JSONResponse:
+def _unavailable(e: ServiceUnavailable, kind: str | None = None) -> JSONBody:
   return _error(e, kind, headers={"retry-after": str(e.retry_after)})
 
 
@@ -142,8 +151,10 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Any:
     return _error(e, kind)
   if (refused := state.unavailable()) is not None: return _unavailable(refused, kind)
   launcher = state.launcher
+  try: state.admission.check(req.choices)
+  except errors.InvalidOption as e: return _error(e, kind)
   job = Job(asyncio.get_running_loop(), state.admission, launcher, req.choices)
-  if not state.admission.try_acquire(): return _error(QueueFull(state.admission.queue_size), kind, headers={"retry-after": "1"})
+  if not state.admission.try_acquire(req.choices): return _error(QueueFull(state.admission.queue_size), kind, headers={"retry-after": "1"})
   state.add_job(job)
   if (refused := await _submit(state, launcher, job, req, kind)) is not None: return refused
   tokenizer = getattr(launcher, "tokenizer", None)
@@ -153,7 +164,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Any:
   return await _collect(request, job, shaper, kind)
 
 
-async def _submit(state: ServerState, launcher: LauncherLike, job: Job, req: Any, kind: str) -> JSONResponse | None:
+async def _submit(state: ServerState, launcher: LauncherLike, job: Job, req: Any, kind: str) -> JSONBody | None:
   """Start the job's stream on the launcher; the error answer if it cannot start. Validation, tokenisation and the
   context check run off the event loop: one request never stalls the others."""
   try:
@@ -161,6 +172,7 @@ async def _submit(state: ServerState, launcher: LauncherLike, job: Job, req: Any
     return None
   except Exception as e:  # noqa: BLE001
     job.cancel()
+    if kind == RESPONSES and isinstance(e, (errors.InvalidOption, errors.UnsupportedFeature)): e = responses_api.own_names(e, req.origins)
     if isinstance(e, (errors.LauncherClosed, errors.StageFailed)):
       state.failed(launcher)  # it failed between our look and the submit
       if (refused := state.unavailable()) is not None: return _unavailable(refused, kind)
@@ -206,10 +218,10 @@ async def _collect(request: Request, job: Job, shaper: Any, kind: str) -> Respon
       return _unavailable(ServerRecovering(f"the pipeline failed before this request was answered ({e}); the server is "
                                            "restarting it, retry shortly", retry_after=1), kind)
     return _error(e, kind)
-  return JSONResponse(shaper.response([dones[i] for i in range(job.choices)]))
+  return JSONBody(shaper.response([dones[i] for i in range(job.choices)]))
 
 
-def _health(state: ServerState) -> JSONResponse:
+def _health(state: ServerState) -> JSONBody:
   """/health: the phase (200 when ok, else 503 with Retry-After), each stage's state, the scheduler's figures."""
   lm = state.launcher
   alive = state.alive()
@@ -225,15 +237,15 @@ def _health(state: ServerState) -> JSONResponse:
                           "restarts": state.restarts}
   if (rec := state.recovery) is not None: body["recovery"] = {"attempt": rec["attempt"], "since": int(rec["since"])}
   headers = {"retry-after": str(r.retry_after)} if phase != "ok" and (r := state.unavailable()) is not None else None
-  return JSONResponse(body, status_code=200 if phase == "ok" else 503, headers=headers)
+  return JSONBody(body, status_code=200 if phase == "ok" else 503, headers=headers)
 
 
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONBody:
   assert isinstance(exc, HTTPException)
   code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
   message = f"Unknown request URL: {request.method} {request.url.path}" if exc.status_code == 404 else \
             f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405 else str(exc.detail)
-  return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+  return JSONBody({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
                       status_code=exc.status_code, headers=exc.headers)
 
 
@@ -266,41 +278,41 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   async def completions(request: Request) -> Any: return await _generate(state, request, COMPLETION)
   async def responses(request: Request) -> Any: return await _generate(state, request, RESPONSES)
 
-  async def models(request: Request) -> JSONResponse:
-    return JSONResponse(api.models_list(state.model_id, state.created, state.launcher.context_length))
+  async def models(request: Request) -> JSONBody:
+    return JSONBody(api.models_list(state.model_id, state.created, state.launcher.context_length))
 
-  async def model(request: Request) -> JSONResponse:
+  async def model(request: Request) -> JSONBody:
     try: state.check_model(request.path_params["model"])
     except ModelNotFound as e: return _error(e)
-    return JSONResponse(api.model_card(state.model_id, state.created, state.launcher.context_length))
+    return JSONBody(api.model_card(state.model_id, state.created, state.launcher.context_length))
 
-  async def health(request: Request) -> JSONResponse: return _health(state)
+  async def health(request: Request) -> JSONBody: return _health(state)
 
   async def metrics(request: Request) -> Response:
     # off the event loop: a mixture-of-experts model's expert load is a round trip to each stage
     return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE)
 
-  async def profile(request: Request) -> JSONResponse:
+  async def profile(request: Request) -> JSONBody:
     """Each stage's latest ProfileReport (PYRUNTIME_PROFILE; docs/stats.md), [] when the stages do not profile."""
     reports = getattr(state.launcher, "profile_reports", None)
-    return JSONResponse({"profiles": list(reports()) if reports is not None else []})
+    return JSONBody({"profiles": list(reports()) if reports is not None else []})
 
-  async def stats(request: Request) -> JSONResponse:
+  async def stats(request: Request) -> JSONBody:
     """The pipeline's view and its history (docs/stats.md); `?history=0` for the latest view alone."""
-    return JSONResponse(state.sampler.stats(history=request.query_params.get("history", "1") not in ("0", "false")))
+    return JSONBody(state.sampler.stats(history=request.query_params.get("history", "1") not in ("0", "false")))
 
-  async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+  async def internal_error(request: Request, exc: Exception) -> JSONBody:
     return _error(exc)
 
-  async def tokenizer_route(request: Request) -> JSONResponse:
+  async def tokenizer_route(request: Request) -> JSONBody:
     """/tokenize, /detokenize (vLLM's), /tokenizer_info: off the event loop, a long text holds the interpreter a while."""
     lm, path = state.launcher, request.url.path
     try:
-      if path == "/tokenizer_info": return JSONResponse(api.tokenizer_info(lm.tokenizer, lm.context_length))
+      if path == "/tokenizer_info": return JSONBody(api.tokenizer_info(lm.tokenizer, lm.context_length))
       body = parse_json(await request.body())
-      state.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
-      if path == "/tokenize": return JSONResponse(await run_in_threadpool(api.tokenize, body, lm))
-      return JSONResponse(await run_in_threadpool(api.detokenize, body, lm.tokenizer))
+      state.check_model(api.model_of(body))
+      if path == "/tokenize": return JSONBody(await run_in_threadpool(api.tokenize, body, lm))
+      return JSONBody(await run_in_threadpool(api.detokenize, body, lm.tokenizer))
     except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-shaped answer
       return _error(e)
 

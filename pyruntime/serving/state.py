@@ -95,7 +95,7 @@ class Job:
     with self._end_lock:
       if self.ended: return False
       self.ended = True
-    self.admission.release()
+    self.admission.release(self.choices)
     return True
 
   def cancel(self) -> None:
@@ -120,23 +120,35 @@ class Job:
 
 
 class Admission:
-  """Requests in flight: up to the launcher's `max_streams` run, `queue_size` more wait (the launcher serves them first
-  come first served); past that a request is refused with 429 at once."""
+  """Streams in flight, counted as the launcher counts them (one per choice: OpenAI's n times the prompts): up to its
+  `max_streams` run, `queue_size` more wait (the launcher serves them first come first served); a request whose
+  streams do not fit is refused with 429 at once, one that could never fit with 400 naming `n`. So a request waits
+  behind at most `queue_size` queued streams, whatever `n` the others asked for (docs/serving.md, "Admission")."""
   def __init__(self, launcher: LauncherLike, queue_size: int, metrics: Metrics, on_error: Callable[[BaseException], None]):
     if queue_size < 0: raise errors.InvalidOption("queue_size", f"must be >= 0, got {queue_size}")
     self.launcher, self.queue_size, self.metrics, self.note_error = launcher, queue_size, metrics, on_error
-    self.limit = int(getattr(launcher, "max_streams", 1)) + queue_size
     self.lock = threading.Lock()
     self.in_flight = 0
 
-  def try_acquire(self) -> bool:
+  @property
+  def limit(self) -> int:
+    """Streams admitted at once: the running launcher's capacity (it may be a new one after a restart) and the queue."""
+    return self.launcher.max_streams + self.queue_size
+
+  def check(self, streams: int) -> None:
+    """A request of `streams` streams that could never be admitted is refused by name (400)."""
+    if streams > self.limit:
+      raise errors.InvalidOption("n", f"the request needs {streams} streams (n times the prompts); this server runs "
+                                      f"{self.launcher.max_streams} at once and queues {self.queue_size} more")
+
+  def try_acquire(self, streams: int = 1) -> bool:
     with self.lock:
-      if self.in_flight >= self.limit: return False
-      self.in_flight += 1
+      if self.in_flight + streams > self.limit: return False
+      self.in_flight += streams
       return True
 
-  def release(self) -> None:
-    with self.lock: self.in_flight -= 1
+  def release(self, streams: int = 1) -> None:
+    with self.lock: self.in_flight -= streams
 
 
 class ServerState:
@@ -304,7 +316,6 @@ class ServerState:
     with self.lock:
       self.launcher = launcher
       self.admission.launcher = launcher
-      self.admission.limit = int(getattr(launcher, "max_streams", 1)) + self.queue_size
       self.restarts += 1
 
   # --- observation --------------------------------------------------------------------------------

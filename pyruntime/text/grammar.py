@@ -59,6 +59,9 @@ def closed(schema: Any) -> Any:
   return out
 
 
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}  # what OpenAI's json_schema format holds
+
+
 def grammar_for(response_format: Any) -> str | None:
   """The grammar of an OpenAI `response_format` (None: free text). InvalidOption naming what is wrong."""
   if response_format is None: return None
@@ -71,9 +74,14 @@ def grammar_for(response_format: Any) -> str | None:
     if not isinstance(schema, dict): raise errors.InvalidOption("response_format", "json_object's 'schema' must be a JSON schema object")
   elif kind == "json_schema":
     spec = response_format.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-      raise errors.InvalidOption("response_format", "json_schema must be an object whose 'schema' is a JSON schema object")
-    schema = spec.get("schema", {})
+    if not isinstance(spec, dict):
+      raise errors.InvalidOption("response_format.json_schema", "must be an object whose 'schema' is a JSON schema object")
+    if unknown := sorted(set(spec) - JSON_SCHEMA_KEYS):  # a misspelt "shema" would otherwise leave "any JSON"
+      keys = ", ".join(sorted(JSON_SCHEMA_KEYS))
+      raise errors.InvalidOption(f"response_format.json_schema.{unknown[0]}", f"not a key of a json_schema format ({keys})")
+    if not isinstance(schema := spec.get("schema"), dict):
+      raise errors.InvalidOption("response_format.json_schema.schema", "a json_schema format needs its schema, a JSON schema object "
+                                 "(for any JSON value use type json_object)")
   else: raise errors.InvalidOption("response_format", f"type must be 'text', 'json_object' or 'json_schema', not {str(kind)[:40]!r}")
   text = json.dumps(closed(schema))
   if len(text) > MAX_SCHEMA_BYTES: raise errors.InvalidOption("response_format", f"the schema is over {MAX_SCHEMA_BYTES} bytes")

@@ -38,6 +38,7 @@ class FakeLauncherForUnitTests:
   split = [(0, 15), (15, 30)]
   recipe = "fakerecipe000001"
   max_streams = 1
+  tokenizer = None  # the tokenizer routes check their fields before they use it
 
   def __init__(self) -> None:
     self.lock = threading.Lock()          # one generation at a time, like the launcher's
@@ -348,7 +349,7 @@ def test_a_responses_request_is_a_chat_request_and_streams_openais_events(server
 
 def test_responses_input_items_become_the_chat_turns():
   from pyruntime.serving import responses_api
-  msgs = responses_api.messages([
+  msgs, origins = responses_api.messages([
     {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
     {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}", "id": "fc_1", "status": "completed"},
     {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{\"a\": 1}"},
@@ -360,6 +361,119 @@ def test_responses_input_items_become_the_chat_turns():
                     {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}},
                     {"id": "c2", "type": "function", "function": {"name": "w", "arguments": "{\"a\": 1}"}}]},
                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+  assert [o[0] for o in origins] == ["instructions", "input[0]", "input[1]", "input[3]", "input[4]"]
+  assert origins[2][1] == ["input[1]", "input[2]"]  # the merged calls each keep their own item
+  assert responses_api.own_name("messages[2].tool_calls[1].function.arguments", origins) == "input[2].arguments"
+  assert responses_api.own_name("messages[3].content", origins) == "input[3].output"
+  assert responses_api.own_name("messages[0].content", origins) == "instructions"
+
+
+# --- hostile input: every route answers by name, never a 500 or a cut stream -------------------------------------
+SURROGATE = "\ud800"
+
+
+@pytest.mark.parametrize("path,body", [
+  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], SURROGATE: 1}),
+  ("/v1/completions", {"prompt": "hi", SURROGATE: 1}),
+  ("/v1/responses", {"input": "hi", SURROGATE: 1}),
+  ("/tokenize", {"prompt": "hi", SURROGATE: 1}),
+  ("/detokenize", {"tokens": [1], SURROGATE: 1}),
+  ("/v1/responses", {"input": [{"type": SURROGATE}]}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lone_surrogate_in_a_name_comes_back_escaped(shared_server, path, body, stream):
+  """JSON's "\\ud800" is a lone surrogate once parsed: echoed in an error's `param` it must come back as its escape
+  (one renderer for every route), not fail the answer with a 500."""
+  _, _, c = shared_server
+  if stream and path.startswith("/v1"): body = {**body, "stream": True}
+  r = c.post(path, content=json.dumps(body))  # json.dumps escapes it: what a client sends
+  assert r.status_code == 400, r.text
+  assert "\\ud800" in r.text and json.loads(r.text)["error"]["param"].startswith(("\ud800", "input[0].type")), r.text
+
+
+def test_lone_surrogates_in_responses_fields_are_echoed_escaped(server):
+  _, c = server
+  body = {"input": "a b", "instructions": f"be {SURROGATE}", "user": SURROGATE, "metadata": {"k": SURROGATE, SURROGATE: "v"},
+          "max_output_tokens": 2}
+  r = c.post("/v1/responses", content=json.dumps(body))
+  assert r.status_code == 200 and json.loads(r.text)["metadata"] == {"k": SURROGATE, SURROGATE: "v"}, r.text
+  lines = [ln for ln in c.post("/v1/responses", content=json.dumps({**body, "stream": True})).text.splitlines() if ln.startswith("data: ")]
+  events = [json.loads(ln[6:]) for ln in lines]
+  assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["user"] == SURROGATE, events[-1]  # max_output_tokens
+
+
+@pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k": {"nested": "v"}}, {"k": "v" * 513}, {"k" * 65: "v"},
+                                      {"k": 1}, "text"])
+def test_metadata_is_held_to_openais_rule(shared_server, metadata):
+  _, _, c = shared_server
+  r = c.post("/v1/responses", json={"input": "hi", "metadata": metadata, "stream": True})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
+
+
+def test_metadata_nested_to_the_parsers_limit_is_a_400_streamed_or_not(shared_server):
+  _, _, c = shared_server
+  deep = "{\"a\":" * 900 + "1" + "}" * 900
+  for stream in ("false", "true"):
+    r = c.post("/v1/responses", content=f'{{"input": "hi", "stream": {stream}, "metadata": {deep}}}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
+
+
+@pytest.mark.parametrize("text,param", [
+  ({"format": {"type": "json_schema", "name": "x"}}, "text.format.schema"),
+  ({"format": {"type": "json_schema", "name": "x", "shema": {"type": "object"}}}, "text.format.shema"),
+  ({"format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "text.format.json_schema"),
+])
+def test_a_schema_format_without_its_schema_is_refused_naming_responses_fields(shared_server, text, param):
+  _, _, c = shared_server
+  r = c.post("/v1/responses", json={"input": "hi", "text": text})
+  assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("instructions", [None, "be brief"])
+def test_responses_errors_name_the_input_item(shared_server, instructions):
+  """Bad call arguments named by the item that carries them, whatever instructions or merged calls did to the chat
+  translation's message indices."""
+  _, _, c = shared_server
+  items = [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+           {"type": "function_call", "call_id": "b", "name": "f", "arguments": "[1]"},
+           {"type": "function_call_output", "call_id": "a", "output": "x"}]
+  body = {"input": items, "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}
+  if instructions: body["instructions"] = instructions
+  r = c.post("/v1/responses", json=body)
+  assert r.status_code == 400 and r.json()["error"]["param"] == "input[2].arguments", r.text
+
+
+@pytest.mark.parametrize("top", ["", False, [], {}, 21])
+def test_responses_top_logprobs_is_an_integer_or_nothing(shared_server, top):
+  _, _, c = shared_server
+  r = c.post("/v1/responses", json={"input": "hi", "top_logprobs": top})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
+@pytest.mark.parametrize("path,body", [("/tokenize", {"prompt": "hi", "model": 123}), ("/detokenize", {"tokens": [1], "model": []})])
+def test_the_tokenizer_routes_check_model_as_chat_does(shared_server, path, body):
+  _, _, c = shared_server
+  r = c.post(path, json=body)
+  assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+
+
+def test_streamed_responses_logprobs_keep_tokens_that_bring_no_text():
+  """A character split across tokens: the tokens before its last bring no text. Their entries still come, streamed
+  as not: every token has one."""
+  from pyruntime.protocol import TokenScore
+  from pyruntime.serving import responses_api
+
+  class Bytes:
+    def token_bytes(self, t: int, special: bool = False) -> bytes: return {1: b"\xe2", 2: b"\x82", 3: b"\xac", 4: b"!"}[t]
+  req = responses_api.parse({"input": "hi", "top_logprobs": 0, "include": ["message.output_text.logprobs"], "stream": True})
+  shaper = responses_api.ResponsesShaper(req, {"input": "hi"}, "m", Bytes())
+  deltas = [Delta("", [1], logprobs=[TokenScore(1, -0.1)]), Delta("", [2], logprobs=[TokenScore(2, -0.2)]),
+            Delta("\u20ac", [3], logprobs=[TokenScore(3, -0.3)]), Delta("!", [4], logprobs=[TokenScore(4, -0.4)])]
+  streamed = [e for d in deltas for c in shaper.delta_chunks(0, d) if c["type"] == "response.output_text.delta" for e in c["logprobs"]]
+  done = Done("length", Usage(1, 4), Timings(0.1, 0.01, 50.0, 0.2), [9], [1, 2, 3, 4], "\u20ac!",
+              logprobs=[TokenScore(i, -i / 10) for i in range(1, 5)])
+  final = shaper.final_chunks(0, done)[-1]["response"]["output"][0]["content"][0]["logprobs"]
+  assert [e["logprob"] for e in streamed] == [e["logprob"] for e in final] == [-0.1, -0.2, -0.3, -0.4]
 
 
 # --- errors -----------------------------------------------------------------------------------------
@@ -402,7 +516,14 @@ ERRORS = [  # (route, body, param, code)
   ("chat", chat(n=129), "n", "invalid_value"),
   ("completions", {"prompt": ["a"] * 65, "n": 2}, "n", "invalid_value"),                 # 130 choices in all
   ("chat", chat(response_format={"type": "xml"}), "response_format", "invalid_value"),
-  ("chat", chat(response_format={"type": "json_schema", "json_schema": {"schema": 5}}), "response_format", "invalid_value"),
+  ("chat", chat(response_format={"type": "json_schema", "json_schema": {"schema": 5}}), "response_format.json_schema.schema", "invalid_value"),
+  ("chat", chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema.schema", "invalid_value"),
+  ("chat", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "shema": {"type": "object"}}}),
+   "response_format.json_schema.shema", "invalid_value"),
+  ("chat", chat(top_logprobs=""), "top_logprobs", "invalid_value"),
+  ("chat", chat(top_logprobs=False), "top_logprobs", "invalid_value"),
+  ("chat", chat(top_logprobs=[]), "top_logprobs", "invalid_value"),
+  ("chat", chat(top_logprobs={}), "top_logprobs", "invalid_value"),
   ("chat", chat(response_format="json"), "response_format", "invalid_value"),
   ("chat", chat(tools=[{"type": "function", "function": {"name": "f g"}}]), "tools[0].function.name", "invalid_value"),
   ("chat", chat(tool_choice="auto"), "tool_choice", "invalid_value"),
@@ -494,6 +615,42 @@ def test_queue_full_is_429_and_order_is_kept(make_server, fake):
   assert box_b["result"].json()["choices"][0]["text"] == "second second"
   assert fake.started == ["first", "second"]
   assert sample(c.get("/metrics").text, "pyruntime_requests_total", route="/v1/completions", status="429") == 2
+
+
+def test_the_real_launcher_has_everything_the_server_reads():
+  """The stand-in must not hide a missing member again (the server once read a `max_streams` the Launcher no longer
+  had, through a getattr default of 1, and admitted 1 + queue_size requests)."""
+  from pyruntime.engine.launcher import Launcher
+  from pyruntime.serving.state import LauncherLike
+  members = set(LauncherLike.__annotations__) | {n for n in vars(LauncherLike) if not n.startswith("_")}
+  assert {"max_streams", "submit", "close"} <= members
+  assert [n for n in sorted(members) if not hasattr(Launcher, n)] == []
+  assert Launcher("nowhere.gguf", max_streams=5).max_streams == 5  # a property of the options, before start
+
+
+@pytest.mark.parametrize("queue_size", [0, 2])
+def test_admission_counts_streams_against_the_launchers_capacity(make_server, fake, queue_size):
+  """max_streams running + queue_size waiting, counted in streams (n choices are n streams); a request that can never
+  fit is a 400 naming n, one that does not fit now a 429."""
+  fake.max_streams = 3
+  srv, c = make_server(queue_size=queue_size)
+  fake.gate.clear()
+  held = [in_thread(c.post, "/v1/completions", json={"prompt": f"w{i}", "max_tokens": 1}) for i in range(2)]
+  state = srv.server.config.app.state.pyruntime
+  wait_for(lambda: state.admission.in_flight == 2)
+  r = c.post("/v1/completions", json={"prompt": "too many", "max_tokens": 1, "n": 3 + queue_size + 1})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+  r = c.post("/v1/completions", json={"prompt": "does not fit now", "max_tokens": 1, "n": 2 + queue_size})
+  assert r.status_code == 429, r.text
+  more = [in_thread(c.post, "/v1/completions", json={"prompt": f"x{i}", "max_tokens": 1}) for i in range(1 + queue_size)]
+  wait_for(lambda: state.admission.in_flight == 3 + queue_size)
+  r = c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 1})
+  assert r.status_code == 429, r.text
+  fake.gate.set()
+  for t, box in held + more:
+    t.join(10)
+    assert box["result"].status_code == 200, box["result"].text
+  wait_for(lambda: state.admission.in_flight == 0)
 
 
 def test_fifo_order(server, fake):

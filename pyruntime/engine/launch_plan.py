@@ -106,7 +106,7 @@ def packed_bytes(header: GGUFHeader) -> int:
   return sum(t.nbytes if t.ggml_type in PACKED_TYPES and len(t.dims) == 2 else 2 * math.prod(t.dims) for t in header.tensors.values())
 
 
-# CPU renderers that compile with clang (kernel_opts' vector rules are written for them); tinygrad's own X86 backend,
+# CPU renderers that compile with clang (loop_schedules' vector rules are written for them); tinygrad's own X86 backend,
 # what a machine without clang gets (devices.cpu_device), cannot encode packed weights' integer shifts (SAR) and crashes
 # on float16 conversions: there float32 runs (a decode step 1.4x clang's, a 256-row prompt chunk 9.5x) and quantized
 # 10x slower still (bench/results/2026-12-04-packed-weights.md)
@@ -133,24 +133,23 @@ def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool,
   return "packed" if copy_fits else "quantized"
 
 
-def preflight(header: GGUFHeader, options: LaunchOptions, devices: list[str]) -> None:
-  """The one check before any stage is spawned of what can be refused without loading the model or tinygrad: options
-  the model cannot take, devices that cannot open here (devices.check_opens). A refusal names its field."""
+def preflight(plan: LaunchPlan) -> None:
+  """The one check before any stage is spawned, of what the plan (which cannot know it: it is a pure function of the file
+  and the options) would meet on this host and can be refused without loading the model or tinygrad: devices that
+  cannot open here (devices.check_opens). A refusal names its field. The launcher runs it right after planning."""
   from pyruntime.devices import check_opens
-  from pyruntime.modelfile.plan import DENSE_ARCHS
-  if options.tensor_cores == "on" and header.arch not in DENSE_ARCHS:
-    raise errors.InvalidOption("tensor_cores", f"needs a dense model (the batched path); {header.arch} decodes with tinygrad's own kernels")
-  for d in dict.fromkeys(devices): check_opens(d)
+  for d in dict.fromkeys(plan.devices): check_opens(d)
 
 
 def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: int) -> LaunchPlan:
   """The plan for `options` over the model at `path` (its header read), with `memory` bytes available on this host."""
   from pyruntime.devices import parse_device, parse_devices
-  from pyruntime.modelfile.plan import plan_split
+  from pyruntime.modelfile.plan import DENSE_ARCHS, plan_split
+  if options.tensor_cores == "on" and header.arch not in DENSE_ARCHS:
+    raise errors.InvalidOption("tensor_cores", f"needs a dense model (the batched path); {header.arch} decodes with tinygrad's own kernels")
   n = len(options.split) if options.split else options.stages
   if not isinstance(n, int) or isinstance(n, bool) or n < 1: raise errors.InvalidOption("stages", f"must be an integer >= 1, got {n!r}")
   devices = parse_devices(options.devices, n)
-  preflight(header, options, devices)
   # stages on devices of their own compute at once when the streams are cut into one micro-batch per stage; stages
   # that share the CPU would only take cores from each other
   specs = [parse_device(d) for d in devices]

@@ -27,7 +27,7 @@ from pyruntime import errors
 from pyruntime.devices import available_memory
 from pyruntime.engine.driver import Driver, StreamHandle, Tally, stream_stats
 from pyruntime.engine.events import Delta, Done, Logits, Timings, Usage
-from pyruntime.engine.launch_plan import LaunchOptions, LaunchPlan, plan_launch
+from pyruntime.engine.launch_plan import LaunchOptions, LaunchPlan, plan_launch, preflight
 from pyruntime.engine.prefix_cache import PREFIX_CACHE_TOKENS, PrefixCache
 from pyruntime.engine.request import RequestBuilder
 from pyruntime.engine.speculation import SOLO_STREAMS
@@ -146,6 +146,7 @@ class Launcher:
     self._install_sigterm()
     try:
       p = self.plan()
+      preflight(p)
       draft_path = self._check_drafter(p) if self.options.draft_model else None
       o = self.options
       self.pool = StagePool(self._place(self._ring_specs(p)), self._event, self._check_open, o.stall_timeout, o.stall_capture_timeout)

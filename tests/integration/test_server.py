@@ -117,7 +117,7 @@ def test_errors_through_the_client(live):
   assert e.value.param == "n"
   with pytest.raises(openai.BadRequestError) as e:
     c.chat.completions.create(model="default", messages=MESSAGES, response_format={"type": "json_schema", "json_schema": {"schema": []}})
-  assert e.value.param == "response_format"
+  assert e.value.param == "response_format.json_schema.schema"
   with pytest.raises(openai.BadRequestError) as e:
     c.completions.create(model="default", prompt="x", logprobs=21)
   assert e.value.param == "logprobs"

@@ -39,7 +39,7 @@ def main() -> None:
   import pyruntime
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.modelfile.source import default_model_path
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.model import StageModel
   path = a.model or str(default_model_path())
   t0 = time.monotonic()
   m = StageModel.load(path, 0, read_header(path).num_blocks, max_context=512, slots=max(2, a.rows), decode="batched", weights=a.weights,

@@ -97,7 +97,7 @@ def pyruntime_logits(path: str, tokens: list[int], device: str | None, **kw) -> 
   """(T, vocab) logits of every position from one whole-model stage on the batched path, prompt rows of at most
   score_rows (the tail keeps that many rows' logits) at a time: the same bits as any other cut of the prompt."""
   from pyruntime.modelfile.gguf import read_header
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.model import StageModel
   L = read_header(path).num_blocks
   m = StageModel.load(path, 0, L, device=device, max_context=max(256, len(tokens) + 32), slots=1, **kw)
   m.reset_slot(0)

@@ -64,7 +64,7 @@ for name, split, d in (("2 stages", [(0, n // 2), (n // 2, n)], devs), ("1 stage
   out[name] = {"devices": d, "token_ids": done.token_ids, "ttft_s": done.timings.ttft_s, "decode_tokens_per_s": done.timings.decode_tokens_per_s}
 if dev == "NULL": print(json.dumps(out)); sys.exit(0)  # compiled, never run: tokens are meaningless there
 from tinygrad.llm.model import Transformer
-from pyruntime.stage import cuda_graph
+from pyruntime.stage.compute import cuda_graph
 cuda_graph.install()  # tinygrad 0.13's own CUDA graphs fail on their first variable-sized kernel (see that module)
 try:  # tinygrad's own model can fail where the stages run (on PoCL its SmolLM2 kernels fail tinygrad's UOp verification)
   with Context(DEV=devs.split(",")[0].replace(":0:", ":")):

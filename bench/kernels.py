@@ -30,7 +30,7 @@ def measure(model: str, rows: list[int], decode: list[int], repeats: int) -> dic
 
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.modelfile.plan import num_blocks
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.model import StageModel
   m = StageModel.load(model, 0, num_blocks(read_header(model)), max_context=1024, slots=max(decode), weights="float32")
   h = hashlib.sha256()
   prompt = (np.arange(max(rows)) * 7 % (m.vocab_size - 200) + 100).astype(np.uint32)
@@ -62,7 +62,7 @@ def numpy_floor(model: str, rows: list[int], repeats: int) -> dict:
   import numpy as np
 
   from pyruntime.modelfile.gguf import read_header
-  from pyruntime.stage.model import model_config
+  from pyruntime.stage.compute.model import model_config
   cfg = model_config(read_header(model))
   rng = np.random.default_rng(0)
   hd, kv = cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -92,8 +92,8 @@ def launch_report(model: str, device: str, weights: str = "float32", tensor_core
 
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.modelfile.plan import num_blocks
-  from pyruntime.stage.launch_report import launches, projections
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.launch_report import launches, projections
+  from pyruntime.stage.compute.model import StageModel
   with Context(NULL_ALLOW_COPYOUT=1):
     m = StageModel.load(model, 0, num_blocks(read_header(model)), device=device, max_context=256, slots=1, weights=weights,
                       tensor_cores=tensor_cores)

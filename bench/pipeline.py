@@ -23,7 +23,7 @@ def bench_reference(path: str, prompt_ids: list[int], n_tokens: int, max_context
   """tinygrad's single-process model, warmed once (JIT capture), then timed."""
   from tinygrad.llm.model import Transformer
 
-  from pyruntime.stage import cuda_graph
+  from pyruntime.stage.compute import cuda_graph
   cuda_graph.install()  # tinygrad 0.13's own CUDA graphs fail on their first variable-sized kernel (see that module)
   t0 = time.monotonic()
   model, _ = Transformer.from_gguf(path, max_context=max_context)

@@ -1,5 +1,5 @@
 """Builder of `pyruntime._graph` (cffi, API mode): the native launch loop of native/mo_graph.h (its MO_CDEF section,
-handed to cffi verbatim) compiled from native/mo_graph.c. pyruntime/stage/cpu_graph.py runs a CPU stage's captured
+handed to cffi verbatim) compiled from native/mo_graph.c. pyruntime/stage/compute/cpu_graph.py runs a CPU stage's captured
 graphs on it.
 
     pip install -e .                  # setup.py names this builder

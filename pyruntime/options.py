@@ -16,11 +16,11 @@ BOUNDARY_DTYPES = ("float32", "float16")
 # How a stage keeps its weights. "quantized": as in the file, dequantised inside every kernel by tinygrad's own code
 # (tinygrad's default, so `decode="reference"` gives its exact tokens); "packed": the file's Q4_0/Q4_1/Q8_0 blocks
 # repacked for the rows path and dequantised in registers to float32 mode's values (its bits at the file's size;
-# pyruntime/stage/packed.py); "float16": dequantised once at load (tinygrad's REALIZE=1); "float32": those float16
+# pyruntime/stage/compute/packed.py); "float16": dequantised once at load (tinygrad's REALIZE=1); "float32": those float16
 # values held as float32 (the same products)
 WEIGHT_MODES = ("quantized", "packed", "float16", "float32")
 # "batched" runs a dense stage's rows path (many streams per step, prompt and decode rows with the same bits,
-# pyruntime/stage/rows.py); "reference" runs tinygrad's own prefill and T=1 decode kernels, one stream at a time (tinygrad's
+# pyruntime/stage/compute/rows.py); "reference" runs tinygrad's own prefill and T=1 decode kernels, one stream at a time (tinygrad's
 # exact tokens). Other families always run the latter.
 DECODE_MODES = ("batched", "reference")
 

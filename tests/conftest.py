@@ -77,7 +77,7 @@ def stage_graphs():
   Every key holds pyruntime's source and tinygrad's version: a graph is never reused across a change of either."""
   import warnings
 
-  from pyruntime.stage.graph_cache import GraphCache
+  from pyruntime.stage.compute.graph_cache import GraphCache
   return GraphCache(warn=lambda text: warnings.warn(text, stacklevel=1))
 
 

@@ -386,7 +386,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def cmd_warmup(a: argparse.Namespace) -> int:
   """Prepare every graph `serve` (or with --max-streams 1, `generate`) needs, into the graph cache, and stop."""
-  from pyruntime.stage.graph_cache import clear, graph_dir
+  from pyruntime.stage.compute.graph_cache import clear, graph_dir
   if a.clear:
     try: n, size = clear()
     except PermissionError as e:  # a link or another user's directory: nothing removed there

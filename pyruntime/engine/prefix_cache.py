@@ -2,7 +2,7 @@
 
 A conversation resends its history at every turn, and a server's requests share system prompts and few-shot
 examples: the keys and values of those tokens were computed once already. Every stage keeps them in BLOCK-token
-blocks of host memory (pyruntime/stage/kv_blocks.py), numbered alike in every stage; this index, in the launcher, decides
+blocks of host memory (pyruntime/stage/compute/kv_blocks.py), numbered alike in every stage; this index, in the launcher, decides
 alone which block holds which tokens, and tells the stages in ring order (docs/streams.md, "Prefix cache"):
 
 - a new stream's OPEN names the blocks that hold its prompt's first tokens: each stage copies them into the stream's

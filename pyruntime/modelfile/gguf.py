@@ -34,7 +34,7 @@ GGML_TYPES: dict[int, tuple[int, int]] = {
   18: (256, 98), 21: (256, 110), 22: (256, 82), 23: (256, 136),                                  # IQ3_XXS IQ3_S IQ2_S IQ4_XS
 }
 
-# The block types a CPU stage can keep as they are stored (pyruntime/stage/packed.py): id -> (bits per code, bias
+# The block types a CPU stage can keep as they are stored (pyruntime/stage/compute/packed.py): id -> (bits per code, bias
 # subtracted from a stored code, whether a block has an offset m after its scale d). Bytes per block: GGML_TYPES.
 PACKED_TYPES: dict[int, tuple[int, int, bool]] = {2: (4, 8, False), 3: (4, 0, True), 8: (8, 128, False)}  # Q4_0 Q4_1 Q8_0
 

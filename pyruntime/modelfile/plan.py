@@ -63,7 +63,7 @@ def model_weight_bytes(header: GGUFHeader) -> int:
 
 
 def prefix_cache_bytes_per_token(header: GGUFHeader) -> int | None:
-  """Host bytes one cached position takes in the whole pipeline's prefix-cache blocks (pyruntime/stage/kv_blocks.py): every
+  """Host bytes one cached position takes in the whole pipeline's prefix-cache blocks (pyruntime/stage/compute/kv_blocks.py): every
   block's key and value rows (MLA: its latent and rotary key), as float32. None for a model with recurrent blocks: their
   state is not a function of positions alone, so it has no prefix cache."""
   t, total = header.tensors, 0

@@ -33,12 +33,12 @@ from pyruntime.protocol import (
   object_id,
   split_object_id,
 )
-from pyruntime.stage.logprobs import score
+from pyruntime.stage.compute.logprobs import score
 from pyruntime.stage.scheduler import StageScheduler, Stream
 
 if TYPE_CHECKING:
-  from pyruntime.stage.kv_blocks import KVBlocks
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.kv_blocks import KVBlocks
+  from pyruntime.stage.compute.model import StageModel
   from pyruntime.transport.ring import Arena, Reader, Writer
 
 COMMAND_POLL_S = 0.05  # while records flow, how often the data loop looks for a control command
@@ -241,7 +241,7 @@ class DataLoop:
       self.model.set_position(slot, cached)
     if self.model.is_tail:
       from pyruntime.params import SamplingParams
-      from pyruntime.stage.sampling import Sampler
+      from pyruntime.stage.compute.sampling import Sampler
       if not info.get("identity"): raise errors.ResultIdentityMissing(f"stream {stream_id} opened without a request identity")
       st.sampler = Sampler(SamplingParams.from_dict(info.get("sampling", {})), self.model.vocab_size, self.model.device)
       st.history, st.end_ids, st.logits = list(info.get("history", [])), frozenset(info.get("end_ids", [])), bool(info.get("logits"))

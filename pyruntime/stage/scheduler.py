@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from pyruntime.options import PREFILL_SHARE
 
 if TYPE_CHECKING:
-  from pyruntime.stage.sampling import Sampler
+  from pyruntime.stage.compute.sampling import Sampler
 
 GATHER_STEPS, GATHER_MIN_S, GATHER_MAX_S = 3.0, 0.005, 1.0  # how long a stage waits for decode rows still on their way
 # Where a prompt is cut never changes a number: every prefill chunk of 1..model.chunk tokens runs the same kernels

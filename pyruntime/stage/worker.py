@@ -33,8 +33,8 @@ from pyruntime.stage.scheduler import StageScheduler
 
 if TYPE_CHECKING:  # what the stage holds, imported when it gets it (the control channel answers before tinygrad loads)
   from pyruntime.modelfile.gguf import GGUFHeader
-  from pyruntime.stage.kv_blocks import KVBlocks
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.kv_blocks import KVBlocks
+  from pyruntime.stage.compute.model import StageModel
   from pyruntime.text.tokenizer import Tokenizer
   from pyruntime.transport.ring import Record
 
@@ -220,7 +220,7 @@ class Stage:
     if self.role is None: raise errors.RoleNotConfigured("LoadWeights before ConfigureRole")
     from pyruntime.modelfile.gguf import read_header
     from pyruntime.modelfile.source import resolve_model
-    from pyruntime.stage.model import StageModel
+    from pyruntime.stage.compute.model import StageModel
     if self.model is not None: raise errors.InvalidCommand("LoadWeights: the weights are loaded already")
     t0 = time.monotonic()
     source = arg(cmd, "model", str, None, reason=errors.ModelLoadFailed)  # None: the default model
@@ -234,7 +234,7 @@ class Stage:
     r = self.role
     graphs = None
     if r["graph_cache"]:
-      from pyruntime.stage.graph_cache import GraphCache, graph_dir
+      from pyruntime.stage.compute.graph_cache import GraphCache, graph_dir
       graphs = GraphCache(graph_dir(cache_dir), warn=lambda text: self.ch.emit(Event.STAGE_WARNING, stage=self.index, message=text))
     try:
       self.model = StageModel.load(path, r["start"], r["end"], device=self.device, max_context=r["max_context"], slots=r["slots"],
@@ -262,7 +262,7 @@ class Stage:
     if not m.batched: self.sched.decode_mode = "reference"
     self.sched.max_chunk, self.sched.min_chunk, self.sched.is_head = m.max_chunk, m.min_chunk, m.is_head
     if self.role["prefix_blocks"] and (states := m.position_states()) is not None:
-      from pyruntime.stage.kv_blocks import KVBlocks
+      from pyruntime.stage.compute.kv_blocks import KVBlocks
       self.blocks = KVBlocks(states, self.role["prefix_blocks"], self.role["block_size"])
     self.loop = DataLoop(self.ch.emit, self.index, m, self.blocks, self.sched, self.stats, self.constraint)
     return m
@@ -376,7 +376,7 @@ class Stage:
     if not (self.model.is_head and self.model.is_tail):
       raise errors.InvalidCommand("InferPrompt needs a stage that owns the whole model; use the rings for a split")
     from pyruntime.params import SamplingParams
-    from pyruntime.stage.sampling import Sampler
+    from pyruntime.stage.compute.sampling import Sampler
     from pyruntime.text.textstream import budget
     tok, ids = self._tok(), self._prompt_ids(cmd)
     n_max = budget(arg_int(cmd, "max_tokens", 256, lo=1, hi=1 << 24), self.model.context_length, len(ids))

@@ -1,4 +1,4 @@
-"""Captured graphs on the CPU replayed by the native launch loop (pyruntime/stage/cpu_graph.py): the same bits as
+"""Captured graphs on the CPU replayed by the native launch loop (pyruntime/stage/compute/cpu_graph.py): the same bits as
 tinygrad's own graph, on both decode paths, with the native loop actually in use."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tinymodels import TINY_MODELS, write_tiny_gguf
 from tinygrad.engine.realize import graph_cache
 from pyruntime.modelfile.gguf import read_header
 from pyruntime.modelfile.plan import num_blocks
-from pyruntime.stage.model import StageModel
+from pyruntime.stage.compute.model import StageModel
 path = write_tiny_gguf(f"{sys.argv[2]}/llama_tied.gguf", **TINY_MODELS["llama_tied"])
 out = {}
 for decode, weights in (("reference", "quantized"), ("batched", "float32")):

@@ -6,7 +6,7 @@
   copies that complete later, no buffer views): splits equal one stage and tinygrad's own model on the same device,
   the prefix cache's hit equals a cold run, speculation on equals off, a MoE and an MLA family, SmolLM2 in 2 stages.
   Each stage there keeps its weights `quantized` (launch_plan.weights_for: not a CPU) and takes the rows schedule for
-  devices with local memory (kernel_opts).
+  devices with local memory (loop_schedules).
 - The compile lane: `NULL:i:CUDA:sm_90`, H200's architecture, kernels compiled by NVIDIA's NVRTC and never run
   (copies out return garbage: NULL_ALLOW_COPYOUT=1), with 3 stages on distinct device indices driven to a `Done`:
   completion and compiled graphs are asserted, never tokens.
@@ -22,7 +22,7 @@ from test_model import fresh
 from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
 
 from pyruntime.engine.launcher import Done, Launcher
-from pyruntime.stage.launch_report import launches
+from pyruntime.stage.compute.launch_report import launches
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and the dog"
 N = 8
@@ -102,9 +102,9 @@ def test_gpu_projections_share_each_sum_over_a_warp_of_threads(tiny, device, wei
   lane_device(device)
   from tinygrad.helpers import Context, prod
 
-  from pyruntime.stage.kernel_opts import GROUP_THREADS, WORKGROUP_MAX
-  from pyruntime.stage.launch_report import projections
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.launch_report import projections
+  from pyruntime.stage.compute.loop_schedules import GROUP_THREADS, WORKGROUP_MAX
+  from pyruntime.stage.compute.model import StageModel
   with Context(NULL_ALLOW_COPYOUT=1):
     m = StageModel.load(tiny, 0, 5, device=device, max_context=128, slots=2, weights=weights)
     m.warm_up(every_window=False)
@@ -128,7 +128,7 @@ def test_cl_float32_weights_hold_the_float16_values(tiny):
   import numpy as np
   from pyruntime.bench.exactness import compare, pyruntime_logits, reference_logits, weights64
 
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.model import StageModel
   cpu, cl = (StageModel.load(tiny, 0, 5, device=d, max_context=128, slots=1, weights="float32") for d in (None, CL))
   for b1, b2 in zip(cpu.blk, cl.blk, strict=True):
     for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
@@ -150,8 +150,8 @@ def test_cl_copies_only_a_records_own_bytes(tiny):
   import numpy as np
   from tinygrad import Tensor
 
-  from pyruntime.stage import device_memory
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute import device_memory
+  from pyruntime.stage.compute.model import StageModel
   t = Tensor(np.arange(64, dtype=np.float32), device=CL).realize()
   device_memory.write(t.uop.buffer, np.full(4, -1, np.float32), 16 * 4)
   assert t.numpy().tolist() == [*range(16), -1, -1, -1, -1, *range(20, 64)]
@@ -208,7 +208,7 @@ def test_sm90_tensor_core_mode_runs_every_projection_on_tensor_cores(tiny, weigh
   lane_device(SM90.format(0))
   from tinygrad.helpers import Context
 
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.model import StageModel
   with Context(NULL_ALLOW_COPYOUT=1):
     m = StageModel.load(tiny, 0, 5, device=SM90.format(0), max_context=128, slots=2, weights=weights, tensor_cores=True)
     m.warm_up(every_window=False)
@@ -229,7 +229,7 @@ def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
   from tinygrad import Device
   from tinygrad.helpers import Context
 
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.model import StageModel
   path = write_tiny_gguf(tmp_path / f"{name}.gguf", **TINY_FAMILIES[name])
   with Context(NULL_ALLOW_COPYOUT=1):
     m = StageModel.load(path, 0, 2, device=SM90.format(1), max_context=64, slots=2, weights=weights)

@@ -108,7 +108,7 @@ def test_boundary_carries_router_logits_and_positions(name, tmp_path):
   from tinygrad import Tensor
   from tinygrad.llm.model import Transformer
 
-  from pyruntime.stage.model import StageModel
+  from pyruntime.stage.compute.model import StageModel
   path = write_tiny_gguf(tmp_path / f"{name}.gguf", **TINY_FAMILIES[name])
   a, b = StageModel.load(path, 0, 2, max_context=128), StageModel.load(path, 2, 4, max_context=128)
   want = ["hidden_states", "router_logits"] + (["mla_position_state"] if name == "deepseek2" else [])

@@ -1,4 +1,4 @@
-"""The graph cache (pyruntime/stage/graph_cache.py): a stage's captured graphs kept on disk without the weights, loaded by a
+"""The graph cache (pyruntime/stage/compute/graph_cache.py): a stage's captured graphs kept on disk without the weights, loaded by a
 new process with the same bits, and every way a cache file can be wrong or unusable met with one named warning and a
 rebuild, never a crash or a wrong token."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 import pytest
 from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
 
-from pyruntime.stage import graph_cache
-from pyruntime.stage.graph_cache import SUFFIX, GraphCache
-from pyruntime.stage.rows import SHORT_ROWS
+from pyruntime.stage.compute import graph_cache
+from pyruntime.stage.compute.graph_cache import SUFFIX, GraphCache
+from pyruntime.stage.compute.rows import SHORT_ROWS
 
 HERE = pathlib.Path(__file__).resolve().parents[1]  # tests/
 
@@ -24,9 +24,9 @@ HERE = pathlib.Path(__file__).resolve().parents[1]  # tests/
 RUN = r"""
 import hashlib, json, sys
 import numpy as np
-from pyruntime.stage.graph_cache import GraphCache
+from pyruntime.stage.compute.graph_cache import GraphCache
 from pyruntime.modelfile.gguf import read_header
-from pyruntime.stage.model import StageModel
+from pyruntime.stage.compute.model import StageModel
 path, folder, decode, weights = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 warnings = []
 gc = GraphCache(folder, warn=warnings.append)

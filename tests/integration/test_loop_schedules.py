@@ -1,4 +1,4 @@
-"""The loop schedules (pyruntime/stage/kernel_opts.py): they add upcasts and threads to the kernels of symbolic token count
+"""The loop schedules (pyruntime/stage/compute/loop_schedules.py): they add upcasts and threads to the kernels of symbolic token count
 (prefill), move a batched decode step's threads from its rows to its outputs, and change no bit of any result."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tinygrad.codegen.opt.postrange import Scheduler
 from tinygrad.helpers import prod
 from tinygrad.uop.ops import AxisType, Ops
 
-from pyruntime.stage import kernel_opts
+from pyruntime.stage.compute import loop_schedules
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the shared helpers
 
@@ -28,12 +28,12 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
 from tinygrad.codegen.opt import heuristic
-from pyruntime.stage import kernel_opts
-kernel_opts.MIN_WORK = 1  # the test model's kernels are small: schedule them all
+from pyruntime.stage.compute import loop_schedules
+loop_schedules.MIN_WORK = 1  # the test model's kernels are small: schedule them all
 from pyruntime.modelfile.gguf import read_header
-from pyruntime.stage.model import StageModel
+from pyruntime.stage.compute.model import StageModel
 from pyruntime.modelfile.plan import num_blocks
-out = {"enabled": kernel_opts.ENABLED and heuristic.hand_coded_optimizations is kernel_opts.loop_optimizations}
+out = {"enabled": loop_schedules.ENABLED and heuristic.hand_coded_optimizations is loop_schedules.loop_optimizations}
 for name in sys.argv[3:]:
  path = write_tiny_gguf(f"{sys.argv[2]}/{name}.gguf", **{**TINY_MODELS, **TINY_FAMILIES}[name])
  for decode, weights in (("reference", "quantized"), ("batched", "float32"), ("batched", "quantized")):
@@ -87,20 +87,20 @@ def kernels(t: Tensor) -> list[Scheduler]:
 def test_symbolic_token_kernel_gains_upcast_and_threads(monkeypatch):
   """A projection of a symbolic number of tokens: tinygrad's own opts come first and unchanged, ours add only an
   upcast and a thread split of the constant output axis (never a reduce axis)."""
-  monkeypatch.setattr(kernel_opts, "MIN_WORK", 32 * 128 * 64)  # this kernel's work at 32 tokens
+  monkeypatch.setattr(loop_schedules, "MIN_WORK", 32 * 128 * 64)  # this kernel's work at 32 tokens
   lin = nn.Linear(64, 128, bias=False)
   lin.weight = Tensor(np.ones((128, 64), np.float32)).realize()
   x = Tensor(np.ones((1, 32, 64), np.float32)).realize()
   (k,) = kernels(lin(x.shrink(((0, 1), (0, UOp.variable("toks", 1, 32).bind(5)), (0, 64)))).contiguous())
-  stock, ours = kernel_opts._stock(k.copy()), kernel_opts.loop_optimizations(k.copy())
+  stock, ours = loop_schedules._stock(k.copy()), loop_schedules.loop_optimizations(k.copy())
   assert ours.applied_opts[:len(stock.applied_opts)] == stock.applied_opts
   added = ours.applied_opts[len(stock.applied_opts):]
   assert OptOps.UPCAST in [o.op for o in added]
   if (Device["CPU"].renderer.global_max or [1])[0] > 1: assert OptOps.THREAD in [o.op for o in added]
   assert {o.op for o in added} <= {OptOps.UPCAST, OptOps.THREAD}
   assert all(k.axis_types[o.axis] is AxisType.LOOP for o in added)  # output axes of the kernel before them
-  monkeypatch.setattr(kernel_opts, "MIN_WORK", 32 * 128 * 64 + 1)  # less work than that: tinygrad's schedule
-  assert kernel_opts.loop_optimizations(k.copy()).applied_opts == stock.applied_opts
+  monkeypatch.setattr(loop_schedules, "MIN_WORK", 32 * 128 * 64 + 1)  # less work than that: tinygrad's schedule
+  assert loop_schedules.loop_optimizations(k.copy()).applied_opts == stock.applied_opts
 
 
 def batch_matmul(rows: int) -> Scheduler:
@@ -114,9 +114,9 @@ def batch_matmul(rows: int) -> Scheduler:
 def test_batched_decode_kernel_threads_its_outputs(monkeypatch):
   """A decode step's projection for 8 rows: the rows upcast whole (each loaded weight serves all of them), tinygrad's
   reduce-axis opts (UNROLL) as it chose them, and its thread count split over the outputs instead of the rows."""
-  monkeypatch.setattr(kernel_opts, "MIN_WORK", 512 * 256)
+  monkeypatch.setattr(loop_schedules, "MIN_WORK", 512 * 256)
   k = batch_matmul(8)
-  stock, ours = kernel_opts._stock(k.copy()), kernel_opts.loop_optimizations(k.copy())
+  stock, ours = loop_schedules._stock(k.copy()), loop_schedules.loop_optimizations(k.copy())
   unrolls = [o for o in stock.applied_opts if o.op is OptOps.UNROLL]
   assert unrolls and [o for o in ours.applied_opts if o.op is OptOps.UNROLL] == unrolls
   assert {o.op for o in ours.applied_opts} <= {OptOps.UPCAST, OptOps.UNROLL, OptOps.THREAD}
@@ -127,7 +127,7 @@ def test_batched_decode_kernel_threads_its_outputs(monkeypatch):
   if threads:  # the threads split the outputs: each thread's loop covers 512 / 4 / threads of them
     assert ours.full_shape[ours.axis_types.index(AxisType.LOOP)] == 512 // 4 // threads[0]
   one = batch_matmul(1)  # a single row: only the outputs' upcast and threads
-  first = kernel_opts.loop_optimizations(one.copy()).applied_opts[0]
+  first = loop_schedules.loop_optimizations(one.copy()).applied_opts[0]
   assert first.op is OptOps.UPCAST and first.arg == 4 and one.full_shape[first.axis] == 512
-  monkeypatch.setattr(kernel_opts, "MIN_WORK", 8 * 512 * 256 + 1)  # less work than that: tinygrad's schedule
-  assert kernel_opts.loop_optimizations(k.copy()).applied_opts == stock.applied_opts
+  monkeypatch.setattr(loop_schedules, "MIN_WORK", 8 * 512 * 256 + 1)  # less work than that: tinygrad's schedule
+  assert loop_schedules.loop_optimizations(k.copy()).applied_opts == stock.applied_opts

@@ -1,4 +1,4 @@
-"""The stage compute (pyruntime/stage/model.py): split runs equal tinygrad's own single-process Transformer exactly.
+"""The stage compute (pyruntime/stage/compute/model.py): split runs equal tinygrad's own single-process Transformer exactly.
 
 The reference is `tinygrad.llm.model.Transformer.from_gguf(path, max_context=...)` + `.generate(tokens)` on the same
 file, device and dtype. A split run chains StageModel.forward head -> ... -> tail, passing the residual through numpy
@@ -25,8 +25,8 @@ from pyruntime import errors
 from pyruntime.modelfile.boundary import Boundary, StageBoundary
 from pyruntime.modelfile.gguf import read_header
 from pyruntime.modelfile.plan import stage_weight_bytes, suggest_split
-from pyruntime.stage.model import PREFILL_CHUNK, StageModel
-from pyruntime.stage.sampling import Sampler
+from pyruntime.stage.compute.model import PREFILL_CHUNK, StageModel
+from pyruntime.stage.compute.sampling import Sampler
 
 CTX = 128
 PROMPT = list(range(5, 45))  # 40 tokens: the prefill runs as two chunks (32 + 8)
@@ -254,7 +254,7 @@ _X86_SCRIPT = """
 import sys
 import numpy as np
 from tinygrad import Device
-from pyruntime.stage.model import StageModel
+from pyruntime.stage.compute.model import StageModel
 s = StageModel.load(sys.argv[1], 0, 2, device="CPU:X86", max_context=64)
 r = s.forward(0, np.arange(5, 13, dtype=np.uint32), 0).numpy()
 print(s.device, type(Device[s.device].renderer).__name__, r.shape[-1])

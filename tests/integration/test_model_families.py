@@ -1,4 +1,4 @@
-"""Mixture-of-experts, MLA and hybrid stages in one process (pyruntime/stage/model.py), on tiny GGUF files of each family:
+"""Mixture-of-experts, MLA and hybrid stages in one process (pyruntime/stage/compute/model.py), on tiny GGUF files of each family:
 every split equals tinygrad's own single-process Transformer, tokens and tail logits bit for bit."""
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from tinygrad.llm.model import Transformer
 
 from pyruntime.modelfile.gguf import read_header
 from pyruntime.modelfile.plan import model_weight_bytes, stage_weight_bytes, suggest_split
-from pyruntime.stage.sampling import Sampler, SamplingParams
+from pyruntime.stage.compute.sampling import Sampler, SamplingParams
 
 # --- SmolLM2-135M (the default model) ----------------------------------------------------------
 SMOL_PROMPTS = [

@@ -1,4 +1,4 @@
-"""The prefix cache (pyruntime/engine/prefix_cache.py, pyruntime/stage/kv_blocks.py), through real stage processes on tiny models:
+"""The prefix cache (pyruntime/engine/prefix_cache.py, pyruntime/stage/compute/kv_blocks.py), through real stage processes on tiny models:
 a stream served from the cache yields the very tokens of the same request on a launcher without one, greedy and seeded,
 across stages, for the dense (rows path), MoE and MLA families; chat turns reuse their history; salts and opt-outs
 share nothing; a small budget evicts and stays exact; hybrid models run without it and say why. The index alone is

@@ -1,4 +1,4 @@
-"""The rows path's exactness contract (pyruntime/stage/rows.py): every path that computes a position gives the same bits.
+"""The rows path's exactness contract (pyruntime/stage/compute/rows.py): every path that computes a position gives the same bits.
 
 A decode row and a prompt row at the same position of the same stream write the same keys and values and give the same
 logits; a prompt cut anywhere (pieces of 1 to 256 rows, aligned to nothing) gives the same bits as in one piece; a
@@ -16,10 +16,10 @@ from tinygrad.llm.model import Transformer
 from tinymodels import TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
-from pyruntime.stage.kernel_opts import VEC
-from pyruntime.stage.model import StageModel
-from pyruntime.stage.packed import PackedMatrix, packable
-from pyruntime.stage.rows import MAX_ROWS, SHORT_ROWS
+from pyruntime.stage.compute.loop_schedules import VEC
+from pyruntime.stage.compute.model import StageModel
+from pyruntime.stage.compute.packed import PackedMatrix, packable
+from pyruntime.stage.compute.rows import MAX_ROWS, SHORT_ROWS
 
 DENSE = ["llama_tied", "llama_untied", "llama_gqa", "qwen2", "qwen3"]
 

@@ -1,7 +1,7 @@
-"""pyruntime/stage/cuda_graph.py off the GPU: what CUDA graph nodes are built with (the GPU run is bench/gpu_check.sh)."""
+"""pyruntime/stage/compute/cuda_graph.py off the GPU: what CUDA graph nodes are built with (the GPU run is bench/gpu_check.sh)."""
 from tinygrad.uop.ops import ProgramInfo, UOp
 
-from pyruntime.stage import cuda_graph
+from pyruntime.stage.compute import cuda_graph
 
 
 def test_graph_nodes_are_built_with_nonempty_launch_sizes_and_replays_keep_the_real_ones():

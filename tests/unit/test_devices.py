@@ -80,7 +80,7 @@ def test_a_stage_with_an_index_compiles_its_kernels():
   """What a stage on `CPU:1` does to tinygrad (pyruntime/stage/worker.py: DEV from the device string, then resolve_device),
   in a fresh process: a kernel compiles and runs on the indexed device. DEV=CPU:1 failed (`CPU has no renderer '1'`)."""
   code = ("import os; from pyruntime.devices import parse_device; os.environ['DEV'] = parse_device('CPU:1').target\n"
-          "from pyruntime.stage.model import resolve_device; from tinygrad import Tensor\n"
+          "from pyruntime.stage.compute.model import resolve_device; from tinygrad import Tensor\n"
           "d = resolve_device('CPU:1'); print(d, (Tensor([1.0, 2.0], device=d) * 3).tolist())")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "DEV": ""})
   assert out.returncode == 0, out.stderr[-2000:]
@@ -88,14 +88,14 @@ def test_a_stage_with_an_index_compiles_its_kernels():
 
 
 def test_clang_kernels_ask_for_512_bit_vectors_exactly_where_the_host_has_avx512():
-  """kernel_opts makes every clang CPU compiler prefer 512-bit vectors on an AVX-512 host (one instruction per VEC-wide
+  """loop_schedules makes every clang CPU compiler prefer 512-bit vectors on an AVX-512 host (one instruction per VEC-wide
   operation where -march=native alone gives two 256-bit ones), and keys tinygrad's compile cache by it; an explicit
   preference in the device's features is left alone."""
   from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
 
-  from pyruntime.stage import kernel_opts
-  kernel_opts.install()
+  from pyruntime.stage.compute import loop_schedules
+  loop_schedules.install()
   plain, chosen = ClangJITCompiler(["x86_64", "native"]), ClangJITCompiler(["x86_64", "native", "prefer-vector-width=256"])
   with open("/proc/cpuinfo") as f: avx512 = any("avx512f" in ln.split() for ln in f if ln.startswith("flags"))
-  assert (kernel_opts.WIDE_FLAG in plain.args) == avx512 and plain.cachekey.endswith(kernel_opts.WIDE_FLAG) == avx512
-  assert kernel_opts.WIDE_FLAG not in chosen.args and "-mprefer-vector-width=256" in chosen.args
+  assert (loop_schedules.WIDE_FLAG in plain.args) == avx512 and plain.cachekey.endswith(loop_schedules.WIDE_FLAG) == avx512
+  assert loop_schedules.WIDE_FLAG not in chosen.args and "-mprefer-vector-width=256" in chosen.args

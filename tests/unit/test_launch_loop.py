@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from pyruntime.stage import cpu_graph
+from pyruntime.stage.compute import cpu_graph
 
 ffi, lib = cpu_graph.ffi, cpu_graph.lib
 WORDS = 32  # MO_GRAPH_MAX_ARGS: the callbacks' signature is fixed before the library is asked

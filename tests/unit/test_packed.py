@@ -1,4 +1,4 @@
-"""Packed weights (pyruntime/stage/packed.py): the repacked codes, scales and offsets rebuild every weight of a Q4_0,
+"""Packed weights (pyruntime/stage/compute/packed.py): the repacked codes, scales and offsets rebuild every weight of a Q4_0,
 Q4_1 or Q8_0 matrix as the reference's float16-rounded value, outputs in the order asked, on the host and in a kernel."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from tinygrad import Tensor
 
-from pyruntime.stage.packed import BLOCK, PackedMatrix, packable, repack
+from pyruntime.stage.compute.packed import BLOCK, PackedMatrix, packable, repack
 
 VEC = 16
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]

@@ -1,4 +1,4 @@
-"""The program cache (pyruntime/stage/program_cache.py): a kernel lowered once is read back from disk by a later
+"""The program cache (pyruntime/stage/compute/program_cache.py): a kernel lowered once is read back from disk by a later
 process, under its own loop schedule and build only."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, codegen, helpers
 
-from pyruntime.stage import kernel_opts, program_cache
-from pyruntime.stage.program_cache import ProgramCache
+from pyruntime.stage.compute import loop_schedules, program_cache
+from pyruntime.stage.compute.program_cache import ProgramCache
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def test_a_lowering_comes_back_under_its_schedule_and_build_only(cachedb, monkey
 
 
 def test_a_real_kernel_is_lowered_once(cachedb, monkeypatch):
-  kernel_opts.install()
+  loop_schedules.install()
   assert isinstance(codegen.to_program_cache, ProgramCache)
   lowered = []
   stock = codegen.do_to_program

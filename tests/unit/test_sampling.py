@@ -1,4 +1,4 @@
-"""Tail sampling (pyruntime/stage/sampling.py): seeds, greedy, top-k / top-p / min-p masks, llama.cpp penalties."""
+"""Tail sampling (pyruntime/stage/compute/sampling.py): seeds, greedy, top-k / top-p / min-p masks, llama.cpp penalties."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from tinygrad import Tensor
 
 from pyruntime import errors
-from pyruntime.stage.sampling import Sampler, SamplingParams, apply_penalties_host
+from pyruntime.stage.compute.sampling import Sampler, SamplingParams, apply_penalties_host
 
 V = 300
 

@@ -1,4 +1,4 @@
-"""Log-probabilities at the tail (pyruntime/stage/logprobs.py), their record on the ring (protocol.TokenScore) and the
+"""Log-probabilities at the tail (pyruntime/stage/compute/logprobs.py), their record on the ring (protocol.TokenScore) and the
 seeds of a request's choices (params.choice_seed)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from pyruntime.params import choice_seed
 from pyruntime.protocol import TokenScore, logprob_payload, read_logprob_payload
-from pyruntime.stage.logprobs import log_softmax, score
+from pyruntime.stage.compute.logprobs import log_softmax, score
 
 
 def test_log_softmax_is_float64_and_normalised():

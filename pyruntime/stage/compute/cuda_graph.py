@@ -19,7 +19,7 @@ from tinygrad.runtime.graph.cuda import CUDAGraph
 from tinygrad.runtime.ops_cuda import CUDADevice
 from tinygrad.uop.ops import ProgramInfo
 
-from pyruntime.stage.cpu_graph import graph_of_every
+from pyruntime.stage.compute.cpu_graph import graph_of_every
 
 _building = threading.local()
 _stock_launch_dims = ProgramInfo.launch_dims

@@ -19,7 +19,7 @@ import numpy as np
 from tinygrad import dtypes
 
 from pyruntime import errors
-from pyruntime.stage import device_memory
+from pyruntime.stage.compute import device_memory
 
 
 class KVBlocks:

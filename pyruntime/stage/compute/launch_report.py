@@ -64,7 +64,7 @@ def _elements(u: UOp | None) -> int:
 def _launch(call: UOp) -> Launch:
   from tinygrad.engine.realize import get_call_arg_uops, get_call_outs_ins
 
-  from pyruntime.stage.graph_cache import base_buffer
+  from pyruntime.stage.compute.graph_cache import base_buffer
   prog = call.src[0]
   src, info = {s.op: s.arg for s in prog.src}, prog.arg
   size = lambda xs: tuple(x if isinstance(x, int) else -1 for x in xs or ())  # noqa: E731 -- -1: a symbolic size

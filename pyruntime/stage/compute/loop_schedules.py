@@ -7,7 +7,7 @@ Two schedules, chosen per kernel when it compiles:
   for a kernel with a symbolic loop axis (a prefill chunk of 1..32 tokens) the upcast and the threads the heuristic
   could not size, on the constant output axis. tests/integration/test_kernel_opts.py checks these against a process without them.
 
-- **rows** (the batched path, `pyruntime/stage/rows.py`, under `rows_schedules()`): every reduce kernel gets a schedule of
+- **rows** (the batched path, `pyruntime/stage/compute/rows.py`, under `rows_schedules()`): every reduce kernel gets a schedule of
   ours alone, on a CPU with no reduce-axis opt at all. Each output is one sequential sum over its reduce axis, so a row's bits
   cannot depend on how many rows share the kernel or where the kernel was cut: a decode row and a prompt row at the
   same position compute the same numbers (the exactness contract of docs/stage-ownership.md). On top of that, only
@@ -420,7 +420,7 @@ def install() -> bool:
   from tinygrad.engine import jit
   from tinygrad.renderer import Estimates
 
-  from pyruntime.stage.program_cache import ProgramCache
+  from pyruntime.stage.compute.program_cache import ProgramCache
   if not isinstance(codegen.to_program_cache, ProgramCache):
     codegen.to_program_cache, _rows_programs = ProgramCache("stock"), ProgramCache("rows")
   Estimates.from_uops = staticmethod(_estimates)  # needed by the rows path's kernels whatever their schedule

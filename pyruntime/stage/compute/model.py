@@ -14,7 +14,7 @@ file), and the head keeps the token embedding on the host: the rows a step needs
 file as raw GGML blocks and dequantised on the device by the same tinygrad code as the reference, so the values are
 identical while the device holds none of the table.
 
-The modules are built and filled from the file by pyruntime/stage/weights.py (each tensor in the form the weights mode
+The modules are built and filled from the file by pyruntime/stage/compute/weights.py (each tensor in the form the weights mode
 asks); this module runs them.
 
 KV caches are per slot (one stream each). One pair of JITs serves every slot: the slot's cache tensors are JIT
@@ -42,15 +42,15 @@ from pyruntime.modelfile.gguf import GGUFHeader, read_header
 from pyruntime.modelfile.plan import check_architecture, num_blocks, output_tensor_name
 from pyruntime.options import DECODE_MODES, WEIGHT_MODES
 from pyruntime.protocol import PREFILL_CHUNK
-from pyruntime.stage import cpu_graph, cuda_graph, device_memory, kernel_opts
-from pyruntime.stage.graph_cache import GraphCache
-from pyruntime.stage.rows import MAX_ROWS, ROW_UNIT, RowPath
-from pyruntime.stage.weights import PROJECTIONS, held_buffers, linears
-from pyruntime.stage.weights import load as load_weights
+from pyruntime.stage.compute import cpu_graph, cuda_graph, device_memory, loop_schedules
+from pyruntime.stage.compute.graph_cache import GraphCache
+from pyruntime.stage.compute.rows import MAX_ROWS, ROW_UNIT, RowPath
+from pyruntime.stage.compute.weights import PROJECTIONS, held_buffers, linears
+from pyruntime.stage.compute.weights import load as load_weights
 
 # PREFILL_CHUNK (32) is Transformer.generate's chunk_size; a chunk of any 1..32 tokens runs the same kernels, so where a
 # prompt is cut changes no bit (tests/integration/test_model.py::test_where_the_prompt_is_cut_changes_no_bit)
-kernel_opts.install()  # before any kernel compiles: the prefill's kernels upcast and threaded (bits unchanged)
+loop_schedules.install()  # before any kernel compiles: the prefill's kernels upcast and threaded (bits unchanged)
 cpu_graph.install()  # a CPU's captured graphs replay from a native loop (the same kernels in the same order)
 cuda_graph.install()  # CUDA's captured graphs can hold kernels whose launch size is a variable's (tinygrad 0.13 cannot)
 BOUNDARY_TENSOR_DTYPES = {"float32": dtypes.float32, "float16": dtypes.float16}  # options.BOUNDARY_DTYPES as tinygrad dtypes
@@ -182,7 +182,7 @@ class StageModel:
     # prompt where the reference does, attention-only stages too
     self.recurrent = cfg.ssm is not None
     self.chunk = 1 if self.recurrent else PREFILL_CHUNK  # tinygrad's prefill chunk (the rows path takes up to MAX_ROWS)
-    # the rows path (pyruntime/stage/rows.py: prompt and decode rows through the same kernels, many streams per step) is
+    # the rows path (pyruntime/stage/compute/rows.py: prompt and decode rows through the same kernels, many streams per step) is
     # written for dense blocks; the others, and decode="reference", run tinygrad's own prefill and T=1 decode per stream
     self.batched = self.family == "dense" and decode == "batched"
     self.half = bool(getenv("HALF", 1))  # the reference casts every weight to float16 unless HALF=0
@@ -256,8 +256,8 @@ class StageModel:
     return jit
 
   def graph_key(self, name: str) -> dict:
-    """What shapes this stage's graph `name` besides the code and the machine (pyruntime/stage/graph_cache.py)."""
-    from pyruntime.stage.graph_cache import model_identity
+    """What shapes this stage's graph `name` besides the code and the machine (pyruntime/stage/compute/graph_cache.py)."""
+    from pyruntime.stage.compute.graph_cache import model_identity
     return {"graph": name, "model": model_identity(self.path, min(t.offset for t in self.header.tensors.values())),
             "blocks": [self.start, self.end], "device": self.device, "renderer": type(Device[self.device].renderer).__name__,
             "slots": self.slots, "max_context": self.config.max_context, "weights": self.weights, "boundary": self.boundary_dtype,
@@ -343,7 +343,7 @@ class StageModel:
       x = out
     return x
 
-  # --- the rows path (pyruntime/stage/rows.py) ---------------------------------------------------------------
+  # --- the rows path (pyruntime/stage/compute/rows.py) ---------------------------------------------------------------
   def _check_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> None:
     if self.rows is None:
       raise errors.InvalidOption("decode", f"the batched decode serves dense models; {self.arch} ({self.family}) decodes per stream")
@@ -471,7 +471,7 @@ class StageModel:
     return [device_memory.view(kv.uop.buffer, shape, slot * prod(shape)) for kv, (_, shape, _) in zip(self._kv_caches(), specs, strict=True)]
 
   def position_states(self) -> list[tuple[Tensor, int, tuple[int, ...], int]] | None:
-    """Every state tensor a stream's positions live in, for the prefix cache (pyruntime/stage/kv_blocks.py): (the tensor, its
+    """Every state tensor a stream's positions live in, for the prefix cache (pyruntime/stage/compute/kv_blocks.py): (the tensor, its
     slots, one slot's shape, the position axis in it). None for a model with recurrent blocks: their state is not a
     function of positions alone, so no prefix of it can be taken or given."""
     if self.recurrent: return None

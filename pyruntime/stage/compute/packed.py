@@ -18,7 +18,7 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 
 from pyruntime.modelfile.gguf import GGML_TYPES, PACKED_TYPES
-from pyruntime.stage import device_memory
+from pyruntime.stage.compute import device_memory
 
 BLOCK = 32  # inputs per quantization block (all three types)
 

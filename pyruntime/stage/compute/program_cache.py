@@ -8,7 +8,7 @@ again. A ProgramCache is that dict backed by tinygrad's own on-disk cache (`disk
 SQLite file that holds its compiled binaries, so it follows tinygrad's CACHELEVEL: 0 turns both off).
 
 The key is tinygrad's own key for the lowering (the kernel's AST, the renderer and its target, the codegen settings),
-the loop schedule that lowered it (kernel_opts: "stock" or "rows": the same AST gets other opts under each), and what
+the loop schedule that lowered it (loop_schedules: "stock" or "rows": the same AST gets other opts under each), and what
 every cached build shares (graph_cache.build_identity: tinygrad's version, pyruntime's source, the CPU, the
 environment variables that change kernels), so a kernel lowered by other code is never taken for this code's.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 from tinygrad.helpers import diskcache_get, diskcache_put
 
-from pyruntime.stage.graph_cache import build_identity
+from pyruntime.stage.compute.graph_cache import build_identity
 
 TABLE = "pyruntime_programs"
 

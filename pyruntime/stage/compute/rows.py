@@ -9,7 +9,7 @@ stream holds before it. That is the exactness contract (docs/stage-ownership.md,
   each stream in a window of KV slots, in one of a few fixed shapes). Both call `_layer`, which differs between them
   only in how the new keys and values are written;
 - no kernel ever mixes rows: projections, norms and the attention of row r read only row r (and its stream's cache);
-- every sum is cut the same way whatever the rows (kernel_opts.rows_schedule: one sequential sum on a CPU, a split fixed
+- every sum is cut the same way whatever the rows (loop_schedules.rows_schedule: one sequential sum on a CPU, a split fixed
   by the reduce axes' sizes on a GPU), so a row's value does not depend on how many rows run beside it or where a
   prompt was cut;
 - keys past a row's position are masked to exact zeros (`where`, not an addition, so stale cache bytes never reach
@@ -35,21 +35,21 @@ from tinygrad.uop.ops import KernelInfo
 from pyruntime import errors
 from pyruntime.modelfile.boundary import DTYPES
 from pyruntime.protocol import MAX_CHUNK
-from pyruntime.stage import device_memory, kernel_opts
-from pyruntime.stage.packed import PackedMatrix
+from pyruntime.stage.compute import device_memory, loop_schedules
+from pyruntime.stage.compute.packed import PackedMatrix
 
 MAX_ROWS = MAX_CHUNK  # the most rows one prefill call takes: a stage's largest prompt chunk
-ROW_UNIT = 16    # prompt rows are padded to a multiple of this (kernel_opts.ROWS x two threads)
+ROW_UNIT = 16    # prompt rows are padded to a multiple of this (loop_schedules.ROWS x two threads)
 # with packed weights, prompt chunks of at most 8 or 16 rows (a verify record: the last token and its draft; a prompt's
 # last rows) run in graphs of their own, of exactly that many rows: concrete shapes, so a packed matrix is rebuilt in
 # registers (SmolLM2: 8 rows ~2.5 decode steps, 16 ~5, against ~9 in the symbolic graph, which stages the weights first).
 # Float weights have nothing to stage: there the symbolic graph costs the same and two more captures would buy nothing.
-SHORT_ROWS = (kernel_opts.ROWS, ROW_UNIT)
+SHORT_ROWS = (loop_schedules.ROWS, ROW_UNIT)
 STAGED_ROWS = ROW_UNIT  # a packed matrix read by more rows than this is dequantised into a scratch buffer first (_values)
 # the tensor-core mode: a projection's rows are padded to this, the rows of every float16 tile tinygrad's renderers
 # know (CUDA's 16x8x16, AMD's 16x16x16, Metal's 8x8x8 and Intel's 8x8x16 divide it)
 TC_ROWS = 16
-KV_UNIT = 32     # attended lengths are padded to a multiple of this (kernel_opts.VEC x two threads)
+KV_UNIT = 32     # attended lengths are padded to a multiple of this (loop_schedules.VEC x two threads)
 
 
 def _round(n: int, unit: int) -> int: return -(-n // unit) * unit
@@ -68,7 +68,7 @@ def _tensor_core_rows(x: Tensor, product) -> Tensor:
   """product(rows) of x (..., K) as the tensor-core mode takes it: the rows in one axis padded with zero rows to a
   multiple of TC_ROWS (a tensor core's tile of rows: a one-row decode step runs the same tile as a prompt chunk), each
   value rounded to float16 (what the tile takes) and widened back, so that the sum is of two float16 values' products
-  (kernel_opts._half_products: the kernels a device's tensor cores run; elsewhere the same numbers summed in order).
+  (loop_schedules._half_products: the kernels a device's tensor cores run; elsewhere the same numbers summed in order).
   The padding rows' outputs are stored, then dropped."""
   *lead, K = x.shape
   n = prod(lead)
@@ -223,7 +223,7 @@ class RowPath:
     return jit
 
   def bound_tensors(self) -> dict[str, Tensor]:
-    """This path's own buffers by stable names (pyruntime/stage/graph_cache.py): staging, caches, the position table."""
+    """This path's own buffers by stable names (pyruntime/stage/compute/graph_cache.py): staging, caches, the position table."""
     out = {"rows.prefill_in": self.prefill_in, "rows.prefill_pos": self.prefill_pos, "rows.prefill_rope": self.prefill_rope,
            "rows.decode_in": self.decode_in, "rows.decode_pos": self.decode_pos, "rows.decode_rope": self.decode_rope,
            "rows.decode_at_k": self.decode_at_k, "rows.decode_at_v": self.decode_at_v, "rows.arange": self.arange,
@@ -269,7 +269,7 @@ class RowPath:
     last = pos.reshape(B, 1, T).max(-1).reshape(B, 1, 1, 1)
     out = w @ (self.arange[:kv].reshape(1, 1, kv, 1) > last).where(0.0, values)  # (B, KvH, G*T, Hd)
     # stored as (B, T, H * Hd): read through the permuted view, the output projection's sum would run over (kv heads,
-    # G, Hd) axes when T > 1 and over one axis when T = 1, and a split sum (kernel_opts._fixed_groups, devices with
+    # G, Hd) axes when T > 1 and over one axis when T = 1, and a split sum (loop_schedules._fixed_groups, devices with
     # local memory) cuts those differently; as one axis it is cut alike in every graph
     return out.reshape(B, c.n_kv_heads, G, T, Hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.n_heads * Hd).contiguous()
 
@@ -346,7 +346,7 @@ class RowPath:
     R = short or _round(T, ROW_UNIT)
     _put((self.prefill_in, self.prefill_pos, self.prefill_rope), self._prefill_inputs(inp, start, R))
     graph, rows = (self.short_graph(R), R) if short else (self.prefill_graph(), self.v_rows.bind(R // ROW_UNIT))
-    with kernel_opts.rows_schedules():
+    with loop_schedules.rows_schedules():
       ret = graph(self.prefill_in, self.prefill_pos, self.prefill_rope, rows, self.v_slot.bind(slot), self.v_start.bind(start),
                   self.v_kv.bind(_round(start + R, KV_UNIT) // KV_UNIT))
     buf = ret.uop.buf_uop.buffer
@@ -405,7 +405,7 @@ class RowPath:
     m = self.m
     lo, W = self.window(slots)
     _put((self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v), self._decode_inputs(slots, inp, positions, lo, W))
-    with kernel_opts.rows_schedules():
+    with loop_schedules.rows_schedules():
       ret = self.decode_graph(W)(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),
                                  self.v_kv.bind(_round(max(positions) + 1, KV_UNIT) // KV_UNIT))
     return m._view(ret.uop.buf_uop.buffer, (W, m.vocab_size) if m.is_tail else (W, 1, m.dim))
@@ -479,7 +479,7 @@ class RowPath:
     _put((self.mixed_in, self.mixed_pos, self.mixed_rope, self.mixed_at_k, self.mixed_at_v),
          (np.concatenate([d_in, p_in]), np.r_[d_pos, p_pos], np.concatenate([d_rope, p_rope]), np.r_[d_ak, p_ak], np.r_[d_av, p_av]))
     kv, kvp = _round(max(positions) + 1, KV_UNIT) // KV_UNIT, _round(start + R, KV_UNIT) // KV_UNIT
-    with kernel_opts.rows_schedules():
+    with loop_schedules.rows_schedules():
       ret = self.mixed_graph(W)(self.mixed_in, self.mixed_pos, self.mixed_rope, self.mixed_at_k, self.mixed_at_v, W, self.v_lo.bind(lo),
                                 self.v_kv.bind(kv), self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot), self.v_start.bind(start),
                                 self.v_kvp.bind(kvp))

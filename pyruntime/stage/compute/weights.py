@@ -1,7 +1,7 @@
 """How a stage's modules are built and filled from the GGUF file (StageModel calls `load` once): each owned tensor's
 bytes straight from an mmap of the file to the device, each parameter in the form its weights mode asks (quantized:
 the file's bytes, dequantised inside every kernel; float16 / float32: dequantised once; packed: the file's blocks
-repacked for the rows path, pyruntime/stage/packed.py), in the reference's order of rows (the Q/K rotary permutation),
+repacked for the rows path, pyruntime/stage/compute/packed.py), in the reference's order of rows (the Q/K rotary permutation),
 and the rows path's column-blocked and fused projection matrices. The loaded values are the reference's, HALF=1:
 every weight rounded to float16.
 """
@@ -22,8 +22,8 @@ from tinygrad.nn.state import get_state_dict
 from pyruntime import errors
 from pyruntime.modelfile.gguf import TensorInfo
 from pyruntime.modelfile.plan import FFN_NORM_RENAMED, block_tensor_names, output_tensor_name, stage_tensor_names
-from pyruntime.stage import device_memory, kernel_opts
-from pyruntime.stage.packed import PackedMatrix, packable, repack
+from pyruntime.stage.compute import device_memory, loop_schedules
+from pyruntime.stage.compute.packed import PackedMatrix, packable, repack
 
 
 def new_block(cfg: TransformerConfig, i: int) -> FFNBlock:
@@ -153,7 +153,7 @@ def load(m: Any) -> None:
     if m.is_tail: groups.append([m.output_norm.weight, m.output.weight])
     by_weight = {id(lin.weight): lin for b in m.blk for lin in linears(b)} | ({id(m.output.weight): m.output} if m.is_tail else {})
     # float16 (a CPU's default) and float32 hold the same values (every product is the same); the kernels convert
-    # a float16 vector to float32 in one instruction (kernel_opts._keep_half_to_float_vectors), so float16 reads
+    # a float16 vector to float32 in one instruction (loop_schedules._keep_half_to_float_vectors), so float16 reads
     # half the bytes for the same bits
     done: set[int] = set()
     row_orders: dict[tuple[str, int], np.ndarray | None] = {}
@@ -166,18 +166,18 @@ def load(m: Any) -> None:
         w = p.contiguous().float() if m.weights == "float32" else p
         lin = by_weight.get(id(p)) if m.batched else None
         if lin is not None and (name := file_name.get(id(p))) in m._packed:
-          # the file's blocks, repacked into column blocks and dequantised inside the kernels (pyruntime/stage/packed.py)
+          # the file's blocks, repacked into column blocks and dequantised inside the kernels (pyruntime/stage/compute/packed.py)
           ti = header.tensors[name]
           if (key := (name.rsplit(".", 2)[-2], p.shape[0])) not in row_orders:  # the same for every block
             rows = Tensor.arange(p.shape[0], device=m.device).reshape(-1, 1)
             # realized only where `rotary` permutes (q and k): each realize is a small schedule, ~60 ms at load
             row_orders[key] = None if (order := rotary(m, name, rows)) is rows else order.numpy()[:, 0]
-          lin.rows_blocked = repack(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, row_orders[key], kernel_opts.VEC, m.half)
-        elif lin is not None and p.shape[0] % kernel_opts.VEC == 0:
+          lin.rows_blocked = repack(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, row_orders[key], loop_schedules.VEC, m.half)
+        elif lin is not None and p.shape[0] % loop_schedules.VEC == 0:
           # the rows path keeps a projection's matrix in column blocks (outputs / VEC, inputs, VEC): a kernel streams
           # each block's VEC outputs of every input as one run of memory (rows._linear); the block's own
           # `weight` becomes a view of the same bytes, the matrix it was
-          set_blocks(lin, w.reshape(p.shape[0] // kernel_opts.VEC, kernel_opts.VEC, p.shape[1]).permute(0, 2, 1).contiguous())
+          set_blocks(lin, w.reshape(p.shape[0] // loop_schedules.VEC, loop_schedules.VEC, p.shape[1]).permute(0, 2, 1).contiguous())
         else: p.replace(w.contiguous())
       Tensor.realize(*[t for p in group for t in held_buffers(by_weight.get(id(p)), p)])
     if m.batched:
@@ -223,7 +223,7 @@ def keeps_packed(m: Any, name: str) -> bool:
   if m.weights != "packed" or not m.batched: return False
   ti = m.header.tensors[name]
   projection = name.rsplit(".", 2)[-2] in PROJECTIONS or (m.is_tail and name == output_tensor_name(m.header))
-  return projection and packable(ti.ggml_type, ti.shape, kernel_opts.VEC)
+  return projection and packable(ti.ggml_type, ti.shape, loop_schedules.VEC)
 
 
 def rotary(m: Any, name: str, w: Tensor) -> Tensor:

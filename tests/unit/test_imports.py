@@ -104,6 +104,16 @@ def test_the_stage_and_the_engine_never_import_each_other():
   assert "pyruntime.stage.worker" in g["pyruntime.stage.__main__"] and "pyruntime.engine.launcher" in g["pyruntime.launcher"]
 
 
+def test_the_stages_compute_never_imports_its_process():
+  """pyruntime/stage/compute/ runs on the device and knows nothing of the worker, its data loop or its scheduler (the
+  process drives the compute, never the other way): a model can be loaded and run in a test or a benchmark alone."""
+  g = import_graph()
+  compute = [m for m in g if m.startswith("pyruntime.stage.compute.")]
+  assert {"pyruntime.stage.compute.model", "pyruntime.stage.compute.rows", "pyruntime.stage.compute.loop_schedules"} <= set(compute)
+  wrong = {m: sorted(d) for m in compute if (d := {x for x in g[m] if x.startswith("pyruntime.stage.") and ".compute" not in x})}
+  assert not wrong, wrong
+
+
 def test_importing_the_launcher_loads_no_tinygrad_or_numpy():
   code = "import sys, pyruntime.launcher; from pyruntime.launcher import Launcher; import pyruntime.modelfile.plan, pyruntime.params\n" \
          "import pyruntime.modelfile.gguf\n" \

@@ -70,6 +70,42 @@ def tiny_vocab(vocab_size: int = VOCAB_SIZE) -> tuple[tuple[str, ...], tuple[str
   return tuple(tokens), tuple(merges), tuple(types)
 
 
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def k_quantize(x: np.ndarray, kind: Q) -> np.ndarray:
+  """`x` (rows, K: a multiple of 256) as GGML Q4_K, Q5_K or Q6_K blocks, (rows, bytes): a plain round-to-nearest
+  quantizer (gguf's has none for K-quants), laid out as ggml lays them (what tinygrad and llama.cpp read)."""
+  rows = x.shape[0]
+  f16 = lambda v: np.asarray(v, np.float16).view(np.uint8).reshape(*np.shape(v), 2)  # noqa: E731
+  if kind == Q.Q6_K:
+    b = x.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(b).max(-1) / 31 + 1e-12
+    d = (scale.max(-1) / 127).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32)[:, None], 1e-12)), 1, 127).astype(np.int8)
+    eff = d.astype(np.float32)[:, None] * sc
+    q = (np.clip(np.round(b / np.where(eff > 0, eff, 1)[..., None]), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)
+    ql = (q[..., :64] & 15) | ((q[..., 64:] & 15) << 4)                                     # (nb, 2, 64)
+    hi = (q >> 4).reshape(-1, 2, 4, 32)
+    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)  # (nb, 2, 32)
+    out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), f16(d)], axis=-1)
+    return out.reshape(rows, -1)
+  top = 15 if kind == Q.Q4_K else 31
+  b = x.reshape(-1, 8, 32).astype(np.float32)
+  mn_f = np.maximum(0, -b.min(-1))
+  scale_f = (b.max(-1) + mn_f) / top + 1e-12
+  d, dmin = (scale_f.max(-1) / 63).astype(np.float16), (mn_f.max(-1) / 63 + 1e-12).astype(np.float16)
+  sc = np.clip(np.round(scale_f / np.maximum(d.astype(np.float32)[:, None], 1e-12)), 1, 63).astype(np.uint8)
+  mn = np.clip(np.round(mn_f / np.maximum(dmin.astype(np.float32)[:, None], 1e-12)), 0, 63).astype(np.uint8)
+  eff, off = d.astype(np.float32)[:, None] * sc, dmin.astype(np.float32)[:, None] * mn
+  q = np.clip(np.round((b + off[..., None]) / eff[..., None]), 0, top).astype(np.uint8)   # (nb, 8, 32)
+  s = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6), (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], -1)
+  qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(-1, 128)
+  parts = [f16(d), f16(dmin), s]
+  if kind == Q.Q5_K: parts.append(np.bitwise_or.reduce(((q >> 4) & 1) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1))
+  return np.concatenate([*parts, qs], axis=-1).reshape(rows, -1)
+
+
 # name -> keyword arguments of write_tiny_gguf
 TINY_MODELS: dict[str, dict] = {
   # llama, tied output (the embedding is the output projection), grouped-query attention 4/2, Q8_0 embedding
@@ -81,6 +117,11 @@ TINY_MODELS: dict[str, dict] = {
   # llama, GQA 8 heads / 2 kv heads (head_dim 8), Q4_1 embedding, tied
   "llama_gqa": dict(arch="llama", n_blocks=6, n_heads=8, n_kv_heads=2, tied=True,
                     types={"token_embd": Q.Q4_1, "attn": Q.Q8_0, "ffn": Q.Q4_1}),
+  # llama as a Q4_K_M file holds it: K-quants (inputs a multiple of 256: dim 256), Q6_K for v, ffn_down and the output,
+  # Q5_K for ffn_up, a Q4_K embedding; untied
+  "llama_kquant": dict(arch="llama", dim=256, n_blocks=2, n_heads=4, n_kv_heads=2, hidden=512, tied=False,
+                       types={"token_embd": Q.Q4_K, "output": Q.Q6_K, "attn": Q.Q4_K, "attn_v": Q.Q6_K, "ffn": Q.Q4_K,
+                              "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K}),
   # qwen2: q/k/v biases, no rope permutation, tied
   "qwen2": dict(arch="qwen2", n_blocks=4, n_heads=4, n_kv_heads=2, tied=True, qkv_bias=True, rope_theta=1e6,
                 types={"token_embd": Q.F16, "attn": Q.Q8_0, "ffn": Q.Q4_0}),
@@ -188,6 +229,7 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
     arr = arr.astype(np.float32)
     if qtype == Q.F32: w.add_tensor(name, arr)
     elif qtype == Q.F16: w.add_tensor(name, arr.astype(np.float16))
+    elif qtype in K_QUANTS: w.add_tensor(name, k_quantize(arr, qtype), raw_dtype=qtype)
     else: w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
   def lin(out_f: int, in_f: int, scale: float = 1.0) -> np.ndarray:
     return rng.standard_normal((out_f, in_f)).astype(np.float32) * (scale / np.sqrt(in_f))
@@ -236,22 +278,22 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
       add(p + "attn_v_b.weight", rng.standard_normal((n_heads, mla["v"], mla["kv_lora"])) / np.sqrt(mla["kv_lora"]), Q.F16)
       add(p + "attn_output.weight", lin(dim, n_heads * mla["v"], scale=2.0), types["attn"])
     else:
-      add(p + "attn_q.weight", lin(n_heads * hd * (2 if ssm else 1), dim), types["attn"])  # qwen35: q and its output gate
-      add(p + "attn_k.weight", lin(n_kv_heads * hd, dim), types["attn"])
-      add(p + "attn_v.weight", lin(n_kv_heads * hd, dim), types["attn"])
+      add(p + "attn_q.weight", lin(n_heads * hd * (2 if ssm else 1), dim), types.get("attn_q", types["attn"]))  # qwen35: q and its output gate
+      add(p + "attn_k.weight", lin(n_kv_heads * hd, dim), types.get("attn_k", types["attn"]))
+      add(p + "attn_v.weight", lin(n_kv_heads * hd, dim), types.get("attn_v", types["attn"]))
       if qkv_bias:
         for n, k in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
           add(p + f"attn_{n}.bias", 0.1 * rng.standard_normal(k * hd), Q.F32)
       if qk_norm or ssm:  # qwen35's attention blocks always norm q and k
         add(p + "attn_q_norm.weight", norm(hd), Q.F32)
         add(p + "attn_k_norm.weight", norm(hd), Q.F32)
-      add(p + "attn_output.weight", lin(dim, n_heads * hd, scale=2.0), types["attn"])
+      add(p + "attn_output.weight", lin(dim, n_heads * hd, scale=2.0), types.get("attn_output", types["attn"]))
     add(p + ("post_attention_norm.weight" if post_norm else "ffn_norm.weight"), norm(dim), Q.F32)
     if moe and i >= moe.get("lead", 0): add_experts(p, moe)
     else:
-      add(p + "ffn_gate.weight", lin(hidden, dim), types["ffn"])
-      add(p + "ffn_up.weight", lin(hidden, dim), types["ffn"])
-      add(p + "ffn_down.weight", lin(dim, hidden, scale=2.0), types["ffn"])
+      add(p + "ffn_gate.weight", lin(hidden, dim), types.get("ffn_gate", types["ffn"]))
+      add(p + "ffn_up.weight", lin(hidden, dim), types.get("ffn_up", types["ffn"]))
+      add(p + "ffn_down.weight", lin(dim, hidden, scale=2.0), types.get("ffn_down", types["ffn"]))
   add("output_norm.weight", norm(dim), Q.F32)
   if not tied: add("output.weight", lin(len(tokens), dim, scale=4.0), types["output"])
 

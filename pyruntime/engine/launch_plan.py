@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from pyruntime import errors
 from pyruntime.engine.prefix_cache import BLOCK
-from pyruntime.modelfile.gguf import PACKED_TYPES, GGUFHeader
+from pyruntime.modelfile.gguf import PACKED_TYPES, GGUFHeader, packed_nbytes
 from pyruntime.options import PREFILL_SHARE, PREFIX_CACHE_TOKENS, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S, check_launch
 from pyruntime.text.tokenizer import Tokenizer
 
@@ -101,9 +101,10 @@ def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, temp
 
 
 def packed_bytes(header: GGUFHeader) -> int:
-  """What a CPU stage holds of the model with weights="packed": the file's bytes of every matrix kept packed, two
-  bytes an element of the rest (float16)."""
-  return sum(t.nbytes if t.ggml_type in PACKED_TYPES and len(t.dims) == 2 else 2 * math.prod(t.dims) for t in header.tensors.values())
+  """What a CPU stage holds of the model with weights="packed": every matrix of a PACKED_TYPES type as its codes and
+  scales (about the file's bytes), two bytes an element of the rest (float16)."""
+  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims)) if t.ggml_type in PACKED_TYPES and len(t.dims) == 2 else 2 * math.prod(t.dims)
+             for t in header.tensors.values())
 
 
 # CPU renderers that compile with clang (loop_schedules' vector rules are written for them); tinygrad's own X86 backend,

@@ -34,9 +34,25 @@ GGML_TYPES: dict[int, tuple[int, int]] = {
   18: (256, 98), 21: (256, 110), 22: (256, 82), 23: (256, 136),                                  # IQ3_XXS IQ3_S IQ2_S IQ4_XS
 }
 
-# The block types a CPU stage can keep as they are stored (pyruntime/stage/compute/packed.py): id -> (bits per code, bias
-# subtracted from a stored code, whether a block has an offset m after its scale d). Bytes per block: GGML_TYPES.
-PACKED_TYPES: dict[int, tuple[int, int, bool]] = {2: (4, 8, False), 3: (4, 0, True), 8: (8, 128, False)}  # Q4_0 Q4_1 Q8_0
+# The block types a CPU stage can keep as codes (pyruntime/stage/compute/packed.py), every Q4_K_M file's types among them:
+# id -> (inputs per scale, bits per code, bias subtracted from a code, whether a scale has an offset beside it, whether
+# it is a K-quant (a sub-block's scale and offset are integers, times its super-block's float16 d and dmin), and k: an
+# offset of k times the scale, computed in the kernel as the reference does (Q5_0's q * d + (-16 * d))).
+PACKED_TYPES: dict[int, tuple[int, int, int, bool, bool, int]] = {
+  2: (32, 4, 8, False, False, 0), 3: (32, 4, 0, True, False, 0), 6: (32, 5, 0, False, False, -16), 7: (32, 5, 0, True, False, 0),
+  8: (32, 8, 128, False, False, 0), 12: (32, 4, 0, True, True, 0), 13: (32, 5, 0, True, True, 0), 14: (16, 6, 32, False, True, 0),
+}  # Q4_0 Q4_1 Q5_0 Q5_1 / Q8_0 Q4_K Q5_K Q6_K
+SUPER_BLOCK = 256  # a K-quant's inputs per float16 d (and dmin)
+
+
+def packed_nbytes(ggml_type: int, elements: int) -> int:
+  """Bytes a stage holds of `elements` weights of a PACKED_TYPES type: the codes, and a scale (and offset) per block:
+  float16, or for a K-quant an integer byte per block and a float16 per super-block; about the file's own size."""
+  block, bits, _, offset, k_quant, _ = PACKED_TYPES[ggml_type]
+  per_block = 1 if k_quant else 2  # bytes of a block's scale
+  scales = elements // block * per_block + (elements // SUPER_BLOCK * 2 if k_quant else 0)
+  return elements * bits // 8 + scales * (2 if offset else 1)
+
 
 # GGUF value types: id -> (name, struct code or None for string/array, byte size of one fixed-size value)
 STRING, ARRAY = 8, 9

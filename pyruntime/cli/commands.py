@@ -294,15 +294,19 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
   from pyruntime.modelfile.gguf import read_header
-  from pyruntime.modelfile.plan import block_tensor_names, prefix_cache_bytes_per_token, suggest_split, tensor_cost
+  from pyruntime.modelfile.plan import block_tensor_names, prefix_cache_bytes_per_token, suggest_split, tensor_cost, unservable
   from pyruntime.modelfile.source import resolve_model
   h = read_header(resolve_model(a.model))
+  if why := unservable(h):  # said first, and no splits suggested for a file no stage can run
+    if a.json: print(json.dumps({"path": str(h.path), "architecture": h.arch, "servable": False, "why": why}, indent=1))
+    else: print(f"{h.path}: pyruntime cannot serve this file:\n" + "\n".join(f"  - {w}" for w in why))
+    return 2
   cache = prefix_cache_bytes_per_token(h)
   blocks = h.num_blocks
   per_block = [sum(t.nbytes for n, t in h.tensors.items() if n.startswith(f"blk.{i}.")) for i in range(blocks)]
   other = {n: t.nbytes for n, t in h.tensors.items() if not n.startswith("blk.")}
   unused = sum(t.nbytes for n, t in h.tensors.items() if n.startswith("blk.") and int(n.split(".")[1]) >= blocks)
-  info = {"path": str(h.path), "architecture": h.arch, "name": h.kv.get("general.name"), "blocks": blocks,
+  info = {"path": str(h.path), "architecture": h.arch, "servable": True, "name": h.kv.get("general.name"), "blocks": blocks,
           "dim": h.get("embedding_length"), "heads": h.get("attention.head_count"), "kv_heads": h.get("attention.head_count_kv"),
           "context_length": h.get("context_length"), "vocab_size": len(h.kv.get("tokenizer.ggml.tokens", [])),
           "tied_embeddings": "output.weight" not in h.tensors, "weight_bytes": sum(t.nbytes for t in h.tensors.values()),

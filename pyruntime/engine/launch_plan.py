@@ -137,8 +137,12 @@ def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool,
 def preflight(plan: LaunchPlan) -> None:
   """The one check before any stage is spawned, of what the plan (which cannot know it: it is a pure function of the file
   and the options) would meet on this host and can be refused without loading the model or tinygrad: devices that
-  cannot open here (devices.check_opens). A refusal names its field. The launcher runs it right after planning."""
+  cannot open here (devices.check_opens), a file whose architecture no stage runs (modelfile.plan.check_architecture:
+  UnsupportedArchitecture; its tokenizer was read while planning). A refusal names its field. The launcher runs it
+  right after planning."""
   from pyruntime.devices import check_opens
+  from pyruntime.modelfile.plan import check_architecture
+  check_architecture(plan.header)
   for d in dict.fromkeys(plan.devices): check_opens(d)
 
 

@@ -19,6 +19,20 @@ SUPPORTED_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | SSM_SUPPORTED
 FFN_NORM_RENAMED = frozenset({"qwen35", "qwen35moe", "glm4moe"})  # from_gguf reads their post_attention_norm as ffn_norm
 
 
+TOKENIZER_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model: byte-level BPE, SentencePiece (pyruntime/text/tokenizer.py)
+
+
+def unservable(header: GGUFHeader) -> list[str]:
+  """Why pyruntime cannot serve the file, each reason by name; [] when it can (`pyruntime inspect` says so first, the
+  launcher's preflight refuses such a file before any stage is spawned)."""
+  why = []
+  try: check_architecture(header)
+  except errors.UnsupportedArchitecture as e: why.append(str(e))
+  if (model := header.kv.get("tokenizer.ggml.model")) not in TOKENIZER_MODELS:
+    why.append(f"tokenizer model {model!r} is not supported (supported: {', '.join(TOKENIZER_MODELS)})")
+  return why
+
+
 def check_architecture(header: GGUFHeader) -> None:
   """Refuse, by name, what tinygrad's from_gguf does not run (or would run wrongly)."""
   arch, kv = header.arch, header.kv

@@ -1,4 +1,5 @@
-"""Text <-> token ids for GGUF byte-level BPE vocabularies, equal to llama.cpp's tokenizer.
+"""Text <-> token ids for GGUF vocabularies, equal to llama.cpp's tokenizer: byte-level BPE (`gpt2`) here, and
+SentencePiece (`llama`) through pyruntime/text/sentencepiece.py.
 
 The model was trained on ids produced by one specific pre-tokenizer; llama.cpp picks it by
 `tokenizer.ggml.pre` (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_* -> regex_exprs). A single
@@ -24,6 +25,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.models import BPE
 
 from pyruntime.errors import ModelLoadFailed, TokenIdInvalid
+from pyruntime.modelfile.plan import TOKENIZER_MODELS
+from pyruntime.text.sentencepiece import SPACE, SentencePiece, escape
 
 # --- llama.cpp pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe) -------------------
 # llama.cpp spells the GPT-2 regex without the final `|\s+` but runs it through a hand-written
@@ -185,16 +188,23 @@ def _bpe(kv: Mapping[str, Any], tok_to_id: dict[str, int], regexes: tuple[str, .
 
 
 class Tokenizer:
-  """A GGUF vocabulary (tokenizer.ggml.model 'gpt2'), tokenizing like llama.cpp."""
+  """A GGUF vocabulary (tokenizer.ggml.model 'gpt2' or 'llama'), tokenizing like llama.cpp."""
 
   def __init__(self, kv: Mapping[str, Any]):
     model = kv.get("tokenizer.ggml.model")
-    if model != "gpt2":
-      raise ModelLoadFailed(f"tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
-    self.family: str = kv.get("tokenizer.ggml.pre") or "default"
-    if self.family not in _PRE: raise ModelLoadFailed(f"unknown pre-tokenizer type {self.family!r}")
-    self.pre_type, ignore_merges, add_bos_default = _PRE[self.family]
-    self.regexes: tuple[str, ...] = PRE_REGEXES[self.pre_type]
+    if model not in TOKENIZER_MODELS:
+      raise ModelLoadFailed(f"tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
+    self.spm = model == "llama"
+    if self.spm:  # llama.cpp's SentencePiece defaults: <unk> 0, <s> 1, </s> 2, BOS added, a space in front of the text
+      self.family, self.pre_type, ignore_merges, add_bos_default = "sentencepiece", "sentencepiece", False, True
+      self.regexes: tuple[str, ...] = ()
+      self.add_space_prefix = bool(kv.get("tokenizer.ggml.add_space_prefix", True))
+    else:
+      self.family = kv.get("tokenizer.ggml.pre") or "default"
+      if self.family not in _PRE: raise ModelLoadFailed(f"unknown pre-tokenizer type {self.family!r}")
+      self.pre_type, ignore_merges, add_bos_default = _PRE[self.family]
+      self.regexes = PRE_REGEXES[self.pre_type]
+      self.add_space_prefix = False
 
     tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(kv["tokenizer.ggml.tokens"])]
     n = len(tokens)
@@ -207,8 +217,10 @@ class Tokenizer:
         raise ModelLoadFailed(f"duplicate token in vocabulary: {t!r} has ids {tok_to_id[t]} and {i}")
     self._tok_to_id = tok_to_id
 
+    defaults = {"unknown": 0, "bos": 1, "eos": 2} if self.spm else {}
+
     def special(key: str) -> int | None:
-      v = kv.get(f"tokenizer.ggml.{key}_token_id")
+      v = kv.get(f"tokenizer.ggml.{key}_token_id", defaults.get(key))
       return int(v) if v is not None and 0 <= int(v) < n else None
     self.bos_id, self.eos_id = special("bos"), special("eos")
     self.add_bos: bool = bool(kv.get("tokenizer.ggml.add_bos_token", add_bos_default)) and self.bos_id is not None
@@ -225,7 +237,8 @@ class Tokenizer:
     self._specials_user = [(tokens[i], i) for i in specials if types[i] == USER_DEFINED]
 
     self._unk = n   # the id _bpe gives what has no token of its own
-    self._hf = _bpe(kv, tok_to_id, self.regexes, ignore_merges)
+    if self.spm: self._spm = SentencePiece(tok_to_id, list(kv.get("tokenizer.ggml.scores") or [0.0] * n), special("unknown"))
+    else: self._hf = _bpe(kv, tok_to_id, self.regexes, ignore_merges)
     self._piece_cache: dict[tuple[int, bool], bytes] = {}
     # For refusing a prompt that cannot fit before tokenizing it (min_tokens): the most input bytes one
     # token can stand for. BPE output stands for one byte per byte-level character; a special token,
@@ -234,7 +247,8 @@ class Tokenizer:
     specials_set = {i for _, i in self._specials_all}
     self.max_token_bytes: int = max(max(len(t) for t in tokens),
                                     max((len(tokens[i].encode("utf-8", "surrogatepass")) for i in specials_set), default=1), 1)
-    self._untokenized_bytes = bytes(b for b in range(256) if BYTE_TO_UNICODE[b] not in tok_to_id)
+    # SentencePiece: every byte has a token (its <0xXX>, or the unknown one)
+    self._untokenized_bytes = b"" if self.spm else bytes(b for b in range(256) if BYTE_TO_UNICODE[b] not in tok_to_id)
 
   @classmethod
   def from_gguf_kv(cls, kv: Mapping[str, Any]) -> Tokenizer: return cls(kv)
@@ -268,6 +282,21 @@ class Tokenizer:
     except UnicodeEncodeError: text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     frags = self._partition(text, parse_special) if text else []
     ids: list[int] = [self.bos_id] if add_special and self.add_bos and self.bos_id is not None else []
+    if self.spm: self._encode_spm(frags, ids)
+    else: self._encode_bpe(frags, ids)
+    if add_special and self.add_eos and self.eos_id is not None: ids.append(self.eos_id)
+    return ids
+
+  def _encode_spm(self, frags: list[str | int], ids: list[int]) -> None:
+    """llama.cpp's SentencePiece path: a space in front of a text fragment that starts the text or follows a special
+    token (where the file's add_space_prefix asks), spaces as `▁`, then the merge by score."""
+    prev_special = True
+    for f in frags:
+      if isinstance(f, int): ids.append(f)
+      else: self._spm.encode(escape(" " + f if self.add_space_prefix and prev_special else f), ids)
+      prev_special = isinstance(f, int)
+
+  def _encode_bpe(self, frags: list[str | int], ids: list[int]) -> None:
     for f in frags:
       if isinstance(f, int):
         ids.append(f)
@@ -277,8 +306,6 @@ class Tokenizer:
       for part in chunks(f):
         if self._unk in (piece := self._hf.encode(part, add_special_tokens=False).ids): ids.extend(i for i in piece if i != self._unk)
         else: ids.extend(piece)
-    if add_special and self.add_eos and self.eos_id is not None: ids.append(self.eos_id)
-    return ids
 
   def min_tokens(self, text: str) -> int:
     """A lower bound on len(encode(text)) found without tokenizing, in linear time: the UTF-8 bytes of
@@ -322,6 +349,7 @@ class Tokenizer:
     t, typ = self._tokens[token_id], self._types[token_id]
     if typ in (CONTROL, UNKNOWN): b = t.encode() if special else b""
     elif typ == USER_DEFINED: b = t.encode()
+    elif typ == NORMAL and self.spm: b = t.replace(SPACE, " ").encode()  # SentencePiece: the text, `▁` a space
     elif typ == NORMAL:
       try: b = t.translate(_TO_LATIN1).encode("latin-1")  # the vocabulary's 50k tokens at start: ~0.5 s a pass otherwise
       except UnicodeEncodeError: b = b"".join(bytes([UNICODE_TO_BYTE[c]]) if c in UNICODE_TO_BYTE else c.encode() for c in t)

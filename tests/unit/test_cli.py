@@ -136,6 +136,21 @@ def test_generate_without_a_terminal_shows_progress_then_a_clean_error(tmp_path)
   assert "" not in lines and out.stdout == ""
 
 
+@pytest.mark.parametrize("arch", ["qwen2moe", "gemma3x"])
+def test_inspect_and_generate_say_first_that_a_file_cannot_be_served(tmp_path, arch):
+  """A file no stage runs: inspect says so first, by name, and suggests no splits (exit 2); generate refuses it before
+  any stage is spawned (the preflight), naming the architecture."""
+  from tinymodels import write_unsupported_gguf
+  path = write_unsupported_gguf(tmp_path / f"{arch}.gguf", arch)
+  out = subprocess.run([*CLI, "inspect", str(path), "--json"], capture_output=True, text=True, timeout=120)
+  info = json.loads(out.stdout)
+  assert out.returncode == 2 and info["servable"] is False and arch in info["why"][0] and "suggested_split" not in info, out
+  text = subprocess.run([*CLI, "inspect", str(path)], capture_output=True, text=True, timeout=120).stdout
+  assert text.splitlines()[0].endswith("pyruntime cannot serve this file:") and "suggested" not in text, text
+  out = subprocess.run([*CLI, "generate", "--model", str(path), "hi"], capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0 and "UnsupportedArchitecture" in out.stderr and "stage" not in out.stderr.lower(), out.stderr
+
+
 def test_inspect_counts_blocks_without_nextn_layers(tmp_path):
   """A file with nextn_predict_layers: inspect shows the blocks tinygrad runs, the nextn layers' bytes apart."""
   from tinymodels import TINY_MODELS, write_tiny_gguf

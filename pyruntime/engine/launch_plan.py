@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -63,6 +63,9 @@ class LaunchOptions:
   def draft_model(self) -> str | None:
     """The draft model's source, with speculative="model:PATH"."""
     return self.speculative.removeprefix("model:") if self.speculative.startswith("model:") else None
+
+
+LAUNCH_FIELDS = frozenset(f.name for f in fields(LaunchOptions))  # the Launcher's keywords that are launch options
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pyruntime import errors
 from pyruntime.devices import available_memory
 from pyruntime.engine.driver import Driver, StreamHandle, Tally, stream_stats
 from pyruntime.engine.events import Delta, Done, Logits, Timings, Usage
-from pyruntime.engine.launch_plan import LaunchOptions, LaunchPlan, plan_launch, preflight
+from pyruntime.engine.launch_plan import LAUNCH_FIELDS, LaunchOptions, LaunchPlan, plan_launch, preflight
 from pyruntime.engine.prefix_cache import PREFIX_CACHE_TOKENS, PrefixCache
 from pyruntime.engine.request import RequestBuilder
 from pyruntime.engine.speculation import SOLO_STREAMS
@@ -77,9 +77,11 @@ class Launcher:
     if placement == "ray":
       from pyruntime.engine.hosts import require_ray
       require_ray()  # refused now, naming the extra, rather than at start
-    self.options = LaunchOptions(stages, split, devices, boundary_dtype, max_streams, decode, weights, warmup, max_context, prefill_share,
-                                 prefix_cache, graph_cache, float(stall_timeout), float(stall_capture_timeout), speculative, draft_tokens,
-                                 placement, ray_address, hosts, cache_dir, dict(stage_env or {}), load_timeout_s, tensor_cores)
+    # by name, every keyword that is a LaunchOptions field (tests/unit/test_launch_plan.py keeps the two lists and their
+    # defaults equal): a keyword added to one and not the other, or two in another order, cannot pass silently
+    given = {k: v for k, v in locals().items() if k in LAUNCH_FIELDS}
+    self.options = LaunchOptions(**given | {"stall_timeout": float(stall_timeout), "stall_capture_timeout": float(stall_capture_timeout),
+                                            "stage_env": dict(stage_env or {})})
     self.model_source, self.on_event = model, on_event
     self.planned: LaunchPlan | None = None
     self.pool: StagePool | None = None    # the stage processes, and where they run

@@ -95,3 +95,20 @@ def test_context_and_recipe(llama):
   assert p.recipe == recipe_digest(p.model_name, p.split, "float32", p.template)
   assert p.recipe != plan(llama, split=[(0, 1), (1, h.num_blocks)], devices="CPU").recipe  # another split, another recipe
   assert p.vocab_size == p.tokenizer.vocab_size and p.dim == int(h.get("embedding_length"))
+
+
+def test_every_launch_option_is_a_launcher_keyword_with_the_same_default():
+  """Launcher passes its keywords to LaunchOptions by name: the two lists, and their defaults, must be the same (a field
+  added to one only, or a default changed in one only, fails here instead of passing silently)."""
+  import dataclasses
+  import inspect
+
+  from pyruntime.engine.launch_plan import LAUNCH_FIELDS, LaunchOptions
+  from pyruntime.engine.launcher import Launcher
+  params = {n: p for n, p in inspect.signature(Launcher.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+  assert set(params) - {"on_event"} == LAUNCH_FIELDS
+  defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in dataclasses.fields(LaunchOptions)}
+  wrong = {n: (params[n].default, d) for n, d in defaults.items() if params[n].default != d and not (params[n].default is None and d == {})}
+  assert not wrong or wrong == {"load_timeout_s": (300.0, 900.0)}, wrong  # the suite bounds loads (conftest.bound_launcher_loads)
+  lm = Launcher("nowhere.gguf", max_streams=3, draft_tokens=4, stall_timeout=7, stage_env={"A": "1"})
+  assert (lm.options.max_streams, lm.options.draft_tokens, lm.options.stall_timeout, lm.options.stage_env) == (3, 4, 7.0, {"A": "1"})

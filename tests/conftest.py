@@ -98,8 +98,16 @@ def lane_device(device: str) -> str:
 
 def lane_missing(why: str) -> None:
   """A lane whose parts are missing: skipped here, saying why, but failed in CI (CI set), whose set-up installs every
-  lane's parts (`.ci/setup --test`): a lane that silently skips there tests nothing."""
-  (pytest.fail if os.environ.get("CI") else pytest.skip)(why)
+  lane's parts (`.ci/setup --test`): a lane that silently skips there tests nothing. Every skip for a missing part goes
+  through here (a module's missing import too: `require`)."""
+  if os.environ.get("CI"): pytest.fail(why, pytrace=False)
+  pytest.skip(why, allow_module_level=True)
+
+
+def require(module: str, why: str):  # noqa: ANN201 - the module
+  """`import module`, or lane_missing naming it and `why` the tests need it (at a test module's top: its whole lane)."""
+  try: return importlib.import_module(module)
+  except ImportError: lane_missing(f"{module} is not installed ({why}; `bash .ci/setup --test` installs it)")
 
 
 def _alive(pid: int) -> bool:
@@ -177,7 +185,7 @@ def ring_binding(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
   """Run a ring test over one binding of the per-record calls: "fast" (pyruntime._ringfast) or
   "cffi".  Forked children inherit it; spawned interpreters get it through the environment."""
   from pyruntime.transport import ring
-  if request.param == "fast" and ring._fast is None: pytest.skip("pyruntime._ringfast is not built")
+  if request.param == "fast" and ring._fast is None: lane_missing("pyruntime._ringfast is not built (pip install -e . builds it)")
   monkeypatch.setattr(ring, "BINDING", request.param)
   monkeypatch.setenv("PYRUNTIME_RING_BINDING", request.param)
   return request.param

@@ -148,10 +148,10 @@ def test_pydantic_ai_output_is_the_validated_model(served, output):
 
 
 def test_pydantic_ai_calls_a_function_tool_and_sends_its_result_back(served):
-  """Output as a model forces a tool every turn (the function or the output's). Whatever the model picks, each call
-  of the function ran with arguments pydantic-ai validated and its result went back in the next request; the run
-  ends in a validated object or at the request limit (two: a weak model may keep calling the function, and the
-  shared SmolLM2 pipeline has 512 positions)."""
+  """The function is forced by name (tool_choice through pydantic-ai's extra_body; otherwise a weak model may answer with
+  the output's tool at once and call nothing). Each call of the function ran with arguments pydantic-ai validated and
+  its result went back in the next request; the run ends at the request limit (two: forced on every turn, the model
+  keeps calling it, and the shared SmolLM2 pipeline has 512 positions)."""
   from pydantic_ai import Agent, capture_run_messages
   from pydantic_ai.exceptions import UsageLimitExceeded
   from pydantic_ai.messages import ModelRequest, ModelResponse, ToolCallPart, ToolReturnPart
@@ -159,7 +159,8 @@ def test_pydantic_ai_calls_a_function_tool_and_sends_its_result_back(served):
   from pydantic_ai.usage import UsageLimits
   base, weather = served
   calls: list[dict] = []
-  agent = Agent(agent_model(base), output_type=Weather, model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0))
+  forced = {"tool_choice": {"type": "function", "function": {"name": "weather"}}}
+  agent = Agent(agent_model(base), output_type=Weather, model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0, extra_body=forced))
 
   @agent.tool_plain(name="weather")
   def _(city: Annotated[str, pydantic.Field(max_length=12)], days: Annotated[int, pydantic.Field(ge=1, le=7)]) -> str:
@@ -171,7 +172,7 @@ def test_pydantic_ai_calls_a_function_tool_and_sends_its_result_back(served):
     except UsageLimitExceeded: assert calls
   asked = [p for m in messages if isinstance(m, ModelResponse) for p in m.parts if isinstance(p, ToolCallPart) and p.tool_name == "weather"]
   returned = [p for m in messages if isinstance(m, ModelRequest) for p in m.parts if isinstance(p, ToolReturnPart) and p.tool_name == "weather"]
-  assert len(asked) == len(calls) and (returned or not calls)
+  assert calls and returned and len(asked) == len(calls), (calls, returned)  # called, and its result sent back
   for c in calls: check_weather_args(c)
   assert [r.content for r in returned] == [weather(**c) for c in calls[:len(returned)]]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -77,13 +78,20 @@ def test_the_same_request_alone_and_among_eight_gives_identical_logprobs(live):
   kw = {"max_tokens": 16, "temperature": 0.8, "seed": 11, "top_logprobs": 4}
   alone = chat_logprobs(client, **kw)
   results: dict[int, Any] = {}
+  spans: dict[int, tuple[float, float]] = {}
 
   def one(i: int) -> None:
+    t0 = time.monotonic()
     results[i] = chat_logprobs(client, **kw) if i == 0 else \
       client.chat.completions.create(model="default", messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=24)
+    spans[i] = (t0, time.monotonic())
   threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
   for t in threads: t.start()
   for t in threads: t.join(300)
+  assert sorted(results) == list(range(8)), sorted(results)  # every one of the eight answered (an error leaves a hole)
+  assert all(results[i].choices[0].finish_reason in ("stop", "length") and results[i].choices[0].message.content for i in range(1, 8))
+  beside = [i for i in range(1, 8) if spans[i][0] < spans[0][1] and spans[0][0] < spans[i][1]]
+  assert len(beside) >= 4, spans  # it really ran among the others, not alone before or after them
   text, entries = results[0]
   assert text == alone[0]
   assert [(e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in entries] == \
@@ -104,6 +112,7 @@ def test_scoring_a_prompt_gives_the_logprobs_its_generation_had(live):
   slp = scored.choices[0].logprobs
   assert len(slp.token_logprobs) == len(gen_ids) + 1 and slp.token_logprobs[0] is None and slp.top_logprobs[0] is None
   n = len(gen_ids) - len(ids)  # the continuation, retokenized (the same ids when the text round-trips)
+  assert n > 0 and gen.choices[0].text, gen  # an empty continuation would compare nothing below
   assert slp.token_logprobs[len(ids):len(gen_ids)] == glp.token_logprobs[:n]
   assert slp.top_logprobs[len(ids):len(gen_ids)] == glp.top_logprobs[:n]
   assert scored.choices[0].text.startswith(prompt + gen.choices[0].text)

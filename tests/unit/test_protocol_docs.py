@@ -3,6 +3,7 @@ tables name, the record flags of the stream docs, and every `module.name` or `fi
 function leaves the docs pointing at nothing; this fails instead)."""
 from __future__ import annotations
 
+import ast
 import importlib
 import pathlib
 import pkgutil
@@ -71,3 +72,46 @@ def test_every_module_name_and_file_the_docs_cite_exists():
           break
         obj = getattr(obj, name)
   assert not missing, "the docs cite what the code does not have:\n" + "\n".join(missing)
+
+
+CLASS_CITE = re.compile(r"`([A-Z][A-Za-z0-9]*)\.([A-Za-z_][A-Za-z0-9_]*)(?:\(\))?`")
+
+
+def class_members() -> dict[str, tuple[set[str], set[str]]]:
+  """Every class the package defines, by name: (its members: methods, class attributes, attributes its methods set on
+  self; its bases' names), read from the source (no module is imported)."""
+  out: dict[str, tuple[set[str], set[str]]] = {}
+  for path in (ROOT / "pyruntime").rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if not isinstance(node, ast.ClassDef): continue
+      members, bases = out.setdefault(node.name, (set(), set()))
+      bases |= {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+      for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): members.add(item.name)
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name): members.add(item.target.id)
+        elif isinstance(item, ast.Assign):
+          for t in item.targets: members |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+      for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self" and isinstance(sub.ctx, ast.Store):
+          members.add(sub.attr)
+  return out
+
+
+def test_every_class_member_the_docs_cite_exists():
+  """`Class.member` citations of the package's own classes (a method moved to another class, or gone, fails here)."""
+  classes, missing = class_members(), []
+
+  def has(cls: str, name: str, seen: frozenset = frozenset()) -> bool:
+    if cls not in classes or cls in seen: return False
+    members, bases = classes[cls]
+    return name in members or any(has(b, name, seen | {cls}) for b in bases)
+  for doc in DOCS:
+    for m in CLASS_CITE.finditer(doc.read_text()):
+      cls, name = m.groups()
+      if cls in classes and not has(cls, name): missing.append(f"{doc.name}: {m.group(0)}")
+  assert not missing, "the docs cite class members the code does not have:\n" + "\n".join(missing)
+
+
+def test_the_docs_index_lists_every_page():
+  index = (ROOT / "docs" / "README.md").read_text()
+  assert [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "README.md" and f"]({p.name})" not in index] == []

@@ -1,6 +1,6 @@
 """Decode speed beside llama.cpp: the same GGUF file, the same prompts, greedy, a fixed number of tokens, in one run.
 
-  python bench/decode.py [--model PATH] [--stages 1,2] [--streams 1,8] [--tokens 128] [--threads 2] [--json]
+  python bench/decode.py [--model PATH] [--stages 1,2] [--streams 1,8] [--tokens 128] [--threads 2] [--weights auto] [--json]
   pip install -e '.[bench]'     # llama-cpp-python, the peer (built from source: minutes; `.ci/setup --test` builds it
                                 # as below, with this CPU's AVX-512 units where it has them)
 
@@ -12,7 +12,8 @@ first batch (`tilezero`); build it without AMX there:
 Sides, one after the other in this process (llama.cpp) and in the launcher's stage processes (pyruntime):
 - **llama.cpp** (llama-cpp-python's low-level API, `--threads` threads): the prompts of S streams evaluated as one
   batch, then S tokens per `llama_decode` call (one per stream, each its own sequence), argmax of each row's logits.
-- **pyruntime** (`Launcher`, `--stages` stages, the default weights mode): S streams at once through `generate`, greedy,
+- **pyruntime** (`Launcher`, `--stages` stages, each weights mode of `--weights`: the default `auto`, or e.g.
+  `auto,float16` to see packed weights beside float16 ones in the same run): S streams at once through `generate`, greedy,
   `ignore_eos`, speculation off (a plain decode step each token).
 
 For each: decode tokens/s (every token after each stream's first, over the time from the first first token to the
@@ -110,10 +111,10 @@ def _stream(lm, i: int, tokens: int, firsts: list, lasts: list, dones: list) -> 
     if type(ev).__name__ == "Done": dones[i] = ev
 
 
-def pyruntime_side(model: str, stages: int, streams: list[int], tokens: int) -> dict:
+def pyruntime_side(model: str, stages: int, streams: list[int], tokens: int, weights: str = "auto") -> dict:
   from pyruntime.engine.launcher import Launcher
   out: dict = {}
-  with Launcher(model, stages=stages, max_streams=max(streams), max_context=1024, warmup=True) as lm:  # every window captured
+  with Launcher(model, stages=stages, max_streams=max(streams), max_context=1024, warmup=True, weights=weights) as lm:  # every window captured
     out["rss_mb"] = rss_mb([h.proc.pid for h in lm.handles])
     out["weights"] = list(lm.planned.weights)
     for _ in lm.generate(PROMPTS[0], raw=True, max_tokens=4, temperature=0): pass  # a first request, untimed
@@ -137,6 +138,7 @@ def main() -> None:
   ap.add_argument("--streams", default="1,8")
   ap.add_argument("--tokens", type=int, default=128)
   ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+  ap.add_argument("--weights", default="auto", help="weights modes of the pyruntime sides, comma-separated")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
   from pyruntime.modelfile.source import default_model_path
@@ -144,7 +146,10 @@ def main() -> None:
   streams = [int(s) for s in a.streams.split(",")]
   res: dict = {"cpu": cpu(), "model": os.path.basename(model), "tokens": a.tokens,
                "llama.cpp": llama_cpp_side(model, streams, a.tokens, a.threads)}
-  for st in (int(s) for s in a.stages.split(",")): res[f"pyruntime {st} stage{'s' * (st > 1)}"] = pyruntime_side(model, st, streams, a.tokens)
+  for st in (int(s) for s in a.stages.split(",")):
+    for w in a.weights.split(","):
+      name = f"pyruntime {st} stage{'s' * (st > 1)}" + (f" {w}" if w != "auto" else "")
+      res[name] = pyruntime_side(model, st, streams, a.tokens, w)
   if a.json: print(json.dumps(res, indent=1))
   print(res["cpu"])
   ref = res["llama.cpp"]
@@ -152,7 +157,7 @@ def main() -> None:
     if not isinstance(r, dict): continue
     for s in streams:
       ratio = r[s]["decode_tokens_per_s"] / ref[s]["decode_tokens_per_s"]
-      print(f"{side:20s} {s} stream{'s' * (s > 1):1s}  decode {r[s]['decode_tokens_per_s']:7.1f} tok/s ({ratio:4.2f}x llama.cpp)"
+      print(f"{side:28s} {s} stream{'s' * (s > 1):1s}  decode {r[s]['decode_tokens_per_s']:7.1f} tok/s ({ratio:4.2f}x llama.cpp)"
             f"  prompt {r[s]['prompt_s']:6.2f} s for {r[s]['prompt_tokens']} tokens  rss {r['rss_mb']} MB")
 
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pyruntime.launcher")
 
-POLL_S = 0.05          # how long a head write waits before it looks at the stages' health again
+HEAD_WRITE_SLICE_S = 0.05  # how long a head write waits before it looks at the stages' health again
 DRIVER_WAKE_S = 0.5    # the driver's backstop: a token, a closed or dead tail ring and close() wake it at once
 RATE_WINDOW_S = 5.0    # tokens/s in stats() is measured over this window
 
@@ -492,7 +492,7 @@ class Driver:
     """Into the head ring, under self.lock. A failed stage raises here; the driver thread (which learns of failures)
     ends every stream and the pipeline, so no other thread ever closes the launcher."""
     while True:
-      try: return self.head.write(oid, payload, flags, timeout=POLL_S)
+      try: return self.head.write(oid, payload, flags, timeout=HEAD_WRITE_SLICE_S)
       except errors.RingTimeout: pass
       except (errors.PeerDead, errors.RingClosed) as e:
         if self.closed: raise errors.LauncherClosed("the launcher is closed") from None

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from pyruntime import errors
 from pyruntime.engine.prefix_cache import BLOCK
-from pyruntime.modelfile.gguf import PACKED_TYPES, GGUFHeader, packed_nbytes
+from pyruntime.modelfile.gguf import GGUFHeader, packed_nbytes, packed_types
 from pyruntime.options import PREFILL_SHARE, PREFIX_CACHE_TOKENS, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S, check_launch
 from pyruntime.text.tokenizer import Tokenizer
 
@@ -103,10 +103,11 @@ def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, temp
   return hashlib.sha256(json.dumps([model, [list(r) for r in split], dtype, template]).encode()).hexdigest()[:16]
 
 
-def packed_bytes(header: GGUFHeader) -> int:
-  """What a CPU stage holds of the model with weights="packed": every matrix of a PACKED_TYPES type as its codes and
-  scales (about the file's bytes), two bytes an element of the rest (float16)."""
-  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims)) if t.ggml_type in PACKED_TYPES and len(t.dims) == 2 else 2 * math.prod(t.dims)
+def packed_bytes(header: GGUFHeader, weights: str = "packed") -> int:
+  """What a CPU stage holds of the model with weights="packed" (or "packed-all"): every matrix of a type that mode packs
+  as its codes and scales (about the file's bytes), two bytes an element of the rest (float16)."""
+  kept = packed_types(weights)
+  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims)) if t.ggml_type in kept and len(t.dims) == 2 else 2 * math.prod(t.dims)
              for t in header.tensors.values())
 
 
@@ -128,7 +129,7 @@ def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool,
   from pyruntime.modelfile.plan import DENSE_ARCHS
   spec = parse_device(device)
   x86 = spec.base == "CPU" and spec.renderer not in CLANG_RENDERERS
-  if x86 and options.weights in ("packed", "float16"):
+  if x86 and options.weights in ("packed", "packed-all", "float16"):
     raise errors.InvalidOption("weights", f"{options.weights!r} needs clang's CPU kernels; {device} runs 'float32' or 'quantized'")
   if options.weights != "auto": return options.weights
   if options.decode == "reference" or spec.base != "CPU" or arch not in DENSE_ARCHS:

@@ -130,7 +130,7 @@ def _cpu_share(a: dict, b: dict) -> float:
 
 # --- watching and stopping a pipeline's stages ----------------------------------------------------------------------
 AFTERMATH = {"PeerDead": 2, "RingClosed": 2, "BridgeLost": 1}  # what a failure elsewhere causes: reported after a root cause
-POLL_S = 0.05   # how often a waiting launcher looks at its stages' health
+WAIT_POLL_S = 0.05  # how often a waiting launcher looks at its stages' health
 WORKING_CPU_SHARE = 0.25  # a stage whose process used this share of a core between two Heartbeats is computing, not hung
 SETTLE_S = 0.5  # how long a closed tail ring waits for the failure behind it to be reported
 
@@ -174,7 +174,7 @@ class StagePool:
     deadline = time.monotonic() + max(0.0, timeout)
     while True:
       self.check_open()
-      try: ev = h.events.get(timeout=min(POLL_S * 4, max(0.0, deadline - time.monotonic())))
+      try: ev = h.events.get(timeout=min(WAIT_POLL_S * 4, max(0.0, deadline - time.monotonic())))
       except queue.Empty: ev = {}
       if ev is None or (ev and ev.get("event") == Event.WORKER_FATAL): raise h.failure() or errors.StageFailed(h.index, "WorkerExited")
       if ev and ev.get("event") == name: return ev
@@ -192,7 +192,7 @@ class StagePool:
     deadline = time.monotonic() + SETTLE_S
     while (f := self.first_failure()) is None or f.reason in AFTERMATH:
       if time.monotonic() > deadline: return f
-      time.sleep(POLL_S / 5)
+      time.sleep(WAIT_POLL_S / 5)
     return f
 
   def stall_bound(self, h: StageHandle) -> float:

@@ -43,6 +43,14 @@ PACKED_TYPES: dict[int, tuple[int, int, int, bool, bool, int]] = {
   8: (32, 8, 128, False, False, 0), 12: (32, 4, 0, True, True, 0), 13: (32, 5, 0, True, True, 0), 14: (16, 6, 32, False, True, 0),
 }  # Q4_0 Q4_1 Q5_0 Q5_1 / Q8_0 Q4_K Q5_K Q6_K
 SUPER_BLOCK = 256  # a K-quant's inputs per float16 d (and dmin)
+# what weights="packed" keeps packed: the types whose kernels decode at least as fast as float16 holding them (measured,
+# bench/results/2026-12-06-packed-k-quants.md); "packed-all" keeps every PACKED_TYPES type
+FAST_PACKED_TYPES = frozenset({2, 3, 8})
+
+
+def packed_types(weights: str) -> frozenset[int]:
+  """The GGML types a stage keeps as codes in weights mode `weights` (none outside the packed modes)."""
+  return frozenset(PACKED_TYPES) if weights == "packed-all" else FAST_PACKED_TYPES if weights == "packed" else frozenset()
 
 
 def packed_nbytes(ggml_type: int, elements: int) -> int:

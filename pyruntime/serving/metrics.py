@@ -149,7 +149,7 @@ def parse_expert_load(text: str) -> dict[int, list[int]]:
 
 
 # --- the pipeline's view, sampled -------------------------------------------------------------------------------------
-class Sampler:
+class StatsSampler:
   """Reads the pipeline once every SAMPLE_S into `latest` and a history of the last HISTORY_S (a thread of its own,
   ended by `stop`). `read` returns the launcher's raw figures (ServerState.raw_view)."""
 
@@ -163,7 +163,7 @@ class Sampler:
     self._thread: threading.Thread | None = None
     metrics.pipeline = lambda: self.sample(keep=False)
 
-  def start(self) -> Sampler:
+  def start(self) -> StatsSampler:
     self.sample()
     self._thread = threading.Thread(target=self._run, name="stats-sampler", daemon=True)
     self._thread.start()

@@ -21,7 +21,7 @@ from pyruntime import errors
 from pyruntime.engine.events import Delta, Done
 from pyruntime.options import RESTART_ATTEMPTS
 from pyruntime.serving import openai_api as api
-from pyruntime.serving.metrics import Metrics, Sampler
+from pyruntime.serving.metrics import Metrics, StatsSampler
 from pyruntime.serving.openai_api import (
   ModelNotFound,
   ServerDraining,
@@ -184,7 +184,7 @@ class ServerState:
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
     self.starting: Any = None          # a launcher the supervisor is starting now: close() ends it at once
-    self.sampler = Sampler(self.raw_view, self.metrics)  # /stats, /metrics, `pyruntime top` (pyruntime/serving/metrics.py); runs while served
+    self.sampler = StatsSampler(self.raw_view, self.metrics)  # /stats, /metrics, `pyruntime top` (pyruntime/serving/metrics.py); runs while served
     if restart is not None:
       # This thread starts every later pipeline and lives as long as the server: a stage's parent-death signal
       # follows the thread that spawned it, so a short-lived thread would take its stages down when it ends.

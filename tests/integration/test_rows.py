@@ -16,6 +16,7 @@ from tinygrad.llm.model import Transformer
 from tinymodels import TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
+from pyruntime.modelfile.gguf import packed_types
 from pyruntime.stage.compute.loop_schedules import VEC
 from pyruntime.stage.compute.model import StageModel
 from pyruntime.stage.compute.packed import PackedMatrix, packable
@@ -89,21 +90,23 @@ def test_decode_row_equals_prompt_row(paths, name, weights, device, tensor_cores
 
 @pytest.mark.parametrize("name", [*DENSE, "llama_kquant"])
 def test_float16_and_packed_weights_give_float32_bits(paths, name):
-  """A stage holding its weights as float16 (half the bytes) or packed (the file's codes: Q4_0/Q4_1/Q8_0, and a Q4_K_M
-  file's Q4_K/Q5_K/Q6_K, dequantised in the kernels) computes each weight's float32 value inside the kernels, exactly:
+  """A stage holding its weights as float16 (half the bytes) or packed (the file's codes: Q4_0/Q4_1/Q8_0, and with
+  packed-all a Q4_K_M file's Q4_K/Q5_K/Q6_K, dequantised in the kernels) computes each weight's float32 value inside the kernels, exactly:
   a prompt's rows, decode rows alone and beside another stream, every key and value, bit for bit the stage that holds
   them as float32. llama_untied's blocks are F16: nothing of it packs, so its packed case is not run."""
   runs = {}
-  for weights in ("float32", "float16", "packed") if name != "llama_untied" else ("float32", "float16"):
+  modes = {"llama_untied": ("float32", "float16"), "llama_kquant": ("float32", "float16", "packed-all")}.get(name, ("float32", "float16", "packed"))
+  for weights in modes:
     m = whole(paths[name], slots=2, weights=weights)
-    if weights == "packed":  # every block projection the file holds in a packable type is packed; all at the file's size
+    if weights.startswith("packed"):  # every block projection the file holds in a type the mode packs is packed; all at the file's size
       file = {n: m.header.tensors[n] for n in m.tensor_names}
       packed = 0
       for i, b in zip(range(m.start, m.end), m.blk, strict=True):
         for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
           ti = file[f"blk.{i}.{n}.weight"]
-          assert isinstance(getattr(b, n).rows_blocked, PackedMatrix) == packable(ti.ggml_type, ti.shape, VEC), f"blk.{i}.{n}"
-          packed += packable(ti.ggml_type, ti.shape, VEC)
+          kept = packable(ti.ggml_type, ti.shape, VEC) and ti.ggml_type in packed_types(weights)
+          assert isinstance(getattr(b, n).rows_blocked, PackedMatrix) == kept, f"blk.{i}.{n}"
+          packed += kept
       assert packed > 0, name  # a model whose blocks pack nothing would test nothing here
       assert m.resident_bytes <= 1.25 * sum(ti.nbytes for ti in file.values())
     prompt = np.asarray(PROMPT, np.uint32)

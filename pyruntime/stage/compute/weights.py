@@ -20,7 +20,7 @@ from tinygrad.llm.model import FFNBlock, GatedDeltaNetBlock, MLATransformerBlock
 from tinygrad.nn.state import get_state_dict
 
 from pyruntime import errors
-from pyruntime.modelfile.gguf import TensorInfo
+from pyruntime.modelfile.gguf import TensorInfo, packed_types
 from pyruntime.modelfile.plan import FFN_NORM_RENAMED, block_tensor_names, output_tensor_name, stage_tensor_names
 from pyruntime.stage.compute import device_memory, loop_schedules
 from pyruntime.stage.compute.packed import PackedMatrix, packable, repack
@@ -219,8 +219,9 @@ def host_vector(m: Any, ti: TensorInfo, mm: np.ndarray) -> np.ndarray | None:
 
 
 def keeps_packed(m: Any, name: str) -> bool:
-  """Whether the stage keeps tensor `name` as the file's blocks (weights="packed": the rows path's projections)."""
-  if m.weights != "packed" or not m.batched: return False
+  """Whether the stage keeps tensor `name` as the file's blocks (weights="packed" or "packed-all": the rows path's
+  projections of the mode's types, modelfile.gguf.packed_types)."""
+  if m.weights not in ("packed", "packed-all") or not m.batched or m.header.tensors[name].ggml_type not in packed_types(m.weights): return False
   ti = m.header.tensors[name]
   projection = name.rsplit(".", 2)[-2] in PROJECTIONS or (m.is_tail and name == output_tensor_name(m.header))
   return projection and packable(ti.ggml_type, ti.shape, loop_schedules.VEC)

@@ -363,11 +363,13 @@ def _clang_cpu(ctx) -> bool: return getattr(ctx, "target", None) is not None and
 
 
 def _split_but_cheap_vectors(ctx, alu: UOp) -> UOp | None:
-  """tinygrad's devectorizer rule (one scalar op per lane), but on a Clang CPU the operations of _VECTOR_CASTS and
-  _VECTOR_INT_OPS stay vectors. Each is exact, lane by lane, either way: only the instructions change."""
+  """tinygrad's devectorizer rule (one scalar op per lane), but on a Clang CPU, in the rows path's kernels, the
+  operations of _VECTOR_CASTS and _VECTOR_INT_OPS stay vectors. Each is exact, lane by lane, either way: only the
+  instructions change. tinygrad's own kernels (the families that decode per stream) keep its rule: there the vectors
+  kept made a qwen35 decode step 17x slower (380 ms where tinygrad's own rule takes 22; bench/results/2026-12-06-hybrid-decode.md)."""
   from tinygrad.codegen.late.devectorizer import no_vectorized_alu
   from tinygrad.dtype import dtypes
-  if alu.dtype.count > 1 and _clang_cpu(ctx):
+  if alu.dtype.count > 1 and getattr(_state, "rows", False) and _clang_cpu(ctx):
     if alu.op is Ops.CAST and (alu.src[0].dtype.scalar().name, alu.dtype.scalar().name) in _VECTOR_CASTS: return None
     if alu.op in _VECTOR_INT_OPS and alu.dtype.scalar() == dtypes.int32: return None
   return no_vectorized_alu(alu)

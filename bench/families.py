@@ -1,0 +1,107 @@
+"""Every model family at one size, pyruntime beside tinygrad's own single-process model on the same file, in one run.
+
+  python bench/families.py [--families llama,qwen3moe,qwen35] [--tokens 48] [--streams 1,8] [--json]
+
+The files are random models written by tests/tinymodels.py at one size (dim 512, 8 blocks, 8 heads / 4 KV heads of
+64; dense FFN 1536; MoE 16 experts x 384, 4 used: the same active FFN; the hybrid's GatedDeltaNet blocks with a
+state of 64 and every 2nd block attention), Q8_0, SmolLM2-sized vocabulary of the tiny tokenizer. Sides:
+
+- **pyruntime**: a one-stage Launcher (the CPU's default weights, graphs captured at start: `warmup`), S streams at
+  once, greedy, `ignore_eos`: aggregate decode tokens/s over the time from the first first token to the last token.
+- **tinygrad**: `Transformer.from_gguf` and its `generate` in this process, one stream, the same prompt: tokens/s over
+  the tokens after the first.
+
+Printed first: the CPU; then per family each side's tokens/s and pyruntime's ratios (8 streams / 1, 1 stream / tinygrad's).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from pyruntime.bench.machine import cpu  # noqa: E402
+
+SIZE = dict(dim=512, n_blocks=8, n_heads=8, n_kv_heads=4, head_dim=64, hidden=1536, context=1024)
+FAMILY_ARGS = {
+  "llama": dict(arch="llama", tied=True),
+  "qwen3moe": dict(arch="qwen3moe", tied=False, qk_norm=True, rope_theta=1e6, moe=dict(experts=16, used=4, ff=384)),
+  "qwen35": dict(arch="qwen35", tied=True, rope_dim=32, post_norm=True,
+                 ssm=dict(conv_kernel=4, state_size=64, group_count=4, time_step_rank=8, inner_size=512, interval=2)),
+}
+PROMPT = "The quick brown fox jumps over the lazy dog and runs into the forest"
+
+
+def write_model(folder: str, family: str) -> str:
+  from gguf import GGMLQuantizationType as Q
+  from tinymodels import write_tiny_gguf
+  types = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0}
+  return str(write_tiny_gguf(os.path.join(folder, f"{family}.gguf"), **SIZE, **FAMILY_ARGS[family], types=types))
+
+
+def pyruntime_side(path: str, streams: list[int], tokens: int) -> dict:
+  from pyruntime.engine.launcher import Launcher
+  out: dict = {}
+  with Launcher(path, stages=1, max_streams=max(streams), max_context=512, warmup=True) as lm:
+    for _ in lm.generate(PROMPT, raw=True, max_tokens=4, temperature=0): pass  # a first request, untimed
+    for s in streams:
+      firsts, lasts, n = [0.0] * s, [0.0] * s, [0] * s
+      threads = [threading.Thread(target=_stream, args=(lm, i, tokens, firsts, lasts, n)) for i in range(s)]
+      for t in threads: t.start()
+      for t in threads: t.join()
+      out[s] = round(sum(n) / (max(lasts) - min(firsts)), 1)
+  return out
+
+
+def _stream(lm, i: int, tokens: int, firsts: list, lasts: list, n: list) -> None:
+  from pyruntime.engine.launcher import Done
+  for ev in lm.generate(f"{PROMPT} {i}", raw=True, max_tokens=tokens, ignore_eos=True, temperature=0, prefix_cache=False):
+    now = time.perf_counter()
+    firsts[i] = firsts[i] or now
+    lasts[i] = now
+    if isinstance(ev, Done): n[i] = len(ev.token_ids) - 1
+
+
+def tinygrad_side(path: str, tokens: int) -> float:
+  from tinygrad.llm.model import Transformer
+
+  from pyruntime.text.tokenizer import Tokenizer
+  model, _ = Transformer.from_gguf(path, max_context=512)
+  ids = Tokenizer.from_gguf(path).encode(PROMPT)
+  gen = model.generate(list(ids))
+  next(gen)
+  for _ in range(3): next(gen)  # its graphs captured, untimed
+  t0 = time.perf_counter()
+  for _ in range(tokens - 1): next(gen)
+  return round((tokens - 1) / (time.perf_counter() - t0), 1)
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--families", default=",".join(FAMILY_ARGS))
+  ap.add_argument("--tokens", type=int, default=48)
+  ap.add_argument("--streams", default="1,8")
+  ap.add_argument("--json", action="store_true")
+  a = ap.parse_args()
+  streams = [int(s) for s in a.streams.split(",")]
+  res: dict = {"cpu": cpu(), "size": SIZE, "tokens": a.tokens}
+  with tempfile.TemporaryDirectory() as folder:
+    for fam in a.families.split(","):
+      path = write_model(folder, fam)
+      res[fam] = {"pyruntime": pyruntime_side(path, streams, a.tokens), "tinygrad": tinygrad_side(path, a.tokens)}
+  if a.json: print(json.dumps(res, indent=1)); return
+  print(res["cpu"])
+  for fam in a.families.split(","):
+    p, t = res[fam]["pyruntime"], res[fam]["tinygrad"]
+    many = f"  {streams[-1]} streams {p[streams[-1]]:6.1f} tok/s ({p[streams[-1]] / p[streams[0]]:.2f}x one)" if len(streams) > 1 else ""
+    print(f"{fam:10s} pyruntime 1 stream {p[streams[0]]:6.1f} tok/s{many}  tinygrad's own {t:6.1f} tok/s  "
+          f"(pyruntime {p[streams[0]] / t:.2f}x)")
+
+
+if __name__ == "__main__":
+  main()

@@ -5,7 +5,7 @@ Two schedules, chosen per kernel when it compiles:
 - **stock+** (tinygrad's own kernels: `--decode reference` and the families that decode per stream). tinygrad's
   heuristic first, unchanged, reduce-axis choices (UNROLL) included, so a value is the sum tinygrad computes; then,
   for a kernel with a symbolic loop axis (a prefill chunk of 1..32 tokens) the upcast and the threads the heuristic
-  could not size, on the constant output axis. tests/integration/test_kernel_opts.py checks these against a process without them.
+  could not size, on the constant output axis. tests/integration/test_loop_schedules.py checks these against a process without them.
 
 - **rows** (the batched path, `pyruntime/stage/compute/rows.py`, under `rows_schedules()`): every reduce kernel gets a schedule of
   ours alone, on a CPU with no reduce-axis opt at all. Each output is one sequential sum over its reduce axis, so a row's bits
@@ -22,7 +22,7 @@ Devices with local memory (GPUs) keep tinygrad's schedules for their own kernels
 kernel's sum is split over a workgroup by a fixed rule (`_fixed_groups`, docs/prompt-path.md's GPU rule), then
 tinygrad's output-axis choices apply, minus any of its reduce-axis opts and upcasts.
 PYRUNTIME_LOOP_OPTS=0 turns the speed-ups off: tinygrad's schedules for its own kernels, and no opt at all for the rows
-path's (the same sums in the same order: tests/integration/test_kernel_opts.py compares the bits of both settings).
+path's (the same sums in the same order: tests/integration/test_loop_schedules.py compares the bits of both settings).
 """
 from __future__ import annotations
 

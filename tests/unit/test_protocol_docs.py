@@ -115,3 +115,14 @@ def test_every_class_member_the_docs_cite_exists():
 def test_the_docs_index_lists_every_page():
   index = (ROOT / "docs" / "README.md").read_text()
   assert [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "README.md" and f"]({p.name})" not in index] == []
+
+
+PATH_CITE = re.compile(r"`((?:pyruntime|tests|bench|native|docs|\.ci)/[A-Za-z0-9_./-]+?\.(?:py|md|sh|h|c|js|css|toml))(?:::[^`]*)?`")
+
+
+def test_every_path_the_docs_cite_exists():
+  """A backticked path into the repository (`tests/integration/test_rows.py`, `pyruntime/stage/compute/model.py`) names a
+  file that is there: a moved or renamed file leaves no page pointing at nothing. Dated results are records of their day
+  and are not checked."""
+  missing = [f"{doc.name}: {m.group(1)}" for doc in DOCS for m in PATH_CITE.finditer(doc.read_text()) if not (ROOT / m.group(1)).is_file()]
+  assert not missing, "the docs cite files that are not there:\n" + "\n".join(missing)

@@ -70,6 +70,24 @@ def tiny_vocab(vocab_size: int = VOCAB_SIZE) -> tuple[tuple[str, ...], tuple[str
   return tuple(tokens), tuple(merges), tuple(types)
 
 
+def spm_vocab(vocab_size: int = VOCAB_SIZE) -> tuple[tuple[str, ...], tuple[int, ...], tuple[float, ...]]:
+  """A SentencePiece vocabulary of exactly `vocab_size` tokens: <unk>, <s>, </s>, the 256 byte tokens, CORPUS's
+  characters (spaces as `▁`) and its most frequent adjacent pairs, scored by frequency."""
+  text = CORPUS.replace("\n", " ").replace(" ", "\u2581")
+  chars = sorted(set(text))
+  pairs: dict[str, int] = {}
+  for a, b in zip(text, text[1:], strict=False): pairs[a + b] = pairs.get(a + b, 0) + 1
+  room = vocab_size - 3 - 256 - len(chars)
+  assert room >= 0, "vocab_size too small for a SentencePiece vocabulary"
+  top = sorted(pairs, key=lambda p: (-pairs[p], p))[:room]
+  tokens = ("<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *chars, *top)
+  tokens += tuple(f"<unused{i}>" for i in range(vocab_size - len(tokens)))
+  types = (2, 3, 3, *([6] * 256), *([1] * (len(chars) + len(top))), *([5] * (vocab_size - 259 - len(chars) - len(top))))
+  scores = (0.0, 0.0, 0.0, *([0.0] * 256), *([-100.0] * len(chars)), *(-float(i) for i in range(len(top))),
+            *([0.0] * (vocab_size - 259 - len(chars) - len(top))))
+  return tokens, types, scores
+
+
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
@@ -164,11 +182,13 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
                     qk_norm: bool = False, head_dim: int | None = None, rope_theta: float = 10000.0, seed: int = 0,
                     types: dict | None = None, expert_count: int = 0, pre: str | None = None,
                     chat_template: str | None = CHATML, vocab_size: int = VOCAB_SIZE, nextn: int = 0, rope_dim: int | None = None,
-                    moe: dict | None = None, mla: dict | None = None, post_norm: bool = False, ssm: dict | None = None) -> pathlib.Path:
+                    moe: dict | None = None, mla: dict | None = None, post_norm: bool = False, ssm: dict | None = None,
+                    tokenizer: str = "gpt2") -> pathlib.Path:
   """Write a random model of `arch` to `path` and return the path. `nextn` multi-token-prediction layers follow the
   n_blocks blocks (counted in block_count, run by nobody). `moe` makes the FFNs mixtures of experts (see TINY_FAMILIES),
   `mla` the attention multi-head latent attention; `post_norm` names ffn_norm post_attention_norm (glm4moe, qwen35);
-  `ssm` makes all but every `interval`-th block a recurrent GatedDeltaNet block (qwen35)."""
+  `ssm` makes all but every `interval`-th block a recurrent GatedDeltaNet block (qwen35); `tokenizer="llama"` gives it a
+  SentencePiece vocabulary (spm_vocab: Llama 2 and Mistral 7B files are llama blocks with one)."""
   path = pathlib.Path(path)
   types = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0, **(types or {})}
   rng = np.random.default_rng(seed)
@@ -215,15 +235,20 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
     w.add_uint32(f"{arch}.expert_used_count", min(2, expert_count))
   w.add_uint32(f"{arch}.vocab_size", len(tokens))
   w.add_uint32("general.file_type", 1)
-  w.add_tokenizer_model("gpt2")
-  w.add_tokenizer_pre(pre or ("llama-bpe" if arch == "llama" else "qwen2"))
-  w.add_token_list(list(tokens))
-  w.add_token_types(list(token_types))
-  w.add_token_merges(list(merges))
-  w.add_bos_token_id(tokens.index("<|im_start|>") if arch != "llama" else tokens.index("<|endoftext|>"))
-  w.add_eos_token_id(tokens.index("<|im_end|>"))
-  w.add_uint32("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"))
-  if chat_template: w.add_chat_template(chat_template)
+  if tokenizer == "llama":
+    tokens, token_types, scores = spm_vocab(vocab_size)
+    w.add_tokenizer_model("llama"); w.add_token_list(list(tokens)); w.add_token_types(list(token_types)); w.add_token_scores(list(scores))
+    w.add_unk_token_id(0); w.add_bos_token_id(1); w.add_eos_token_id(2)
+  else:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre or ("llama-bpe" if arch == "llama" else "qwen2"))
+    w.add_token_list(list(tokens))
+    w.add_token_types(list(token_types))
+    w.add_token_merges(list(merges))
+    w.add_bos_token_id(tokens.index("<|im_start|>") if arch != "llama" else tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_uint32("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"))
+    if chat_template: w.add_chat_template(chat_template)
 
   def add(name: str, arr: np.ndarray, qtype) -> None:
     arr = arr.astype(np.float32)

@@ -189,6 +189,20 @@ def test_cli_generate_json_equals_single_process(tmp_path):
   assert res["usage"] == {"prompt_tokens": len(res["prompt_token_ids"]), "completion_tokens": 12}
 
 
+def test_a_llama_file_with_a_sentencepiece_vocabulary_runs_in_two_stages(tmp_path):
+  """What Llama 2 and Mistral 7B files are: llama blocks with a SentencePiece vocabulary. The launcher plans it, encodes
+  the prompt as llama.cpp would (BOS, the space prefix, `▁`), and two stages on the rows path give tinygrad's own
+  model's tokens for those ids."""
+  from tinygrad.llm.model import Transformer
+  path = write_tiny_gguf(tmp_path / "llama-spm.gguf", **TINY_MODELS["llama_tied"], tokenizer="llama", chat_template=None)
+  with Launcher(str(path), stages=2, max_context=128) as lm:
+    assert lm.tokenizer.spm and lm.tokenizer.add_bos
+    done = next(ev for ev in lm.generate("The quick brown fox", raw=True, max_tokens=10, ignore_eos=True) if isinstance(ev, Done))
+  assert done.prompt_token_ids[0] == 1 and lm.tokenizer.decode(done.prompt_token_ids[1:]) == " The quick brown fox"
+  ref, _ = Transformer.from_gguf(path, max_context=128)
+  assert done.token_ids == [t for t, _ in zip(ref.generate(list(done.prompt_token_ids)), range(10), strict=False)]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_launcher_signalled_mid_run_leaves_nothing(tmp_path, sig):
   """`pyruntime generate` stopped mid-run: by SIGTERM it ends its stages and unlinks its arena itself; killed with

@@ -331,14 +331,14 @@ def levels(url: str, lm: Any, a: argparse.Namespace, model: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  from pyruntime.options import PREFILL_SHARE
+  from pyruntime.options import PREFILL_SHARE, WEIGHT_MODES
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--url", default=None, help="a running server (default: start one here)")
   ap.add_argument("--model", default=None, help="GGUF for the server started here (default: the bundled SmolLM2)")
   ap.add_argument("--stages", type=int, default=2)
   ap.add_argument("--max-streams", type=int, default=8)
   ap.add_argument("--max-context", type=int, default=2048)
-  ap.add_argument("--weights", default="auto", choices=("auto", "quantized", "packed", "float16", "float32"), help="see Launcher(weights=)")
+  ap.add_argument("--weights", default="auto", choices=("auto", *WEIGHT_MODES), help="see Launcher(weights=)")
   ap.add_argument("--prefill-share", default=str(PREFILL_SHARE),
                   help="see Launcher(prefill_share=); a comma list runs one server per value, one after another, in this run")
   ap.add_argument("--concurrency", default="1,2,4,8")

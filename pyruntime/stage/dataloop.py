@@ -58,7 +58,7 @@ class Egress:
     publish=False leaves it invisible until a later record is published (every write and publishing commit does)."""
     if not self.model.is_tail:
       span = self.writer.reserve(self.model.row_bytes * n)
-      self.model.egress_into(out, span, pos)
+      self.model.egress_into(out, span, pos, st.slot)
       return self.writer.commit(object_id(sid, pos), flags, publish)
     oid = object_id(sid, pos + n - 1)
     if st.logits: return self.put(oid, out.numpy().astype("<f4", copy=False).reshape(-1), flags, publish)

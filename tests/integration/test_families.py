@@ -119,7 +119,7 @@ def test_boundary_carries_router_logits_and_positions(name, tmp_path):
   ids = np.arange(5, 15 if a.chunk > 1 else 6, dtype=np.uint32)  # recurrent blocks take one token at a time
   r = a.forward(0, ids, 0)
   buf = bytearray(a.row_bytes * len(ids))
-  assert a.egress_into(r, memoryview(buf), 0) == len(buf)
+  assert a.egress_into(r, memoryview(buf), 0, 0) == len(buf)
   parts = b.boundary.ingress.ingress_arrays(buf)
   assert np.array_equal(parts["hidden_states"], r.numpy().reshape(len(ids), -1))
   if name == "deepseek2": assert parts["mla_position_state"].reshape(-1).tolist() == list(range(len(ids)))

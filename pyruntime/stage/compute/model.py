@@ -183,8 +183,9 @@ class StageModel:
     self.recurrent = cfg.ssm is not None
     self.chunk = 1 if self.recurrent else PREFILL_CHUNK  # tinygrad's prefill chunk (the rows path takes up to MAX_ROWS)
     # the rows path (pyruntime/stage/compute/rows.py: prompt and decode rows through the same kernels, many streams per step) is
-    # written for dense blocks; the others, and decode="reference", run tinygrad's own prefill and T=1 decode per stream
-    self.batched = self.family == "dense" and decode == "batched"
+    # written for attention blocks with a dense or routed feed-forward (experts.py); MLA and recurrent blocks, and
+    # decode="reference", run tinygrad's own prefill and T=1 decode per stream
+    self.batched = self.family in ("dense", "moe") and decode == "batched"
     self.half = bool(getenv("HALF", 1))  # the reference casts every weight to float16 unless HALF=0
 
     self.weights = weights or ("float16" if getenv("REALIZE", 0) else getenv("PYRUNTIME_WEIGHTS", "quantized"))
@@ -218,7 +219,8 @@ class StageModel:
     # The tail has no such boundary, but its last MoE block returns them as well, for the expert load below.
     moe = [b for b in self.blk if b.config.num_experts]
     self._router_block = moe[-1] if moe and (ROUTER in self.boundary.egress.tensors or self.is_tail) else None
-    self.last_router: Tensor | None = None  # (1, T, experts) of the last forward, when the egress carries them
+    # per slot, the router logits (T, experts) of the rows its last forward computed, when the egress carries them
+    self.routers: dict[int, np.ndarray] = {}
     # how often that block routed a token to each expert (its top-k, chosen as tinygrad's FFNBlock chooses): the stage's
     # expert load, counted from the router logits it sends (the tail: from those of each forward), so it costs a top-k
     # over (T, experts) on the host per record
@@ -361,6 +363,8 @@ class StageModel:
     fillers). May alias an internal buffer."""
     self._check_batch(slots, inp, positions)
     out = self.rows.decode(slots, inp, positions)
+    lo = self.rows.window(slots)[0]
+    self._keep_routers([(s, s - lo, 1) for s in slots])
     for slot, p in zip(slots, positions, strict=True): self._pos[slot] = int(p) + 1
     return out
 
@@ -372,6 +376,7 @@ class StageModel:
     pre_inp = self._validate(slot, pre_inp, start_pos)
     if slot in slots: raise errors.SlotInvalid(f"slot {slot} both decodes and takes prompt rows in one step")
     dec, pre = self.rows.mixed(slots, dec_inp, positions, slot, pre_inp, start_pos, every_row)
+    self._keep_routers([(s, s, 1) for s in slots] + [(slot, self.rows.slots, len(pre_inp))])  # the window is every slot
     for s, p in zip(slots, positions, strict=True): self._pos[s] = int(p) + 1
     self._pos[slot] = start_pos + len(pre_inp)
     return dec, pre
@@ -397,14 +402,26 @@ class StageModel:
     T = len(inp)
     if T <= MAX_ROWS:
       out = self.rows.prefill(slot, inp, start_pos, every_row)
+      self._keep_routers([(slot, 0, T)])
       self._pos[slot] = start_pos + T
       return out
     res = None if self.is_tail else self._empty((1, T, self.dim), self._bdtype)
     for s in range(0, T, MAX_ROWS):
       out = self.rows.prefill(slot, inp[s:s + MAX_ROWS], start_pos + s)
+      self._keep_routers([(slot, 0, min(MAX_ROWS, T - s))], after=s > 0)
       self._pos[slot] = start_pos + min(T, s + MAX_ROWS)
       if res is not None: _copy_rows(res, out.uop.buffer, s, min(MAX_ROWS, T - s))
     return out if res is None else res
+
+  def _keep_routers(self, parts: list[tuple[int, int, int]], after: bool = False) -> None:
+    """After a rows-path call: for each (slot, first row, rows) of its graph, those rows' router logits become the
+    slot's (its egress record's router_logits; `after`: appended to the slot's earlier chunks'), or on the tail are
+    counted into the expert load. Nothing for a stage without a router block."""
+    r = self.rows.router
+    if r is None: return
+    for slot, at, n in parts:
+      if self.is_tail: self._count_routes(r[at:at + n])
+      else: self.routers[slot] = np.concatenate([self.routers[slot], r[at:at + n]]) if after else r[at:at + n]
 
   @property
   def score_rows(self) -> int:
@@ -587,12 +604,12 @@ class StageModel:
       ret, *rl = ret if isinstance(ret, tuple) else (ret,)
       out = ret.uop.buf_uop.buffer
       if rl and self.is_tail: self._count_routes(self._wrap(rl[0].uop.buf_uop.buffer, (1, nt, E)).numpy().reshape(nt, E))
-      elif rl: self.last_router = self._wrap(rl[0].uop.buf_uop.buffer, (1, T, E))
+      elif rl: self.routers[slot] = self._wrap(rl[0].uop.buf_uop.buffer, (1, T, E)).numpy().reshape(T, E)
       if res is not None:
         # a prompt longer than one chunk: the JIT reuses its output buffers, so move each chunk's rows out now
         _copy_rows(res, out, s, nt)
         if routed is not None: _copy_rows(routed, rl[0].uop.buf_uop.buffer, s, nt)
-    if routed is not None: self.last_router = routed
+    if routed is not None: self.routers[slot] = routed.numpy().reshape(T, E)
     if res is not None: return res
     return self._wrap(out, (self.vocab_size,) if self.is_tail else (1, T, self.dim))
 
@@ -661,18 +678,20 @@ class StageModel:
     """Bytes of one token's egress record: the residual in the boundary dtype, and what else the family's boundary carries."""
     return self.boundary.egress.token_bytes
 
-  def egress_into(self, t: Tensor, dst: memoryview, start_pos: int) -> int:
-    """One egress record of the forward that returned `t` (positions start_pos...): the boundary's tensors one after
-    the other (docs/wire-format.md): hidden_states, then router_logits (zeros when no MoE block precedes the cut:
-    glm4moe's and deepseek2's leading dense blocks), then mla_position_state. Returns the bytes written."""
+  def egress_into(self, t: Tensor, dst: memoryview, start_pos: int, slot: int) -> int:
+    """One egress record of the forward that returned `t` (positions start_pos... of the stream in `slot`): the
+    boundary's tensors one after the other (docs/wire-format.md): hidden_states, then router_logits (the slot's rows of
+    its last forward; zeros when no MoE block precedes the cut: glm4moe's and deepseek2's leading dense blocks), then
+    mla_position_state. Returns the bytes written."""
     mv = flat_mv(memoryview(dst))
     off, T = self.output_into(t, mv), t.shape[1]
     for name, (dt, w) in list(self.boundary.egress.tensors.items())[1:]:
       n = T * w * DTYPES[dt].itemsize
       if len(mv) < off + n: raise errors.OutputExtentInvalid(f"{off + n} bytes do not fit in a span of {len(mv)}")
-      if name == ROUTER and self.last_router is not None:
-        self.last_router.uop.buffer.copyout(mv[off:off + n])
-        self._count_routes(np.frombuffer(mv[off:off + n], dtype=np.float32).reshape(T, w))
+      if name == ROUTER and (r := self.routers.get(slot)) is not None:
+        if r.nbytes != n: raise errors.OutputExtentInvalid(f"slot {slot}: router logits of {r.shape[0]} rows for a record of {T}")
+        mv[off:off + n] = r.astype("<f4", copy=False).tobytes()
+        self._count_routes(r)
       elif name == ROUTER: mv[off:off + n] = bytes(n)
       elif name == MLA_POS: mv[off:off + n] = np.arange(start_pos, start_pos + T, dtype="<u4").tobytes()
       off += n

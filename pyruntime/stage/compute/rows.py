@@ -35,7 +35,7 @@ from tinygrad.uop.ops import KernelInfo
 from pyruntime import errors
 from pyruntime.modelfile.boundary import DTYPES
 from pyruntime.protocol import MAX_CHUNK
-from pyruntime.stage.compute import device_memory, loop_schedules
+from pyruntime.stage.compute import device_memory, experts, loop_schedules
 from pyruntime.stage.compute.packed import PackedMatrix
 
 MAX_ROWS = MAX_CHUNK  # the most rows one prefill call takes: a stage's largest prompt chunk
@@ -175,6 +175,8 @@ class RowPath:
     for t in (self.prefill_in, self.decode_in): t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))  # padding rows read zeros
     self.arange = Tensor.arange(self.length, dtype=dtypes.int32, device=m.device).contiguous().realize()
     self._caches: list[tuple[Tensor, Tensor]] | None = None
+    self.router_rows: Tensor | None = None  # while a graph is traced: its router block's logits (_blocks)
+    self.router: np.ndarray | None = None  # the last call's router logits, every row of its graph (_result)
 
   # --- caches ------------------------------------------------------------------------------------
   @property
@@ -274,24 +276,35 @@ class RowPath:
     return out.reshape(B, c.n_kv_heads, G, T, Hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.n_heads * Hd).contiguous()
 
   def _blocks(self, x: Tensor, attention) -> Tensor:
-    """x through the stage's blocks; `attention(block, normed x)` is the graph's attention (write, then attend).
+    """x through the stage's blocks; `attention(block, normed x)` is the graph's attention (write, then attend). The
+    router logits (rows, experts) of the stage's router block (StageModel._router_block), when it has one, are kept in
+    `router_rows` for _egress to return beside the result.
 
     Every input of a sum that carries a factor of its row (a norm's scale, softmax's 1 / sum) is made a buffer of its
     own (`contiguous`): fused into the sum, tinygrad takes such a factor out of it (sum(x * r * w) -> r * sum(x * w)),
     which rounds differently, and whether it fuses depends on the graph's shapes. As buffers, both graphs sum the
     same stored values."""
-    tc = self.m.tensor_cores
+    tc, fresh = self.m.tensor_cores, self.m._router_block
+    linear = lambda lin, x: _linear(lin, x, tc)  # noqa: E731
+    projections = lambda b, x, fused, names: _projections(b, x, fused, names, tc)  # noqa: E731
+    self.router_rows = None
 
     def call(b: TransformerBlock, x: Tensor) -> Tensor:
       @function(allow_implicit=True)
-      def _run(x: Tensor) -> Tensor:
+      def _run(x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         h = x + _linear(b.attn_output, attention(b, b.attn_norm(x)), tc)
         n = b.ffn_norm(h).contiguous()
+        if b.config.num_experts:  # routed experts (experts.py), one row at a time
+          ffn, logits = experts.feed_forward(b, n, linear, projections)
+          out = (h + ffn).contiguous()
+          return (out, logits.reshape(-1, b.config.num_experts).contiguous()) if b is fresh else out
         # tinygrad's dense feed-forward (FFNBlock._feed_forward), through the column-blocked matrices
         gate, up = _projections(b, n, "rows_gate_up", ("ffn_gate", "ffn_up"), tc)
         return (h + _linear(b.ffn_down, gate.silu().contiguous() * up, tc)).contiguous()
-      return _run(x)
-    return self.m._blocks(x, call)
+      if b is not fresh: return _run(x)
+      out, self.router_rows = _run(x)
+      return out
+    return self.m._blocks(x, call, fresh=fresh)
 
   def _ingress(self, inp: Tensor, rows: int | UOp, B: int, T: int | UOp) -> Tensor:
     """The graph's input rows as float (B, T, dim): on the head, the token embedding from raw GGML rows (the
@@ -307,11 +320,23 @@ class RowPath:
     x = inp[:rows].reshape(B, T, m.dim)
     return x.float() if m._bdtype != dtypes.float32 else x
 
-  def _egress(self, x: Tensor) -> Tensor:
-    """Rows (n, 1, dim) or (1, n, dim) out: the tail's logits (n, vocab), else the residual in the boundary dtype."""
+  def _egress(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    """Rows (n, 1, dim) or (1, n, dim) out: the tail's logits (n, vocab), else the residual in the boundary dtype; and
+    with a router block, its logits (every row of the graph, experts) as a second output."""
     m = self.m
-    if m.is_tail: return _linear(m.output, m.output_norm(x).contiguous(), m.tensor_cores).reshape(-1, m.vocab_size).contiguous()
-    return (x.cast(m._bdtype) if m._bdtype != dtypes.float32 else x).contiguous()
+    if m.is_tail: out = _linear(m.output, m.output_norm(x).contiguous(), m.tensor_cores).reshape(-1, m.vocab_size).contiguous()
+    else: out = (x.cast(m._bdtype) if m._bdtype != dtypes.float32 else x).contiguous()
+    return out if self.router_rows is None else (out, self.router_rows)
+
+  def _result(self, ret: Tensor | tuple[Tensor, Tensor], rows: int) -> Tensor:
+    """A graph's main output; the router logits of its first `rows` rows, when it has them, copied to the host as
+    `router` (rows, experts)."""
+    if not isinstance(ret, tuple):
+      self.router = None
+      return ret
+    E = self.m.config.num_experts
+    self.router = device_memory.view(ret[1].uop.buf_uop.buffer, (rows, E)).numpy()
+    return ret[0]
 
   # --- prefill: rows of one stream ------------------------------------------------------------------
   def _prefill_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, rows: UOp | int, slot: UOp, start: UOp, kv32: UOp) -> Tensor:
@@ -349,7 +374,7 @@ class RowPath:
     with loop_schedules.rows_schedules():
       ret = graph(self.prefill_in, self.prefill_pos, self.prefill_rope, rows, self.v_slot.bind(slot), self.v_start.bind(start),
                   self.v_kv.bind(_round(start + R, KV_UNIT) // KV_UNIT))
-    buf = ret.uop.buf_uop.buffer
+    buf = self._result(ret, T).uop.buf_uop.buffer
     if m.is_tail: return self._tail_rows(buf, T, R, 0, every_row)
     return m._view(buf, (1, T, m.dim))
 
@@ -408,7 +433,7 @@ class RowPath:
     with loop_schedules.rows_schedules():
       ret = self.decode_graph(W)(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),
                                  self.v_kv.bind(_round(max(positions) + 1, KV_UNIT) // KV_UNIT))
-    return m._view(ret.uop.buf_uop.buffer, (W, m.vocab_size) if m.is_tail else (W, 1, m.dim))
+    return m._view(self._result(ret, W).uop.buf_uop.buffer, (W, m.vocab_size) if m.is_tail else (W, 1, m.dim))
 
   def _decode_inputs(self, slots: list[int], inp: np.ndarray, positions: list[int], lo: int, W: int) -> tuple[np.ndarray, ...]:
     """A decode window's inputs on the host: each row's input row, position (-1 for a filler), rotary row and cache
@@ -483,7 +508,7 @@ class RowPath:
       ret = self.mixed_graph(W)(self.mixed_in, self.mixed_pos, self.mixed_rope, self.mixed_at_k, self.mixed_at_v, W, self.v_lo.bind(lo),
                                 self.v_kv.bind(kv), self.v_rows.bind(R // ROW_UNIT), self.v_slot.bind(slot), self.v_start.bind(start),
                                 self.v_kvp.bind(kvp))
-    buf = ret.uop.buf_uop.buffer
+    buf = self._result(ret, W + T).uop.buf_uop.buffer
     if m.is_tail: return m._view(buf, (W, m.vocab_size)), self._tail_rows(buf, T, R, W, every_row)
     return m._view(buf, (W, 1, m.dim)), m._view(buf, (1, T, m.dim), W * m.dim)
 

@@ -38,7 +38,8 @@ def new_block(cfg: TransformerConfig, i: int) -> FFNBlock:
 
 # Projections that read the same input, kept as one column-blocked matrix: the rows path computes them in one kernel
 # (rows._projections). Each output's sum is the one it was alone (same inputs, same order), so the bits do not change.
-FUSED = {"rows_qkv": ("attn_q", "attn_k", "attn_v"), "rows_gate_up": ("ffn_gate", "ffn_up")}
+FUSED = {"rows_qkv": ("attn_q", "attn_k", "attn_v"), "rows_gate_up": ("ffn_gate", "ffn_up"),
+         "rows_shexp_gate_up": ("ffn_gate_shexp", "ffn_up_shexp")}
 
 
 def fuse_projections(b: Any, device: str) -> None:
@@ -77,7 +78,9 @@ def held_buffers(lin: Any, p: Tensor) -> list[Tensor]:
   return held.buffers() if isinstance(held, PackedMatrix) else [held]
 
 
-PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# a MoE block's router and shared expert are dense projections too (its routed experts are not: experts.py)
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_shexp",
+               "ffn_up_shexp", "ffn_down_shexp")
 
 
 def linears(b: FFNBlock) -> list[nn.Linear]:

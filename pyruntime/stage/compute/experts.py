@@ -1,0 +1,64 @@
+"""A mixture-of-experts feed-forward on the rows path (rows.py): routing and the routed experts, row by row.
+
+What a row computes is tinygrad's `FFNBlock._feed_forward` for that row alone, so the rows path's contract holds for
+these blocks too (a decode row = a prompt row, a row's bits do not depend on the rows beside it):
+- routing reads only the row's own router logits: softmax over the top k (qwen3moe, `norm_topk_prob`) or over every
+  expert then gathered, or (glm4moe, DeepSeek v3) top k of sigmoid + the expert bias, the weights from the sigmoid,
+  renormalised when the file says so, times `expert_weights_scale`; tinygrad's `pairwise_topk` picks the k, with its
+  tie rule (the lower index wins an equal value);
+- each of the row's k experts is its own product of that row with that expert's matrices (a gather by the row's
+  choice, one sum over the inputs per output, cut as every rows-path sum is: loop_schedules.rows_schedule), and the
+  row's k results are summed in the row's order of choice. No sum ever runs over rows, so no capacity, no dropped row,
+  and no sum whose length depends on how many rows chose an expert;
+- the shared expert (and its sigmoid gate) is a dense feed-forward of the row.
+
+Everything stays on the device: no host round trip inside a block (the router logits leave the graph only as a second
+output, for the boundary and the expert load).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from tinygrad import Tensor, dtypes
+from tinygrad.llm.model import pairwise_topk
+
+
+def route(b: Any, logits: Tensor) -> tuple[Tensor, Tensor]:
+  """(selected experts (..., k) int32, their weights (..., k) float32) of each row's router logits (..., experts), as
+  FFNBlock._feed_forward selects and weighs them."""
+  c = b.config
+  if hasattr(b, "exp_probs_b"):
+    probs = logits.sigmoid()
+    _, sel = pairwise_topk(probs + b.exp_probs_b["bias"], c.num_experts_per_tok)
+    probs = probs.gather(-1, sel)
+    if c.norm_topk_prob: probs = probs / probs.sum(axis=-1, keepdim=True)
+  else:
+    vals, sel = pairwise_topk(logits, c.num_experts_per_tok)
+    probs = vals.softmax(-1) if c.norm_topk_prob else logits.softmax(-1).gather(-1, sel)
+  return sel.contiguous(), (probs * c.routed_scaling_factor).contiguous()
+
+
+def _expert_product(w: Any, sel: Tensor, x: Tensor) -> Tensor:
+  """x (..., k or 1, in) times each row's selected experts' matrices (experts, out, in): (..., k, out), one sum over
+  `in` per output. The gathered matrices are read in the kernel by index (tinygrad turns the one-hot of `sel` into
+  a load), so a row reads only the k experts it chose."""
+  return (x.unsqueeze(-2) * w.weight[sel]).sum(-1, dtype=dtypes.float32).contiguous()
+
+
+def feed_forward(b: Any, x: Tensor, linear: Callable[[Any, Tensor], Tensor],
+                 projections: Callable[[Any, Tensor, str, tuple[str, ...]], list[Tensor]]) -> tuple[Tensor, Tensor]:
+  """The block's mixture of experts of the normed rows x (B, T, dim) (a stored buffer): (the feed-forward's output
+  (B, T, dim), the router logits (B, T, experts) float32). `linear` / `projections` are the rows path's dense products
+  (the router, the shared expert)."""
+  logits = linear(b.ffn_gate_inp, x).float().contiguous()
+  sel, probs = route(b, logits)
+  h = x.unsqueeze(2)  # (B, T, 1, dim): one input row for each of the row's k experts
+  gate, up = _expert_product(b.ffn_gate_exps, sel, h), _expert_product(b.ffn_up_exps, sel, h)
+  down = _expert_product(b.ffn_down_exps, sel, (gate.silu() * up).contiguous())  # (B, T, k, dim)
+  out = (down * probs.unsqueeze(-1)).sum(axis=2)
+  if hasattr(b, "ffn_gate_shexp"):
+    g, u = projections(b, x, "rows_shexp_gate_up", ("ffn_gate_shexp", "ffn_up_shexp"))
+    shared = linear(b.ffn_down_shexp, g.silu().contiguous() * u)
+    if hasattr(b, "ffn_gate_inp_shexp"): shared = shared * (x * b.ffn_gate_inp_shexp["weight"]).sum(axis=-1, keepdim=True).sigmoid()
+    out = out + shared
+  return out, logits

@@ -39,10 +39,19 @@ def route(b: Any, logits: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _expert_product(w: Any, sel: Tensor, x: Tensor) -> Tensor:
-  """x (..., k or 1, in) times each row's selected experts' matrices (experts, out, in): (..., k, out), one sum over
-  `in` per output. The gathered matrices are read in the kernel by index (tinygrad turns the one-hot of `sel` into
-  a load), so a row reads only the k experts it chose."""
-  return (x.unsqueeze(-2) * w.weight[sel]).sum(-1, dtype=dtypes.float32).contiguous()
+  """x (..., k or 1, in) times each row's selected experts' matrices: (..., k, out), one sum over `in` per output. From
+  the experts' column blocks (experts, out / VEC, in, VEC) when the stage keeps them (weights.load: a kernel streams
+  VEC outputs of every input as one run of memory, as a dense projection's), else from (experts, out, in). Either way
+  the chosen matrices are read in the kernel by index (tinygrad turns the one-hot of `sel` into a load), so a row
+  reads only the k experts it chose."""
+  # clamped (a no-op on a top-k's indices): the kernel then knows every index is in range and loads the chosen block
+  # directly, not through a bounds check per load (7x faster on a CPU)
+  sel = sel.maximum(0).minimum(w.weight.shape[0] - 1)
+  if (wb := getattr(w, "rows_blocked", None)) is None:
+    return (x.unsqueeze(-2) * w.weight[sel]).sum(-1, dtype=dtypes.float32).contiguous()
+  *lead, K = x.shape
+  y = (x.reshape(*lead, 1, K, 1) * wb[sel]).sum(-2, dtype=dtypes.float32)  # (..., k, out / VEC, VEC)
+  return y.reshape(*y.shape[:-2], wb.shape[1] * wb.shape[3]).contiguous()
 
 
 def feed_forward(b: Any, x: Tensor, linear: Callable[[Any, Tensor], Tensor],

@@ -16,7 +16,7 @@ import numpy as np
 from tinygrad import Tensor, dtypes, nn
 from tinygrad.helpers import prod
 from tinygrad.llm.gguf import ggml_data_to_tensor
-from tinygrad.llm.model import FFNBlock, GatedDeltaNetBlock, MLATransformerBlock, TransformerBlock, TransformerConfig, precompute_freqs_cis
+from tinygrad.llm.model import ExpertWeights, FFNBlock, GatedDeltaNetBlock, MLATransformerBlock, TransformerBlock, TransformerConfig, precompute_freqs_cis
 from tinygrad.nn.state import get_state_dict
 
 from pyruntime import errors
@@ -88,6 +88,15 @@ def linears(b: FFNBlock) -> list[nn.Linear]:
   return [m for m in (getattr(b, n, None) for n in PROJECTIONS) if isinstance(m, nn.Linear)]
 
 
+EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def expert_matrices(b: FFNBlock) -> list[ExpertWeights]:
+  """A MoE block's routed experts' matrices (experts, outputs, inputs): the rows path keeps each expert's in column
+  blocks too (experts.py)."""
+  return [getattr(b, n) for n in EXPERTS if hasattr(b, n)]
+
+
 _init_lock = threading.Lock()
 
 
@@ -155,6 +164,7 @@ def load(m: Any) -> None:
     groups = [list(dict.fromkeys(get_state_dict(b).values())) for b in m.blk]
     if m.is_tail: groups.append([m.output_norm.weight, m.output.weight])
     by_weight = {id(lin.weight): lin for b in m.blk for lin in linears(b)} | ({id(m.output.weight): m.output} if m.is_tail else {})
+    by_experts = {id(ew.weight): ew for b in m.blk for ew in expert_matrices(b)} if m.batched else {}
     # float16 (a CPU's default) and float32 hold the same values (every product is the same); the kernels convert
     # a float16 vector to float32 in one instruction (loop_schedules._keep_half_to_float_vectors), so float16 reads
     # half the bytes for the same bits
@@ -176,18 +186,24 @@ def load(m: Any) -> None:
             # realized only where `rotary` permutes (q and k): each realize is a small schedule, ~60 ms at load
             row_orders[key] = None if (order := rotary(m, name, rows)) is rows else order.numpy()[:, 0]
           lin.rows_blocked = repack(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, row_orders[key], loop_schedules.VEC, m.half)
+        elif (ew := by_experts.get(id(p))) is not None and p.shape[1] % loop_schedules.VEC == 0:
+          # each expert's matrix in column blocks, as a projection's (experts, outputs / VEC, inputs, VEC): a row's product
+          # with its chosen expert streams VEC outputs of every input as one run of memory (experts.py)
+          E, O, K = p.shape
+          ew.rows_blocked = w.reshape(E, O // loop_schedules.VEC, loop_schedules.VEC, K).permute(0, 1, 3, 2).contiguous()
+          ew.weight.replace(ew.rows_blocked.permute(0, 1, 3, 2).reshape(E, O, K))
         elif lin is not None and p.shape[0] % loop_schedules.VEC == 0:
           # the rows path keeps a projection's matrix in column blocks (outputs / VEC, inputs, VEC): a kernel streams
           # each block's VEC outputs of every input as one run of memory (rows._linear); the block's own
           # `weight` becomes a view of the same bytes, the matrix it was
           set_blocks(lin, w.reshape(p.shape[0] // loop_schedules.VEC, loop_schedules.VEC, p.shape[1]).permute(0, 2, 1).contiguous())
         else: p.replace(w.contiguous())
-      Tensor.realize(*[t for p in group for t in held_buffers(by_weight.get(id(p)), p)])
+      Tensor.realize(*[t for p in group for t in held_buffers(by_weight.get(id(p)) or by_experts.get(id(p)), p)])
     if m.batched:
       for b in m.blk: fuse_projections(b, m.device)
     for lin in by_weight.values():  # packed matrices no group took: each on the device alone
       if isinstance(pm := getattr(lin, "rows_blocked", None), PackedMatrix) and pm.on_host: set_blocks(lin, pm.upload(m.device))
-    params = [t for g in groups for p in g for t in held_buffers(by_weight.get(id(p)), p)]
+    params = [t for g in groups for p in g for t in held_buffers(by_weight.get(id(p)) or by_experts.get(id(p)), p)]
     m.resident_bytes = sum(t.nbytes() for t in dict.fromkeys(params))
 
 

@@ -126,14 +126,14 @@ def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool,
   for one stream and faster for several (bench/results/2026-12-04-packed-weights.md). On a CPU without clang (CPU:X86)
   "float32" when that copy fits, else "quantized"; "packed" and "float16" are refused there by name."""
   from pyruntime.devices import parse_device
-  from pyruntime.modelfile.plan import DENSE_ARCHS
+  from pyruntime.modelfile.plan import ROWS_ARCHS
   spec = parse_device(device)
   x86 = spec.base == "CPU" and spec.renderer not in CLANG_RENDERERS
   if x86 and options.weights in ("packed", "packed-all", "float16"):
     raise errors.InvalidOption("weights", f"{options.weights!r} needs clang's CPU kernels; {device} runs 'float32' or 'quantized'")
   if options.weights != "auto": return options.weights
-  if options.decode == "reference" or spec.base != "CPU" or arch not in DENSE_ARCHS:
-    return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (see stage.py)
+  if options.decode == "reference" or spec.base != "CPU" or arch not in ROWS_ARCHS:
+    return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (ROWS_ARCHS)
   if x86: return "quantized" if options.tensor_cores == "on" or not float32_fits else "float32"
   return "packed" if copy_fits else "quantized"
 
@@ -153,9 +153,10 @@ def preflight(plan: LaunchPlan) -> None:
 def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: int) -> LaunchPlan:
   """The plan for `options` over the model at `path` (its header read), with `memory` bytes available on this host."""
   from pyruntime.devices import parse_device, parse_devices
-  from pyruntime.modelfile.plan import DENSE_ARCHS, plan_split
-  if options.tensor_cores == "on" and header.arch not in DENSE_ARCHS:
-    raise errors.InvalidOption("tensor_cores", f"needs a dense model (the batched path); {header.arch} decodes with tinygrad's own kernels")
+  from pyruntime.modelfile.plan import ROWS_ARCHS, plan_split
+  if options.tensor_cores == "on" and header.arch not in ROWS_ARCHS:
+    raise errors.InvalidOption("tensor_cores", f"needs the rows path (architectures {sorted(ROWS_ARCHS)}); {header.arch} decodes with "
+                               "tinygrad's own kernels")
   n = len(options.split) if options.split else options.stages
   if not isinstance(n, int) or isinstance(n, bool) or n < 1: raise errors.InvalidOption("stages", f"must be an integer >= 1, got {n!r}")
   devices = parse_devices(options.devices, n)

@@ -223,8 +223,9 @@ def test_sm90_tensor_core_mode_runs_every_projection_on_tensor_cores(tiny, weigh
 @pytest.mark.parametrize("name", ["qwen3moe", "deepseek2", "qwen35"])
 @pytest.mark.parametrize("weights", ["quantized", "float16"])
 def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
-  """Each family's stage (MoE, MLA, hybrid: tinygrad's prefill and decode graphs) and each weight form, compiled for
-  sm_90 in-process; the kernels are CUDA C rendered for sm_90 and compiled to PTX by NVRTC."""
+  """Each family's stage (MoE: every graph of the rows path, the routed experts' included; MLA and hybrid: tinygrad's
+  prefill and decode graphs) and each weight form, compiled for sm_90 in-process; the kernels are CUDA C rendered for
+  sm_90 and compiled to PTX by NVRTC."""
   lane_device(SM90.format(0))
   from tinygrad import Device
   from tinygrad.helpers import Context
@@ -236,8 +237,14 @@ def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
     m.warm_up()
   dev = Device[m.device]
   assert m.device == "NULL:1" and type(dev.renderer).__name__ == "CUDARenderer" and dev.renderer.target.arch == "sm_90"
-  assert sorted(m._graphs) == ["decode", "prefill"]
-  for kind, jit in m._graphs.items():
+  if m.batched:  # the rows path: every decode window, the prompt graphs and the mixed step
+    graphs = {f"decode-{w}": j for w, j in m.rows.decode_jits.items()} | {"prefill": m.rows.prefill_jit} | \
+             {f"mixed-{w}": j for w, j in m.rows.mixed_jits.items()} | {f"prefill-{r}": j for r, j in m.rows.short_jits.items()}
+    assert name == "qwen3moe" and {"decode-1", "decode-2", "prefill", "mixed-2"} <= set(graphs), sorted(graphs)
+  else:
+    graphs = m._graphs
+    assert sorted(graphs) == ["decode", "prefill"]
+  for kind, jit in graphs.items():
     ks = launches(jit)
     compiled = [k for k in ks if k.device.startswith("NULL")]  # (tinygrad computes a few scalars on the host's CPU)
     assert compiled and all("__global__" in k.source and k.cuda_sm == 90 for k in compiled), (kind, [(k.name, k.source[:120]) for k in compiled])

@@ -72,14 +72,16 @@ def test_cached_turns_equal_a_launcher_without_the_cache(paths, cold, name):
     assert stats["enabled"] and stats["hits"] >= 8 and stats["hit_tokens"] > 0 and stats["bytes_held"] > 0
     # what `inspect` says from the header alone is what the stages hold
     assert stats["bytes_budget"] == stats["blocks"] * BLOCK * prefix_cache_bytes_per_token(read_header(paths[name]))
-    # tinygrad's own decode kernels (MoE, MLA) compute a decoded position with other bits than a prompt row: only the
-    # rows path caches replies
-    assert stats["caches_decoded_positions"] == (name == "llama")
+    # tinygrad's own decode kernels (MLA) compute a decoded position with other bits than a prompt row: only the rows
+    # path (dense and MoE) caches replies
+    assert stats["caches_decoded_positions"] == (name in ("llama", "qwen3moe"))
 
 
-def test_a_reply_is_cached_on_the_rows_path(paths):
-  """The next turn of a conversation finds the previous reply's tokens in the cache, not only the prompt's."""
-  with Launcher(paths["llama"], stages=2, max_context=512) as lm:
+@pytest.mark.parametrize("name", ["llama", "qwen3moe"])
+def test_a_reply_is_cached_on_the_rows_path(paths, name):
+  """The next turn of a conversation finds the previous reply's tokens in the cache, not only the prompt's (a MoE
+  model's too: its decode rows are prompt rows)."""
+  with Launcher(paths[name], stages=2, max_context=512) as lm:
     a, b = chat(lm, QUESTIONS[:2], max_tokens=40)
     assert b.usage.cached_tokens > a.usage.prompt_tokens  # beyond the first prompt: into its reply
 

@@ -92,7 +92,7 @@ def model_config(header: GGUFHeader, max_context: int | None = None) -> Transfor
 
 
 def family(cfg: TransformerConfig) -> str:
-  """dense (llama / qwen2 / qwen3 blocks only: the batched decode serves them), else what the model adds to them."""
+  """dense (llama / qwen2 / qwen3 blocks), else what the model adds to them; the rows path serves dense and moe."""
   if cfg.ssm: return "hybrid"
   if cfg.kv_lora_rank: return "mla"
   return "moe" if cfg.num_experts else "dense"
@@ -193,7 +193,7 @@ class StageModel:
     # the tensor-core mode (docs/prompt-path.md, "Tensor cores"): the rows path's projections of float16 activations
     self.tensor_cores = bool(tensor_cores)
     if self.tensor_cores and not self.batched:
-      raise errors.InvalidOption("tensor_cores", f"needs the rows path (decode='batched' and a dense model; this stage: {self.family}, {decode})")
+      raise errors.InvalidOption("tensor_cores", f"needs the rows path (decode='batched' and a dense or MoE model; this stage: {self.family}, {decode})")
     if self.tensor_cores and (self.weights == "float32" or not self.half):
       raise errors.InvalidOption("tensor_cores", "needs float16 weights (weights 'float16', 'packed' or 'quantized', and not HALF=0), "
                                  f"not {self.weights!r}" + ("" if self.half else " with HALF=0"))
@@ -348,7 +348,7 @@ class StageModel:
   # --- the rows path (pyruntime/stage/compute/rows.py) ---------------------------------------------------------------
   def _check_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> None:
     if self.rows is None:
-      raise errors.InvalidOption("decode", f"the batched decode serves dense models; {self.arch} ({self.family}) decodes per stream")
+      raise errors.InvalidOption("decode", f"the batched decode serves dense and MoE models; {self.arch} ({self.family}) decodes per stream")
     if not slots: raise errors.ActivationExtentInvalid("a batch needs at least one row")
     if len(set(slots)) != len(slots): raise errors.SlotInvalid(f"a batch names a KV slot twice: {slots}")
     for i, (slot, p) in enumerate(zip(slots, positions, strict=True)):
@@ -684,7 +684,7 @@ class StageModel:
     its last forward; zeros when no MoE block precedes the cut: glm4moe's and deepseek2's leading dense blocks), then
     mla_position_state. Returns the bytes written."""
     mv = flat_mv(memoryview(dst))
-    off, T = self.output_into(t, mv), t.shape[1]
+    off, T = self.output_into(t, mv), prod(t.shape) // self.dim  # (1, T, dim), or a decode row (1, dim)
     for name, (dt, w) in list(self.boundary.egress.tensors.items())[1:]:
       n = T * w * DTYPES[dt].itemsize
       if len(mv) < off + n: raise errors.OutputExtentInvalid(f"{off + n} bytes do not fit in a span of {len(mv)}")

@@ -193,7 +193,8 @@ class StageModel:
     # the tensor-core mode (docs/prompt-path.md, "Tensor cores"): the rows path's projections of float16 activations
     self.tensor_cores = bool(tensor_cores)
     if self.tensor_cores and not self.batched:
-      raise errors.InvalidOption("tensor_cores", f"needs the rows path (decode='batched' and a dense or MoE model; this stage: {self.family}, {decode})")
+      raise errors.InvalidOption("tensor_cores", "needs the rows path (decode='batched' and a dense or MoE model; "
+                                 f"this stage: {self.family}, {decode})")
     if self.tensor_cores and (self.weights == "float32" or not self.half):
       raise errors.InvalidOption("tensor_cores", "needs float16 weights (weights 'float16', 'packed' or 'quantized', and not HALF=0), "
                                  f"not {self.weights!r}" + ("" if self.half else " with HALF=0"))

@@ -16,7 +16,15 @@ import numpy as np
 from tinygrad import Tensor, dtypes, nn
 from tinygrad.helpers import prod
 from tinygrad.llm.gguf import ggml_data_to_tensor
-from tinygrad.llm.model import ExpertWeights, FFNBlock, GatedDeltaNetBlock, MLATransformerBlock, TransformerBlock, TransformerConfig, precompute_freqs_cis
+from tinygrad.llm.model import (
+  ExpertWeights,
+  FFNBlock,
+  GatedDeltaNetBlock,
+  MLATransformerBlock,
+  TransformerBlock,
+  TransformerConfig,
+  precompute_freqs_cis,
+)
 from tinygrad.nn.state import get_state_dict
 
 from pyruntime import errors
@@ -189,9 +197,9 @@ def load(m: Any) -> None:
         elif (ew := by_experts.get(id(p))) is not None and p.shape[1] % loop_schedules.VEC == 0:
           # each expert's matrix in column blocks, as a projection's (experts, outputs / VEC, inputs, VEC): a row's product
           # with its chosen expert streams VEC outputs of every input as one run of memory (experts.py)
-          E, O, K = p.shape
-          ew.rows_blocked = w.reshape(E, O // loop_schedules.VEC, loop_schedules.VEC, K).permute(0, 1, 3, 2).contiguous()
-          ew.weight.replace(ew.rows_blocked.permute(0, 1, 3, 2).reshape(E, O, K))
+          E, n_out, K = p.shape
+          ew.rows_blocked = w.reshape(E, n_out // loop_schedules.VEC, loop_schedules.VEC, K).permute(0, 1, 3, 2).contiguous()
+          ew.weight.replace(ew.rows_blocked.permute(0, 1, 3, 2).reshape(E, n_out, K))
         elif lin is not None and p.shape[0] % loop_schedules.VEC == 0:
           # the rows path keeps a projection's matrix in column blocks (outputs / VEC, inputs, VEC): a kernel streams
           # each block's VEC outputs of every input as one run of memory (rows._linear); the block's own

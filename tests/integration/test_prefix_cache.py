@@ -80,10 +80,13 @@ def test_cached_turns_equal_a_launcher_without_the_cache(paths, cold, name):
 @pytest.mark.parametrize("name", ["llama", "qwen3moe"])
 def test_a_reply_is_cached_on_the_rows_path(paths, name):
   """The next turn of a conversation finds the previous reply's tokens in the cache, not only the prompt's (a MoE
-  model's too: its decode rows are prompt rows)."""
+  model's too: its decode rows are prompt rows). The turn resends the reply's token ids: a tiny model's reply is
+  random bytes, which a chat template's text would not give back token for token."""
   with Launcher(paths[name], stages=2, max_context=512) as lm:
-    a, b = chat(lm, QUESTIONS[:2], max_tokens=40)
-    assert b.usage.cached_tokens > a.usage.prompt_tokens  # beyond the first prompt: into its reply
+    first = lm.tokenizer.encode(SYSTEM + QUESTIONS[0])
+    a = done(lm, prompt_ids=first, max_tokens=40)
+    b = done(lm, prompt_ids=first + a.token_ids + lm.tokenizer.encode(QUESTIONS[1]), max_tokens=4)
+    assert b.usage.cached_tokens > len(first)  # beyond the first prompt: into its reply
 
 
 def test_salts_and_opt_outs_share_nothing(paths, cold):

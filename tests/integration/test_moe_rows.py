@@ -34,8 +34,8 @@ def stage(path, start: int = 0, end: int = 4, **kw) -> StageModel:
 
 # every weight form the experts take (float32 and float16: column blocks; quantized: the file's bytes, dequantised in the
 # kernels), the tensor-core mode, and the CL lane (a GPU-style device: split sums, no buffer views)
-CASES = [("qwen3moe", "float32", None, False), ("glm4moe", "packed", None, False), ("glm4moe", "quantized", None, False),
-         ("qwen3moe", "float16", None, True), ("glm4moe", "quantized", CL, False)]
+CASES = [("qwen3moe", "float32", None, False), ("glm4moe", "packed", None, False), ("qwen3moe", "float16", None, True),
+         ("glm4moe", "quantized", CL, False)]
 
 
 @pytest.mark.parametrize("name,weights,device,tensor_cores", CASES)
@@ -65,7 +65,7 @@ def test_a_moe_decode_row_equals_its_prompt_row(paths, name, weights, device, te
       assert np.array_equal(bits(a), bits(b)), f"{name}: keys/values at position {p} differ"
 
 
-@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("name", ["glm4moe"])
 def test_moe_streams_beside_change_no_bit(paths, name):
   """One stream alone (windows of 1 row) and beside up to seven others that route their rows to other experts (windows
   of 2, 4 and 8): the same logits. No sum runs over the rows that chose an expert, so none depends on how many did."""
@@ -87,10 +87,10 @@ def test_moe_streams_beside_change_no_bit(paths, name):
   assert len({int(e) for e in np.argsort(-m.rows.router, axis=-1)[:, :2].reshape(-1)}) > 2  # the rows beside chose other experts
 
 
-@pytest.mark.parametrize("cut", [(0, 2), (1, 4)])
+@pytest.mark.parametrize("cut", [(0, 2)])
 def test_a_moe_mixed_step_equals_its_decode_and_prompt_apart(paths, cut):
-  """A decode step and a prompt's chunk in one pass (forward_mixed): the bits of the two apart, and on a stage whose
-  boundary carries them, each slot's router logits too."""
+  """A decode step and a prompt's chunk in one pass (forward_mixed): the bits of the two apart, and each slot's router
+  logits, which the head's boundary carries (a tail's mixed step is the dense families' test: the same code)."""
   m = stage(paths["glm4moe"], *cut, weights="float32")
   rng = np.random.default_rng(0)
   mk = lambda n: rng.integers(1, 250, n).astype(np.uint32) if m.is_head else rng.standard_normal((n, m.dim)).astype(np.float32)  # noqa: E731

@@ -203,8 +203,9 @@ class GraphCache:
       self.enabled = False
       self.warn(f"graph cache {self.dir} is not usable ({e}); running without it (each new process captures its graphs again)")
 
-  def close(self) -> None:
-    if self.fd >= 0: os.close(self.fd)
+  def close(self, _close: Callable[[int], None] = os.close) -> None:
+    # os.close bound at definition: __del__ may run at interpreter exit, after the os module's globals are gone
+    if self.fd >= 0: _close(self.fd)
     self.fd = -1
 
   def __del__(self) -> None: self.close()

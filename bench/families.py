@@ -7,11 +7,15 @@ The files are random models written by tests/tinymodels.py at one size (dim 512,
 state of 64 and every 2nd block attention), Q8_0, SmolLM2-sized vocabulary of the tiny tokenizer. Sides:
 
 - **pyruntime**: a one-stage Launcher (the CPU's default weights, graphs captured at start: `warmup`), S streams at
-  once, greedy, `ignore_eos`: aggregate decode tokens/s over the time from the first first token to the last token.
+  once, greedy, `ignore_eos`: aggregate decode tokens/s over the time from the first first token to the last token;
+  and with several streams, **steady**: the tokens that arrived while every stream was decoding (from the last stream's
+  first token to the first stream's last), over that time: decoding alone, without the other streams' prompt chunks
+  that the whole window holds.
 - **tinygrad**: `Transformer.from_gguf` and its `generate` in this process, one stream, the same prompt: tokens/s over
   the tokens after the first.
 
-Printed first: the CPU; then per family each side's tokens/s and pyruntime's ratios (8 streams / 1, 1 stream / tinygrad's).
+Printed first: the CPU; then per family each side's tokens/s and pyruntime's ratios (8 streams / 1, 1 stream / tinygrad's),
+and the steady 8-stream figure and its ratio to one stream.
 """
 from __future__ import annotations
 
@@ -50,20 +54,23 @@ def pyruntime_side(path: str, streams: list[int], tokens: int) -> dict:
   with Launcher(path, stages=1, max_streams=max(streams), max_context=512, warmup=True) as lm:
     for _ in lm.generate(PROMPT, raw=True, max_tokens=4, temperature=0): pass  # a first request, untimed
     for s in streams:
-      firsts, lasts, n = [0.0] * s, [0.0] * s, [0] * s
-      threads = [threading.Thread(target=_stream, args=(lm, i, tokens, firsts, lasts, n)) for i in range(s)]
+      firsts, lasts, n, arrivals = [0.0] * s, [0.0] * s, [0] * s, [[] for _ in range(s)]
+      threads = [threading.Thread(target=_stream, args=(lm, i, tokens, firsts, lasts, n, arrivals)) for i in range(s)]
       for t in threads: t.start()
       for t in threads: t.join()
       out[s] = round(sum(n) / (max(lasts) - min(firsts)), 1)
+      lo, hi = max(firsts), min(lasts)  # every stream decoding
+      if s > 1 and hi > lo: out[f"{s} steady"] = round(sum(k for a in arrivals for t, k in a if lo < t <= hi) / (hi - lo), 1)
   return out
 
 
-def _stream(lm, i: int, tokens: int, firsts: list, lasts: list, n: list) -> None:
-  from pyruntime.engine.launcher import Done
+def _stream(lm, i: int, tokens: int, firsts: list, lasts: list, n: list, arrivals: list) -> None:
+  from pyruntime.engine.launcher import Delta, Done
   for ev in lm.generate(f"{PROMPT} {i}", raw=True, max_tokens=tokens, ignore_eos=True, temperature=0, prefix_cache=False):
     now = time.perf_counter()
     firsts[i] = firsts[i] or now
     lasts[i] = now
+    if isinstance(ev, Delta): arrivals[i].append((now, len(ev.token_ids)))
     if isinstance(ev, Done): n[i] = len(ev.token_ids) - 1
 
 
@@ -99,7 +106,8 @@ def main() -> None:
   for fam in a.families.split(","):
     p, t = res[fam]["pyruntime"], res[fam]["tinygrad"]
     many = f"  {streams[-1]} streams {p[streams[-1]]:6.1f} tok/s ({p[streams[-1]] / p[streams[0]]:.2f}x one)" if len(streams) > 1 else ""
-    print(f"{fam:10s} pyruntime 1 stream {p[streams[0]]:6.1f} tok/s{many}  tinygrad's own {t:6.1f} tok/s  "
+    steady = f"  steady {p[k]:6.1f} tok/s ({p[k] / p[streams[0]]:.2f}x one)" if (k := f"{streams[-1]} steady") in p else ""
+    print(f"{fam:10s} pyruntime 1 stream {p[streams[0]]:6.1f} tok/s{many}{steady}  tinygrad's own {t:6.1f} tok/s  "
           f"(pyruntime {p[streams[0]] / t:.2f}x)")
 
 

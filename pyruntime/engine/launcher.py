@@ -329,6 +329,8 @@ class Launcher:
     before anything runs; `raw=True` skips the chat template; `ignore_eos=True` generates through end tokens
     (benchmarks: a fixed number of tokens). Closing the iterator early cancels the stream and frees its slot.
     """
+    if sampling.get("n", 1) != 1:  # one iterator is one stream's events; several completions are several handles
+      raise errors.InvalidOption("n", f"generate yields one completion, not {sampling['n']!r}: submit(..., n=..., on_event=...) runs several")
     events: queue.SimpleQueue = queue.SimpleQueue()
     st = self.submit(prompt, messages, raw=raw, max_tokens=max_tokens, stop=stop, logits=logits, ignore_eos=ignore_eos,
                      on_event=events.put, **sampling)

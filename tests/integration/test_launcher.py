@@ -157,6 +157,9 @@ def test_empty_prompt_and_context_errors(lm):
   with pytest.raises(errors.InvalidOption) as e:
     lm.generate("hi", logprobs=True)  # the alternatives per token: an integer, not a flag
   assert e.value.field == "logprobs"
+  with pytest.raises(errors.InvalidOption) as e:
+    lm.generate("hi", n=3)  # one iterator, one completion (submit takes n)
+  assert e.value.field == "n"
   done, _ = run(lm, "Say hi.", max_tokens=3)  # the launcher still serves after refusing bad requests
   assert done.usage.completion_tokens >= 1
 

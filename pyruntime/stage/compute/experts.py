@@ -10,14 +10,15 @@ these blocks too (a decode row = a prompt row, a row's bits do not depend on the
   choice, one sum over the inputs per output, cut as every rows-path sum is: loop_schedules.rows_schedule), and the
   row's k results are summed in the row's order of choice. No sum ever runs over rows, so no capacity, no dropped row,
   and no sum whose length depends on how many rows chose an expert;
-- the shared expert (and its sigmoid gate) is a dense feed-forward of the row.
+- the shared expert (and its sigmoid gate) is a dense feed-forward of the row (rows.py runs it as it runs a dense
+  block's).
 
 Everything stays on the device: no host round trip inside a block (the router logits leave the graph only as a second
 output, for the boundary and the expert load).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from tinygrad import Tensor, dtypes
 from tinygrad.llm.model import pairwise_topk
@@ -54,20 +55,16 @@ def _expert_product(w: Any, sel: Tensor, x: Tensor) -> Tensor:
   return y.reshape(*y.shape[:-2], wb.shape[1] * wb.shape[3]).contiguous()
 
 
-def feed_forward(b: Any, x: Tensor, linear: Callable[[Any, Tensor], Tensor],
-                 projections: Callable[[Any, Tensor, str, tuple[str, ...]], list[Tensor]]) -> tuple[Tensor, Tensor]:
-  """The block's mixture of experts of the normed rows x (B, T, dim) (a stored buffer): (the feed-forward's output
-  (B, T, dim), the router logits (B, T, experts) float32). `linear` / `projections` are the rows path's dense products
-  (the router, the shared expert)."""
-  logits = linear(b.ffn_gate_inp, x).float().contiguous()
+def routed(b: Any, x: Tensor, logits: Tensor) -> Tensor:
+  """The block's routed experts for the normed rows x (B, T, dim) (a stored buffer), routed by their router logits
+  (B, T, experts): (B, T, dim), each row's k experts' outputs weighted and summed in the row's order of choice."""
   sel, probs = route(b, logits)
   h = x.unsqueeze(2)  # (B, T, 1, dim): one input row for each of the row's k experts
   gate, up = _expert_product(b.ffn_gate_exps, sel, h), _expert_product(b.ffn_up_exps, sel, h)
   down = _expert_product(b.ffn_down_exps, sel, (gate.silu() * up).contiguous())  # (B, T, k, dim)
-  out = (down * probs.unsqueeze(-1)).sum(axis=2)
-  if hasattr(b, "ffn_gate_shexp"):
-    g, u = projections(b, x, "rows_shexp_gate_up", ("ffn_gate_shexp", "ffn_up_shexp"))
-    shared = linear(b.ffn_down_shexp, g.silu().contiguous() * u)
-    if hasattr(b, "ffn_gate_inp_shexp"): shared = shared * (x * b.ffn_gate_inp_shexp["weight"]).sum(axis=-1, keepdim=True).sigmoid()
-    out = out + shared
-  return out, logits
+  return (down * probs.unsqueeze(-1)).sum(axis=2)
+
+
+def shared_gate(b: Any, x: Tensor) -> Tensor:
+  """The shared expert's gate of each row (B, T, 1): sigmoid of the row's dot with ffn_gate_inp_shexp, as tinygrad's."""
+  return (x * b.ffn_gate_inp_shexp["weight"]).sum(axis=-1, keepdim=True).sigmoid()

@@ -691,7 +691,7 @@ class StageModel:
       if len(mv) < off + n: raise errors.OutputExtentInvalid(f"{off + n} bytes do not fit in a span of {len(mv)}")
       if name == ROUTER and (r := self.routers.get(slot)) is not None:
         if r.nbytes != n: raise errors.OutputExtentInvalid(f"slot {slot}: router logits of {r.shape[0]} rows for a record of {T}")
-        mv[off:off + n] = r.astype("<f4", copy=False).tobytes()
+        mv[off:off + n] = memoryview(np.ascontiguousarray(r, "<f4")).cast("B")
         self._count_routes(r)
       elif name == ROUTER: mv[off:off + n] = bytes(n)
       elif name == MLA_POS: mv[off:off + n] = np.arange(start_pos, start_pos + T, dtype="<u4").tobytes()

@@ -285,22 +285,31 @@ class RowPath:
     which rounds differently, and whether it fuses depends on the graph's shapes. As buffers, both graphs sum the
     same stored values."""
     tc, fresh = self.m.tensor_cores, self.m._router_block
-    linear = lambda lin, x: _linear(lin, x, tc)  # noqa: E731
-    projections = lambda b, x, fused, names: _projections(b, x, fused, names, tc)  # noqa: E731
     self.router_rows = None
+
+    def dense(b: TransformerBlock, n: Tensor, fused: str, gate_up: tuple[str, str], down: str) -> Tensor:
+      # tinygrad's dense feed-forward (FFNBlock._feed_forward), through the column-blocked matrices: a dense block's, or
+      # a MoE block's shared expert
+      gate, up = _projections(b, n, fused, gate_up, tc)
+      return _linear(getattr(b, down), gate.silu().contiguous() * up, tc)
+
+    def moe(b: TransformerBlock, n: Tensor) -> tuple[Tensor, Tensor]:
+      logits = _linear(b.ffn_gate_inp, n, tc).float().contiguous()
+      out = experts.routed(b, n, logits)  # one row at a time (experts.py)
+      if hasattr(b, "ffn_gate_shexp"):
+        shared = dense(b, n, "rows_shexp_gate_up", ("ffn_gate_shexp", "ffn_up_shexp"), "ffn_down_shexp")
+        out = out + (shared * experts.shared_gate(b, n) if hasattr(b, "ffn_gate_inp_shexp") else shared)
+      return out, logits
 
     def call(b: TransformerBlock, x: Tensor) -> Tensor:
       @function(allow_implicit=True)
       def _run(x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         h = x + _linear(b.attn_output, attention(b, b.attn_norm(x)), tc)
         n = b.ffn_norm(h).contiguous()
-        if b.config.num_experts:  # routed experts (experts.py), one row at a time
-          ffn, logits = experts.feed_forward(b, n, linear, projections)
-          out = (h + ffn).contiguous()
-          return (out, logits.reshape(-1, b.config.num_experts).contiguous()) if b is fresh else out
-        # tinygrad's dense feed-forward (FFNBlock._feed_forward), through the column-blocked matrices
-        gate, up = _projections(b, n, "rows_gate_up", ("ffn_gate", "ffn_up"), tc)
-        return (h + _linear(b.ffn_down, gate.silu().contiguous() * up, tc)).contiguous()
+        if not b.config.num_experts: return (h + dense(b, n, "rows_gate_up", ("ffn_gate", "ffn_up"), "ffn_down")).contiguous()
+        ffn, logits = moe(b, n)
+        out = (h + ffn).contiguous()
+        return (out, logits.reshape(-1, b.config.num_experts).contiguous()) if b is fresh else out
       if b is not fresh: return _run(x)
       out, self.router_rows = _run(x)
       return out
@@ -334,8 +343,11 @@ class RowPath:
     if not isinstance(ret, tuple):
       self.router = None
       return ret
-    E = self.m.config.num_experts
-    self.router = device_memory.view(ret[1].uop.buf_uop.buffer, (rows, E)).numpy()
+    # the whole buffer in one copy out (any device, no tinygrad schedule), then its first rows
+    buf = ret[1].uop.buf_uop.buffer
+    full = np.empty(buf.size, np.float32)
+    buf.copyout(memoryview(full).cast("B"))
+    self.router = full[:rows * self.m.config.num_experts].reshape(rows, -1)
     return ret[0]
 
   # --- prefill: rows of one stream ------------------------------------------------------------------

@@ -173,6 +173,7 @@ def load(m: Any) -> None:
     if m.is_tail: groups.append([m.output_norm.weight, m.output.weight])
     by_weight = {id(lin.weight): lin for b in m.blk for lin in linears(b)} | ({id(m.output.weight): m.output} if m.is_tail else {})
     by_experts = {id(ew.weight): ew for b in m.blk for ew in expert_matrices(b)} if m.batched else {}
+    holders = by_weight | by_experts  # what holds a parameter's buffers (held_buffers)
     # float16 (a CPU's default) and float32 hold the same values (every product is the same); the kernels convert
     # a float16 vector to float32 in one instruction (loop_schedules._keep_half_to_float_vectors), so float16 reads
     # half the bytes for the same bits
@@ -206,12 +207,12 @@ def load(m: Any) -> None:
           # `weight` becomes a view of the same bytes, the matrix it was
           set_blocks(lin, w.reshape(p.shape[0] // loop_schedules.VEC, loop_schedules.VEC, p.shape[1]).permute(0, 2, 1).contiguous())
         else: p.replace(w.contiguous())
-      Tensor.realize(*[t for p in group for t in held_buffers(by_weight.get(id(p)) or by_experts.get(id(p)), p)])
+      Tensor.realize(*[t for p in group for t in held_buffers(holders.get(id(p)), p)])
     if m.batched:
       for b in m.blk: fuse_projections(b, m.device)
     for lin in by_weight.values():  # packed matrices no group took: each on the device alone
       if isinstance(pm := getattr(lin, "rows_blocked", None), PackedMatrix) and pm.on_host: set_blocks(lin, pm.upload(m.device))
-    params = [t for g in groups for p in g for t in held_buffers(by_weight.get(id(p)) or by_experts.get(id(p)), p)]
+    params = [t for g in groups for p in g for t in held_buffers(holders.get(id(p)), p)]
     m.resident_bytes = sum(t.nbytes() for t in dict.fromkeys(params))
 
 

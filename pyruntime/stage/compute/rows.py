@@ -1,4 +1,4 @@
-"""The batched path of a dense stage: prompt rows and decode rows through the same kernels, with the same bits.
+"""The batched path of a dense or MoE stage: prompt rows and decode rows through the same kernels, with the same bits.
 
 Every position a stream computes (a prompt token, a decode token, later a drafted token under verification) is a
 row, and a row's numbers depend on nothing but its stream: its input, its position and the keys and values its
@@ -138,7 +138,7 @@ def _scatter(flat: Tensor, rows: Tensor, at: Tensor, stride_a: int, stride_b: in
 
 
 class RowPath:
-  """The prefill and decode graphs of one StageModel (dense blocks), and the caches they share. Its length (~370 lines,
+  """The prefill and decode graphs of one StageModel (dense and MoE blocks), and the caches they share. Its length (~370 lines,
   ~30 attributes) is those shared buffers (keys and values, positions, masks, staging) and the graphs captured over
   them: one object, since every graph closes over the same buffers."""
 

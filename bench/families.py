@@ -1,10 +1,15 @@
 """Every model family at one size, pyruntime beside tinygrad's own single-process model on the same file, in one run.
 
-  python bench/families.py [--families llama,qwen3moe,qwen35] [--tokens 48] [--streams 1,8] [--json]
+  python bench/families.py [--families llama,qwen3moe,deepseek2,qwen35] [--tokens 48] [--streams 1,8] [--size small|1b] [--json]
 
-The files are random models written by tests/tinymodels.py at one size (dim 512, 8 blocks, 8 heads / 4 KV heads of
-64; dense FFN 1536; MoE 16 experts x 384, 4 used: the same active FFN; the hybrid's GatedDeltaNet blocks with a
-state of 64 and every 2nd block attention), Q8_0, SmolLM2-sized vocabulary of the tiny tokenizer. Sides:
+The files are random models written by tests/tinymodels.py at one size, Q8_0, with the tiny tokenizer's vocabulary
+(300 tokens: the output projection costs next to nothing, so these figures are the blocks'). `small` (the default):
+dim 512, 8 blocks, 8 heads / 4 KV heads of 64; dense FFN 1536; MoE 16 experts x 384, 4 used: the same active FFN; the
+hybrid's GatedDeltaNet blocks with a state of 64 and every 2nd block attention. `1b`: Llama 3.2 1B's blocks (dim 2048,
+16 blocks, 32 heads / 8 KV heads of 64, dense FFN 8192: 1.0B parameters in blocks); MoE 16 experts x 1024, 4 used
+(1.6B parameters in experts, an active FFN of 4096: half the dense one). deepseek2: the MoE's experts (softmax over every
+expert, not renormalised) under latent attention as DeepSeek-V2-Lite has it (no low-rank query): at 1b its dims (latent
+512, rotary 64, 128 per head without rotation, values 128), at small a quarter of its latent (128, 32, 32, 64). Sides:
 
 - **pyruntime**: a one-stage Launcher (the CPU's default weights, graphs captured at start: `warmup`), S streams at
   once, greedy, `ignore_eos`: aggregate decode tokens/s over the time from the first first token to the last token;
@@ -31,21 +36,30 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from pyruntime.bench.machine import cpu  # noqa: E402
 
-SIZE = dict(dim=512, n_blocks=8, n_heads=8, n_kv_heads=4, head_dim=64, hidden=1536, context=1024)
+SIZES = {"small": dict(dim=512, n_blocks=8, n_heads=8, n_kv_heads=4, head_dim=64, hidden=1536, context=1024),
+         "1b": dict(dim=2048, n_blocks=16, n_heads=32, n_kv_heads=8, head_dim=64, hidden=8192, context=1024)}
+EXPERT_FF = {"small": 384, "1b": 1024}  # 16 experts, 4 used
+# latent attention as DeepSeek-V2-Lite has it (no low-rank query): its dims at 1b, a quarter of the latent at small
+MLA_DIMS = {"small": dict(q_lora=0, kv_lora=128, rope=32, nope=32, v=64), "1b": dict(q_lora=0, kv_lora=512, rope=64, nope=128, v=128)}
 FAMILY_ARGS = {
   "llama": dict(arch="llama", tied=True),
   "qwen3moe": dict(arch="qwen3moe", tied=False, qk_norm=True, rope_theta=1e6, moe=dict(experts=16, used=4, ff=384)),
+  # DeepSeek-V2's routing: softmax over every expert, the top k gathered, not renormalised
+  "deepseek2": dict(arch="deepseek2", tied=False, moe=dict(experts=16, used=4, ff=384, norm=False), mla=MLA_DIMS["small"]),
   "qwen35": dict(arch="qwen35", tied=True, rope_dim=32, post_norm=True,
                  ssm=dict(conv_kernel=4, state_size=64, group_count=4, time_step_rank=8, inner_size=512, interval=2)),
 }
 PROMPT = "The quick brown fox jumps over the lazy dog and runs into the forest"
 
 
-def write_model(folder: str, family: str) -> str:
+def write_model(folder: str, family: str, size: str = "small") -> str:
   from gguf import GGMLQuantizationType as Q
   from tinymodels import write_tiny_gguf
   types = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0}
-  return str(write_tiny_gguf(os.path.join(folder, f"{family}.gguf"), **SIZE, **FAMILY_ARGS[family], types=types))
+  args = dict(FAMILY_ARGS[family])
+  if "moe" in args: args["moe"] = {**args["moe"], "ff": EXPERT_FF[size]}
+  if "mla" in args: args["mla"] = MLA_DIMS[size]
+  return str(write_tiny_gguf(os.path.join(folder, f"{family}.gguf"), **SIZES[size], **args, types=types))
 
 
 def pyruntime_side(path: str, streams: list[int], tokens: int) -> dict:
@@ -74,7 +88,13 @@ def _stream(lm, i: int, tokens: int, firsts: list, lasts: list, n: list, arrival
     if isinstance(ev, Done): n[i] = len(ev.token_ids) - 1
 
 
-def tinygrad_side(path: str, tokens: int) -> float:
+def tinygrad_side(path: str, tokens: int) -> float | str:
+  """tokens/s of tinygrad's own model, or why it could not run (a comparison side that fails is reported, not fatal)."""
+  try: return _tinygrad_rate(path, tokens)
+  except (Exception, RecursionError) as e: return f"failed: {type(e).__name__}"
+
+
+def _tinygrad_rate(path: str, tokens: int) -> float:
   from tinygrad.llm.model import Transformer
 
   from pyruntime.text.tokenizer import Tokenizer
@@ -93,22 +113,23 @@ def main() -> None:
   ap.add_argument("--families", default=",".join(FAMILY_ARGS))
   ap.add_argument("--tokens", type=int, default=48)
   ap.add_argument("--streams", default="1,8")
+  ap.add_argument("--size", choices=list(SIZES), default="small")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
   streams = [int(s) for s in a.streams.split(",")]
-  res: dict = {"cpu": cpu(), "size": SIZE, "tokens": a.tokens}
+  res: dict = {"cpu": cpu(), "size": SIZES[a.size], "tokens": a.tokens}
   with tempfile.TemporaryDirectory() as folder:
     for fam in a.families.split(","):
-      path = write_model(folder, fam)
+      path = write_model(folder, fam, a.size)
       res[fam] = {"pyruntime": pyruntime_side(path, streams, a.tokens), "tinygrad": tinygrad_side(path, a.tokens)}
   if a.json: print(json.dumps(res, indent=1)); return
-  print(res["cpu"])
+  print(res["cpu"], f"({a.size} models)")
   for fam in a.families.split(","):
     p, t = res[fam]["pyruntime"], res[fam]["tinygrad"]
     many = f"  {streams[-1]} streams {p[streams[-1]]:6.1f} tok/s ({p[streams[-1]] / p[streams[0]]:.2f}x one)" if len(streams) > 1 else ""
     steady = f"  steady {p[k]:6.1f} tok/s ({p[k] / p[streams[0]]:.2f}x one)" if (k := f"{streams[-1]} steady") in p else ""
-    print(f"{fam:10s} pyruntime 1 stream {p[streams[0]]:6.1f} tok/s{many}{steady}  tinygrad's own {t:6.1f} tok/s  "
-          f"(pyruntime {p[streams[0]] / t:.2f}x)")
+    own = f"tinygrad's own {t:6.1f} tok/s  (pyruntime {p[streams[0]] / t:.2f}x)" if isinstance(t, float) else f"tinygrad's own {t}"
+    print(f"{fam:10s} pyruntime 1 stream {p[streams[0]]:6.1f} tok/s{many}{steady}  {own}")
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
   if mla:
     hd = mla["nope"] + mla["rope"]
     w.add_uint32(f"{arch}.attention.kv_lora_rank", mla["kv_lora"])
-    w.add_uint32(f"{arch}.attention.q_lora_rank", mla["q_lora"])
+    if mla["q_lora"]: w.add_uint32(f"{arch}.attention.q_lora_rank", mla["q_lora"])
     w.add_uint32(f"{arch}.attention.key_length_mla", hd)
     w.add_uint32(f"{arch}.attention.value_length_mla", mla["v"])
     w.add_uint32(f"{arch}.attention.key_length", mla["kv_lora"] + mla["rope"])
@@ -294,9 +294,11 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
     if ssm and (i + 1) % ssm["interval"] != 0:
       add_recurrent(p, ssm)
     elif mla:
-      add(p + "attn_q_a.weight", lin(mla["q_lora"], dim), types["attn"])
-      add(p + "attn_q_a_norm.weight", norm(mla["q_lora"]), Q.F32)
-      add(p + "attn_q_b.weight", lin(n_heads * hd, mla["q_lora"]), types["attn"])
+      if mla["q_lora"]:
+        add(p + "attn_q_a.weight", lin(mla["q_lora"], dim), types["attn"])
+        add(p + "attn_q_a_norm.weight", norm(mla["q_lora"]), Q.F32)
+        add(p + "attn_q_b.weight", lin(n_heads * hd, mla["q_lora"]), types["attn"])
+      else: add(p + "attn_q.weight", lin(n_heads * hd, dim), types["attn"])  # DeepSeek-V2-Lite: no low-rank query
       add(p + "attn_kv_a_mqa.weight", lin(mla["kv_lora"] + mla["rope"], dim), types["attn"])
       add(p + "attn_kv_a_norm.weight", norm(mla["kv_lora"]), Q.F32)
       add(p + "attn_k_b.weight", rng.standard_normal((n_heads, mla["kv_lora"], mla["nope"])) / np.sqrt(mla["nope"]), Q.F16)

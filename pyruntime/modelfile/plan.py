@@ -16,10 +16,10 @@ MOE_SUPPORTED = frozenset({"qwen3moe", "glm4moe", "deepseek2"})
 MLA_SUPPORTED = frozenset({"deepseek2"})
 SSM_SUPPORTED = frozenset({"qwen35", "qwen35moe"})
 SUPPORTED_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | SSM_SUPPORTED
-# the architectures the rows path runs (attention blocks with a dense or routed feed-forward: stage/compute/rows.py and
-# experts.py): many streams per step, the prefix cache, speculation, scoring, the tensor-core mode; the others decode
-# with tinygrad's own kernels, one stream at a time
-ROWS_ARCHS = DENSE_ARCHS | frozenset({"qwen3moe", "glm4moe"})
+# the architectures the rows path runs (attention blocks, latent attention included, with a dense or routed feed-forward:
+# stage/compute/rows.py and experts.py): many streams per step, the prefix cache, speculation, scoring, the tensor-core
+# mode; the others (recurrent blocks) decode with tinygrad's own kernels, one stream at a time
+ROWS_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED
 FFN_NORM_RENAMED = frozenset({"qwen35", "qwen35moe", "glm4moe"})  # from_gguf reads their post_attention_norm as ffn_norm
 
 

@@ -257,7 +257,7 @@ class Stage:
 
   def start_data_path(self, m: StageModel) -> StageModel:
     """What the loaded model decides: the scheduler's decode mode and chunk bounds, the prefix cache's blocks, the data loop."""
-    # the batched decode serves dense and MoE blocks; the others run tinygrad's own decode, one stream at a time (which
+    # the batched decode serves dense, MoE and MLA blocks; the others run tinygrad's own decode, one stream at a time (which
     # keeps streams in flight exact trivially)
     if not m.batched: self.sched.decode_mode = "reference"
     self.sched.max_chunk, self.sched.min_chunk, self.sched.is_head = m.max_chunk, m.min_chunk, m.is_head

@@ -223,8 +223,8 @@ def test_sm90_tensor_core_mode_runs_every_projection_on_tensor_cores(tiny, weigh
 @pytest.mark.parametrize("name", ["qwen3moe", "deepseek2", "qwen35"])
 @pytest.mark.parametrize("weights", ["quantized", "float16"])
 def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
-  """Each family's stage (MoE: every graph of the rows path, the routed experts' included; MLA and hybrid: tinygrad's
-  prefill and decode graphs) and each weight form, compiled for sm_90 in-process; the kernels are CUDA C rendered for
+  """Each family's stage (MoE and MLA: every graph of the rows path, the routed experts' and the latent attention's
+  included; hybrid: tinygrad's prefill and decode graphs) and each weight form, compiled for sm_90 in-process; the kernels are CUDA C rendered for
   sm_90 and compiled to PTX by NVRTC."""
   lane_device(SM90.format(0))
   from tinygrad import Device
@@ -240,7 +240,7 @@ def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
   if m.batched:  # the rows path: every decode window, the prompt graphs and the mixed step
     graphs = {f"decode-{w}": j for w, j in m.rows.decode_jits.items()} | {"prefill": m.rows.prefill_jit} | \
              {f"mixed-{w}": j for w, j in m.rows.mixed_jits.items()} | {f"prefill-{r}": j for r, j in m.rows.short_jits.items()}
-    assert name == "qwen3moe" and {"decode-1", "decode-2", "prefill", "mixed-2"} <= set(graphs), sorted(graphs)
+    assert name in ("qwen3moe", "deepseek2") and {"decode-1", "decode-2", "prefill", "mixed-2"} <= set(graphs), sorted(graphs)
   else:
     graphs = m._graphs
     assert sorted(graphs) == ["decode", "prefill"]

@@ -78,14 +78,15 @@ def test_family_configs_exercise_what_they_claim(family_refs):
 
 
 def test_family_stage_warms_up_and_refuses_the_batched_decode(family_paths, family_refs):
-  """An MLA stage decodes per stream even when the batched decode is asked for: warm_up captures tinygrad's T=1 decode
-  (no batch shapes), forward_batch is refused by name, and the warmed-up stage is still exact. Which stages take the
-  rows path is what modelfile.plan.ROWS_ARCHS (the launcher's plan) says."""
+  """A hybrid stage decodes per stream even when the batched decode is asked for: warm_up captures tinygrad's T=1
+  decode (no batch shapes), forward_batch is refused by name, and the warmed-up stage is still exact. Which stages take
+  the rows path is what modelfile.plan.ROWS_ARCHS (the launcher's plan) says."""
   from pyruntime.modelfile.plan import ROWS_ARCHS
-  stages = load_split(family_paths["deepseek2"], [(0, 2), (2, 4)], slots=2, decode="batched")
+  stages = load_split(family_paths["qwen35"], [(0, 2), (2, 4)], slots=2, decode="batched")
   for s in stages: assert not s.batched and s.warm_up() == []
   with pytest.raises(errors.InvalidOption): stages[0].forward_batch([0], np.asarray([5], np.uint32), [1])
-  assert chain(stages, PROMPT, NEW) == family_refs["deepseek2"]["tokens"]
+  want = family_refs["qwen35"]
+  assert chain(stages, list(want["prompt"]), len(want["tokens"])) == want["tokens"]
   for name, path in family_paths.items():
     m = load_split(path, [(0, 1)], decode="batched")[0]
     assert m.batched == (m.arch in ROWS_ARCHS), name

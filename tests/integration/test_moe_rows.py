@@ -1,9 +1,12 @@
-"""Mixture-of-experts blocks on the rows path (pyruntime/stage/compute/experts.py): the rows path's contract for them.
+"""Mixture-of-experts and latent-attention blocks on the rows path (pyruntime/stage/compute/experts.py, rows.py's
+_latent_qk and _attend_latent): the rows path's contract for them.
 
-qwen3moe (softmax over the top k) and glm4moe (a leading dense block, sigmoid routing with an expert bias and scale, a
-gated shared expert), tiny files: a decode row equals a prompt row (keys, values, logits, router logits); a stream's rows
-do not depend on the streams beside it, whatever experts those choose; a mixed step equals its parts apart; a split equals
-one stage, router logits on the boundary included; and greedy tokens equal tinygrad's own model's."""
+qwen3moe (softmax over the top k), glm4moe (a leading dense block, sigmoid routing with an expert bias and scale, a
+gated shared expert) and deepseek2 (MLA with a low-rank query, or without one as DeepSeek-V2-Lite has it; a leading
+dense block, a shared expert), tiny files: a decode row equals a prompt row (keys, values or the latent cache, logits,
+router logits); a stream's rows do not depend on the streams beside it, whatever experts those choose; a mixed step
+equals its parts apart; a split equals one stage, router logits on the boundary included; and greedy tokens equal
+tinygrad's own model's."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,13 +20,16 @@ from tinymodels import TINY_FAMILIES, write_tiny_gguf
 from pyruntime.stage.compute.model import StageModel
 from pyruntime.stage.compute.weights import expert_matrices
 
-MOE = ["qwen3moe", "glm4moe"]
+MOE = ["qwen3moe", "glm4moe", "deepseek2"]
+# DeepSeek-V2-Lite's form of latent attention: the query from its own projection, no low-rank half
+LITE = {**TINY_FAMILIES["deepseek2"], "mla": {**TINY_FAMILIES["deepseek2"]["mla"], "q_lora": 0}}
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict:
   folder = tmp_path_factory.mktemp("moe-rows")
-  return {name: write_tiny_gguf(folder / f"{name}.gguf", **TINY_FAMILIES[name], context=512) for name in MOE}
+  out = {name: write_tiny_gguf(folder / f"{name}.gguf", **TINY_FAMILIES[name], context=512) for name in MOE}
+  return out | {"deepseek2-lite": write_tiny_gguf(folder / "deepseek2-lite.gguf", **LITE, context=512)}
 
 
 def stage(path, start: int = 0, end: int = 4, **kw) -> StageModel:
@@ -35,7 +41,8 @@ def stage(path, start: int = 0, end: int = 4, **kw) -> StageModel:
 # every weight form the experts take (float32 and float16: column blocks; quantized: the file's bytes, dequantised in the
 # kernels), the tensor-core mode, and the CL lane (a GPU-style device: split sums, no buffer views)
 CASES = [("qwen3moe", "float32", None, False), ("glm4moe", "packed", None, False), ("qwen3moe", "float16", None, True),
-         ("glm4moe", "quantized", CL, False)]
+         ("glm4moe", "quantized", CL, False), ("deepseek2", "float32", None, False), ("deepseek2-lite", "packed", None, True),
+         ("deepseek2", "quantized", CL, False)]
 
 
 @pytest.mark.parametrize("name,weights,device,tensor_cores", CASES)
@@ -65,7 +72,7 @@ def test_a_moe_decode_row_equals_its_prompt_row(paths, name, weights, device, te
       assert np.array_equal(bits(a), bits(b)), f"{name}: keys/values at position {p} differ"
 
 
-@pytest.mark.parametrize("name", ["glm4moe"])
+@pytest.mark.parametrize("name", ["glm4moe", "deepseek2"])
 def test_moe_streams_beside_change_no_bit(paths, name):
   """One stream alone (windows of 1 row) and beside up to seven others that route their rows to other experts (windows
   of 2, 4 and 8): the same logits. No sum runs over the rows that chose an expert, so none depends on how many did."""
@@ -112,7 +119,8 @@ def test_a_moe_mixed_step_equals_its_decode_and_prompt_apart(paths, cut):
   assert all(np.array_equal(bits(ra[s]), bits(rb[s])) for s in ra) and (m.is_tail or ra[2].shape == (45, 8))
 
 
-@pytest.mark.parametrize("name,ranges", [("qwen3moe", [(0, 1), (1, 4)]), ("glm4moe", [(0, 2), (2, 3), (3, 4)])])
+@pytest.mark.parametrize("name,ranges", [("qwen3moe", [(0, 1), (1, 4)]), ("glm4moe", [(0, 2), (2, 3), (3, 4)]),
+                                         ("deepseek2", [(0, 2), (2, 3), (3, 4)]), ("deepseek2-lite", [(0, 3), (3, 4)])])
 def test_moe_splits_equal_one_stage_and_tinygrads_tokens(paths, name, ranges):
   """Every split of the rows path gives the unsplit stage's logits bit for bit and tinygrad's own greedy tokens on both
   test prompts; the router logits a cut carries are the last MoE block's before it, as tinygrad's model computes them

@@ -51,7 +51,7 @@ def position_kv(m: StageModel, slot: int, pos: int) -> list[np.ndarray]:
   out = []
   for k, v in m.rows.caches:
     out.append(m.rows.key_view(k).numpy()[slot, :, :, pos].copy())
-    out.append(m.rows.value_view(v).numpy()[slot, :, pos, :].copy())
+    if v is not None: out.append(m.rows.value_view(v).numpy()[slot, :, pos, :].copy())  # latent attention: one cache
   return out
 
 

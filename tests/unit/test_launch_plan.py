@@ -77,10 +77,11 @@ def test_tensor_cores_reach_every_role_and_are_refused_where_they_cannot_hold(ll
   for bad in ({"weights": "float32"}, {"decode": "reference"}, {"tensor_cores": "yes"}):
     with pytest.raises(errors.InvalidOption) as e: plan(llama, devices="CPU", **{"tensor_cores": "on", **bad})
     assert e.value.field == "tensor_cores"
-  moe = write_tiny_gguf(tmp_path / "moe.gguf", **TINY_FAMILIES["qwen3moe"])  # on the rows path: the mode holds
-  assert plan(moe, devices="CPU", tensor_cores="on").role(0)["tensor_cores"] is True
-  mla = write_tiny_gguf(tmp_path / "mla.gguf", **TINY_FAMILIES["deepseek2"])  # tinygrad's own kernels: refused by name
-  with pytest.raises(errors.InvalidOption, match="rows path"): plan(mla, devices="CPU", tensor_cores="on")
+  for name in ("qwen3moe", "deepseek2"):  # MoE and MLA: on the rows path, the mode holds
+    routed = write_tiny_gguf(tmp_path / f"{name}.gguf", **TINY_FAMILIES[name])
+    assert plan(routed, devices="CPU", tensor_cores="on").role(0)["tensor_cores"] is True
+  hybrid = write_tiny_gguf(tmp_path / "hybrid.gguf", **TINY_FAMILIES["qwen35"])  # tinygrad's own kernels: refused by name
+  with pytest.raises(errors.InvalidOption, match="rows path"): plan(hybrid, devices="CPU", tensor_cores="on")
 
 
 def test_micro_batches_only_for_stages_on_devices_of_their_own(llama):

@@ -137,10 +137,12 @@ def test_the_prefix_cache_keeps_no_rejected_draft(plain, spec):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family,split", [("qwen2", [(0, 1), (1, 3), (3, 4)]), ("qwen3", [(0, 3), (3, 5)]), ("glm4moe", [(0, 2), (2, 4)])])
+@pytest.mark.parametrize("family,split", [("qwen2", [(0, 1), (1, 3), (3, 4)]), ("qwen3", [(0, 3), (3, 5)]), ("glm4moe", [(0, 2), (2, 4)]),
+                                         ("deepseek2", [(0, 3), (3, 4)])])
 def test_families_and_splits_speculate_exactly(tmp_path, family, split):
-  """Dense families and a MoE one (glm4moe: a leading dense block, routed experts with expert bias, a gated shared
-  expert) speculate on the rows path, split, and give plain decoding's tokens."""
+  """Dense families, a MoE one (glm4moe: a leading dense block, routed experts with expert bias, a gated shared expert)
+  and an MLA one (deepseek2: the latent cache rewound with the draft) speculate on the rows path, split, and give plain
+  decoding's tokens."""
   path = write_tiny_gguf(tmp_path / f"{family}.gguf", **{**TINY_MODELS, **TINY_FAMILIES}[family])
   with Launcher(path, split=split, max_context=256, speculative="ngram") as lm:
     rounds = 0

@@ -92,7 +92,7 @@ def model_config(header: GGUFHeader, max_context: int | None = None) -> Transfor
 
 
 def family(cfg: TransformerConfig) -> str:
-  """dense (llama / qwen2 / qwen3 blocks), else what the model adds to them; the rows path serves dense and moe."""
+  """dense (llama / qwen2 / qwen3 blocks), else what the model adds to them; the rows path serves dense, moe and mla."""
   if cfg.ssm: return "hybrid"
   if cfg.kv_lora_rank: return "mla"
   return "moe" if cfg.num_experts else "dense"
@@ -183,9 +183,9 @@ class StageModel:
     self.recurrent = cfg.ssm is not None
     self.chunk = 1 if self.recurrent else PREFILL_CHUNK  # tinygrad's prefill chunk (the rows path takes up to MAX_ROWS)
     # the rows path (pyruntime/stage/compute/rows.py: prompt and decode rows through the same kernels, many streams per step) is
-    # written for attention blocks with a dense or routed feed-forward (experts.py); MLA and recurrent blocks, and
-    # decode="reference", run tinygrad's own prefill and T=1 decode per stream
-    self.batched = self.family in ("dense", "moe") and decode == "batched"
+    # written for attention blocks (latent attention included) with a dense or routed feed-forward (experts.py);
+    # recurrent blocks, and decode="reference", run tinygrad's own prefill and T=1 decode per stream
+    self.batched = self.family in ("dense", "moe", "mla") and decode == "batched"
     self.half = bool(getenv("HALF", 1))  # the reference casts every weight to float16 unless HALF=0
 
     self.weights = weights or ("float16" if getenv("REALIZE", 0) else getenv("PYRUNTIME_WEIGHTS", "quantized"))
@@ -193,7 +193,7 @@ class StageModel:
     # the tensor-core mode (docs/prompt-path.md, "Tensor cores"): the rows path's projections of float16 activations
     self.tensor_cores = bool(tensor_cores)
     if self.tensor_cores and not self.batched:
-      raise errors.InvalidOption("tensor_cores", "needs the rows path (decode='batched' and a dense or MoE model; "
+      raise errors.InvalidOption("tensor_cores", "needs the rows path (decode='batched' and a dense, MoE or MLA model; "
                                  f"this stage: {self.family}, {decode})")
     if self.tensor_cores and (self.weights == "float32" or not self.half):
       raise errors.InvalidOption("tensor_cores", "needs float16 weights (weights 'float16', 'packed' or 'quantized', and not HALF=0), "
@@ -349,7 +349,7 @@ class StageModel:
   # --- the rows path (pyruntime/stage/compute/rows.py) ---------------------------------------------------------------
   def _check_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> None:
     if self.rows is None:
-      raise errors.InvalidOption("decode", f"the batched decode serves dense and MoE models; {self.arch} ({self.family}) decodes per stream")
+      raise errors.InvalidOption("decode", f"the batched decode serves dense, MoE and MLA models; {self.arch} ({self.family}) decodes per stream")
     if not slots: raise errors.ActivationExtentInvalid("a batch needs at least one row")
     if len(set(slots)) != len(slots): raise errors.SlotInvalid(f"a batch names a KV slot twice: {slots}")
     for i, (slot, p) in enumerate(zip(slots, positions, strict=True)):
@@ -494,10 +494,7 @@ class StageModel:
     function of positions alone, so no prefix of it can be taken or given."""
     if self.recurrent: return None
     if self.rows is None and not device_memory.has_views(self.device): return None  # a tensor per slot (_kv_caches): not yet
-    if self.rows is not None:
-      c, r = self.config, self.rows
-      return [st for k, v in r.caches for st in ((k, r.slots + 1, (c.n_kv_heads, c.head_dim, r.length), 2),
-                                                  (v, r.slots + 1, (c.n_kv_heads, r.length, c.head_dim), 1))]
+    if self.rows is not None: return self.rows.position_states()
     out = []
     for t, (_, shape, _) in zip(self._kv_caches(), self._specs(), strict=True):
       one = list(shape)

@@ -1,4 +1,4 @@
-"""The batched path of a dense or MoE stage: prompt rows and decode rows through the same kernels, with the same bits.
+"""The batched path of a dense, MoE or MLA stage: prompt rows and decode rows through the same kernels, with the same bits.
 
 Every position a stream computes (a prompt token, a decode token, later a drafted token under verification) is a
 row, and a row's numbers depend on nothing but its stream: its input, its position and the keys and values its
@@ -20,6 +20,12 @@ before anything reads them) and the attended length to KV_UNIT, so that the sche
 the CPU's threads and vector lanes. The caches are laid out for this path: keys transposed, (slot, kv head, head
 dim, position), so a row's scores for VEC consecutive positions come from one vector load; values (slot, kv head,
 position, head dim). They hold float32 whatever the weights (tinygrad's default float), and are not zeroed.
+
+Latent attention (MLA, deepseek2) is absorbed, as tinygrad's MLATransformerBlock computes it, for prompt and decode rows
+alike: a row's query heads are taken into the latent space (q_nope through attn_k_b) and scored against one cache of
+(kv_lora_rank + rope_dim) per position, the normed latent and the rotary key; the values are the latent part of the same
+cache (no second copy), and each head's weighted latent leaves through attn_v_b. The cache is the key cache of one kv
+head, so everything that moves keys (writes, scatters, the prefix cache's blocks) moves the latent unchanged.
 """
 from __future__ import annotations
 
@@ -80,6 +86,12 @@ def _tensor_core_rows(x: Tensor, product) -> Tensor:
   return y[:n].reshape(*lead, y.shape[-1])
 
 
+def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+  """apply_rope's rotation of t's last axis (its halves), each row by its own position's cos and sin."""
+  t1, t2 = t.chunk(2, dim=-1)
+  return (t1 * cos - t2 * sin).cat(t2 * cos + t1 * sin, dim=-1)
+
+
 def _blocked_product(x: Tensor, wb: Tensor | PackedMatrix, tc: bool) -> Tensor:
   """x (..., K) times the column blocks wb (outputs / VEC, K, VEC): (..., outputs), one sum over K per output."""
   if tc: return _tensor_core_rows(x, lambda r: _blocked_product(r, wb, False))
@@ -138,13 +150,17 @@ def _scatter(flat: Tensor, rows: Tensor, at: Tensor, stride_a: int, stride_b: in
 
 
 class RowPath:
-  """The prefill and decode graphs of one StageModel (dense and MoE blocks), and the caches they share. Its length (~370 lines,
+  """The prefill and decode graphs of one StageModel (dense, MoE and MLA blocks), and the caches they share. Its length (~370 lines,
   ~30 attributes) is those shared buffers (keys and values, positions, masks, staging) and the graphs captured over
   them: one object, since every graph closes over the same buffers."""
 
   def __init__(self, m: Any):  # the StageModel that owns this path (model.py imports this module, not the reverse)
     self.m, cfg = m, m.config
     self.slots = m.slots
+    # a block's cache: keys (kv heads, key width, positions) and values (kv heads, positions, head dim); with latent
+    # attention one cache of one head (kv_lora_rank + rope_dim, positions) whose latent rows are also the values
+    self.latent = cfg.kv_lora_rank > 0
+    self.kv_heads, self.key_dim = (1, cfg.kv_lora_rank + cfg.rope_dim) if self.latent else (cfg.n_kv_heads, cfg.head_dim)
     self.length = _round(cfg.max_context + MAX_ROWS, KV_UNIT)  # a chunk's padding rows may run past the context
     self.v_rows = UOp.variable("rows16", 1, MAX_ROWS // ROW_UNIT)
     self.v_kv = UOp.variable("kv32", 1, self.length // KV_UNIT)
@@ -170,42 +186,47 @@ class RowPath:
     self.mixed_in, self.mixed_pos = m._empty((n, width), dt), m._empty((n,), dtypes.int32)
     self.mixed_rope = m._empty((n, cfg.rope_dim), dtypes.float32)
     self.mixed_at_k, self.mixed_at_v = m._empty((n,), dtypes.int32), m._empty((n,), dtypes.int32)
-    self.joins = [m._empty((1, n, cfg.n_heads * cfg.head_dim), dtypes.float32) for _ in m.blk]
+    self.joins = [m._empty((1, n, cfg.n_heads * cfg.v_head_dim), dtypes.float32) for _ in m.blk]
     self.tail_join = m._empty((1, self.slots + ROW_UNIT, cfg.dim), dtypes.float32) if m.is_tail else None
     for t in (self.prefill_in, self.decode_in): t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))  # padding rows read zeros
     self.arange = Tensor.arange(self.length, dtype=dtypes.int32, device=m.device).contiguous().realize()
-    self._caches: list[tuple[Tensor, Tensor]] | None = None
+    self._caches: list[tuple[Tensor, Tensor | None]] | None = None
     self.router_rows: Tensor | None = None  # while a graph is traced: its router block's logits (_blocks)
     self.router: np.ndarray | None = None  # the last call's router logits, every row of its graph (_result)
 
   # --- caches ------------------------------------------------------------------------------------
   @property
-  def caches(self) -> list[tuple[Tensor, Tensor]]:
-    """Per block, flat: keys (slots + 1, kv heads, head dim, positions) and values (slots + 1, kv heads, positions, head
-    dim). The last slot takes a decode window's filler rows' writes (never read)."""
+  def caches(self) -> list[tuple[Tensor, Tensor | None]]:
+    """Per block, flat: keys (slots + 1, kv heads, key width, positions) and values (slots + 1, kv heads, positions, head
+    dim); with latent attention the latent cache and None. The last slot takes a decode window's filler rows' writes
+    (never read)."""
     if self._caches is None:
       self._caches = []
       for _ in self.m.blk:
         # not zeroed: a position no row may see is masked out of the scores and the values (_attend), so whatever bytes it
         # holds never reach a sum, and the pages are only touched once a stream gets that far
-        self._caches.append((self.m._empty((self.cache_elems,), dtypes.float32), self.m._empty((self.cache_elems,), dtypes.float32)))
+        keys = self.m._empty((self.cache_elems,), dtypes.float32)
+        self._caches.append((keys, None if self.latent else self.m._empty((self.cache_elems,), dtypes.float32)))
     return self._caches
 
   @property
-  def cache_elems(self) -> int:
-    c = self.m.config
-    return (self.slots + 1) * c.n_kv_heads * c.head_dim * self.length
+  def cache_elems(self) -> int: return (self.slots + 1) * self.kv_heads * self.key_dim * self.length
 
-  def key_view(self, k: Tensor) -> Tensor:
-    c = self.m.config
-    return k.reshape(self.slots + 1, c.n_kv_heads, c.head_dim, self.length)
+  def position_states(self) -> list[tuple[Tensor, int, tuple[int, ...], int]]:
+    """The caches as the prefix cache's blocks take them (kv_blocks.KVBlocks): (tensor, slots, one slot's shape, its
+    position axis)."""
+    c, n = self.m.config, self.slots + 1
+    keys = [(k, n, (self.kv_heads, self.key_dim, self.length), 2) for k, _ in self.caches]
+    return keys + [(v, n, (c.n_kv_heads, self.length, c.head_dim), 1) for _, v in self.caches if v is not None]
+
+  def key_view(self, k: Tensor) -> Tensor: return k.reshape(self.slots + 1, self.kv_heads, self.key_dim, self.length)
 
   def value_view(self, v: Tensor) -> Tensor:
     c = self.m.config
     return v.reshape(self.slots + 1, c.n_kv_heads, self.length, c.head_dim)
 
   @property
-  def cache_bytes(self) -> int: return sum(k.nbytes() + v.nbytes() for k, v in self._caches or [])
+  def cache_bytes(self) -> int: return sum(t.nbytes() for kv in self._caches or [] for t in kv if t is not None)
 
   def prefill_graph(self) -> TinyJit:
     if self.prefill_jit is None: self.prefill_jit = self.m._jit("rows-prefill", self._prefill_graph)
@@ -233,26 +254,50 @@ class RowPath:
            "rows.mixed_at_k": self.mixed_at_k, "rows.mixed_at_v": self.mixed_at_v}
     out.update({f"rows.join.{i}": t for i, t in enumerate(self.joins)})
     if self.tail_join is not None: out["rows.tail_join"] = self.tail_join
-    for i, (k, v) in enumerate(self.caches): out.update({f"rows.k.{i}": k, f"rows.v.{i}": v})
+    for i, (k, v) in enumerate(self.caches): out.update({f"rows.k.{i}": k} | ({} if v is None else {f"rows.v.{i}": v}))
     return out
 
   # --- one layer, shared by both graphs ---------------------------------------------------------------
-  def _qkv(self, b: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+  def _qkv(self, b: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """TransformerBlock._attention's projections, norms and rotary embedding for x (B, T, dim), each row at its own
-    position (cos, sin: (B, 1, T, rope_dim / 2)). Returns q (B, H, T, Hd), k and v (B, KvH, T, Hd)."""
+    position (cos, sin: (B, 1, T, rope_dim / 2)). Returns q (B, H, T, Hd), k and v (B, KvH, T, Hd); with latent
+    attention _latent_qk's q and k, and no v."""
     c = b.config
     B, T, _ = x.shape
     x = x.contiguous()  # normed: see _blocks
+    if self.latent: return (*self._latent_qk(b, x, cos, sin), None)
     q, k, v = _projections(b, x, "rows_qkv", ("attn_q", "attn_k", "attn_v"), self.m.tensor_cores)
     if c.qk_norm and c.qk_norm != c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
     q = q.reshape(B, T, c.n_heads, c.head_dim).transpose(1, 2)
     k = k.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
     v = v.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
     if c.qk_norm == c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
-    def rope(t: Tensor) -> Tensor:
-      t1, t2 = t[..., :c.rope_dim].chunk(2, dim=-1)
-      return (t1 * cos - t2 * sin).cat(t2 * cos + t1 * sin, dim=-1).cat(t[..., c.rope_dim:], dim=-1)
+    def rope(t: Tensor) -> Tensor: return _rotate(t[..., :c.rope_dim], cos, sin).cat(t[..., c.rope_dim:], dim=-1)
     return rope(q).contiguous(), rope(k), v
+
+  def _latent_qk(self, b: Any, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """MLATransformerBlock._attention's query and cache row for x (B, T, dim): q (B, H, T, kv_lora_rank + rope_dim), the
+    non-rotary part of each head taken into the latent space through attn_k_b, and k (B, 1, T, kv_lora_rank +
+    rope_dim), the normed latent beside the shared rotary key."""
+    c, tc = b.config, self.m.tensor_cores
+    B, T, _ = x.shape
+    nope = c.head_dim - c.rope_dim
+    if c.q_lora_rank:
+      qa, kv_a = _projections(b, x, "rows_q_a_kv_a", ("attn_q_a", "attn_kv_a_mqa"), tc)
+      qp = _linear(b.attn_q_b, b.attn_q_a_norm(qa).contiguous(), tc)  # the norm's row factor stays out of q_b's sums
+    else: qp, kv_a = _projections(b, x, "rows_q_kv_a", ("attn_q", "attn_kv_a_mqa"), tc)
+    q = qp.reshape(B, T, c.n_heads, c.head_dim).transpose(1, 2).contiguous()
+    q = (q[..., :nope] @ b.attn_k_b["weight"].transpose(-1, -2)).cat(_rotate(q[..., nope:], cos, sin), dim=-1).contiguous()
+    latent = b.attn_kv_a_norm(kv_a[..., :c.kv_lora_rank]).reshape(B, 1, T, c.kv_lora_rank)
+    k_rope = _rotate(kv_a[..., c.kv_lora_rank:].reshape(B, T, 1, c.rope_dim).transpose(1, 2), cos, sin)
+    return q, latent.cat(k_rope, dim=-1)
+
+  def _attend_cache(self, b: Any, q: Tensor, kc: Tensor, vc: Tensor | None, lo: Any, n: int, pos: Tensor, kv: UOp | int) -> Tensor:
+    """The attention of q over slots lo..lo+n of the caches (kc, vc), their first kv positions: _attend, or with latent
+    attention _attend_latent."""
+    keys = self.key_view(kc)[lo:lo + n, :, :, :kv]
+    if vc is None: return self._attend_latent(b, q, keys, pos, kv)
+    return self._attend(b, q, keys, self.value_view(vc)[lo:lo + n, :, :kv, :], pos, kv)
 
   def _attend(self, b: TransformerBlock, q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, kv: UOp | int) -> Tensor:
     """Scaled dot-product attention of q (B, H, T, Hd) over keys (B, KvH, Hd, kv) and values (B, KvH, kv, Hd), row
@@ -274,6 +319,23 @@ class RowPath:
     # G, Hd) axes when T > 1 and over one axis when T = 1, and a split sum (loop_schedules._fixed_groups, devices with
     # local memory) cuts those differently; as one axis it is cut alike in every graph
     return out.reshape(B, c.n_kv_heads, G, T, Hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.n_heads * Hd).contiguous()
+
+  def _attend_latent(self, b: Any, q: Tensor, cache: Tensor, pos: Tensor, kv: UOp | int) -> Tensor:
+    """MLATransformerBlock's absorbed attention of q (B, H, T, kv_lora_rank + rope_dim) over the latent cache (B, 1,
+    kv_lora_rank + rope_dim, kv), row (b, t) seeing positions 0..pos[b, t]; the scale a product as tinygrad writes it,
+    masked scores replaced (as _attend). The weighted latent (B, H, T, kv_lora_rank) of each head through attn_v_b.
+    Returns (B, T, H * v_head_dim)."""
+    c = b.config
+    B, H, T, width = q.shape
+    scores = q.reshape(B, 1, H * T, width).matmul(cache, dtype=dtypes.float32) * (1.0 / c.head_dim ** 0.5)  # (B, 1, H*T, kv)
+    seen = self.arange[:kv].reshape(1, 1, 1, kv)
+    hidden = seen > pos.reshape(B, 1, 1, T, 1).expand(B, 1, H, T, 1).reshape(B, 1, H * T, 1)
+    w = hidden.where(float("-inf"), scores).softmax(-1).contiguous()
+    last = pos.reshape(B, 1, T).max(-1).reshape(B, 1, 1, 1)
+    values = cache[:, :, :c.kv_lora_rank, :].transpose(-1, -2)  # (B, 1, kv, kv_lora_rank): the latent rows, read in place
+    latent = (w @ (self.arange[:kv].reshape(1, 1, kv, 1) > last).where(0.0, values)).reshape(B, H, T, c.kv_lora_rank).contiguous()
+    out = latent @ b.attn_v_b["weight"].transpose(-1, -2)  # (B, H, T, v_head_dim)
+    return out.permute(0, 2, 1, 3).reshape(B, T, H * c.v_head_dim).contiguous()
 
   def _blocks(self, x: Tensor, attention) -> Tensor:
     """x through the stage's blocks; `attention(block, normed x)` is the graph's attention (write, then attend). The
@@ -361,16 +423,19 @@ class RowPath:
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
       q, k, v = self._qkv(b, x, cos, sin)
       kc, vc = self._write_rows(b.rows_k, b.rows_v, k, v, slot, start, R)
-      return self._attend(b, q, self.key_view(kc)[slot:slot + 1, :, :, :kv], self.value_view(vc)[slot:slot + 1, :, :kv, :], p, kv)
+      return self._attend_cache(b, q, kc, vc, slot, 1, p, kv)
     x = self._blocks(self._ingress(inp, R, 1, R), attention)
     if self.m.is_tail and isinstance(rows, UOp): x = x[:, R - ROW_UNIT:R]  # the last real row is among the last ROW_UNIT (ROWS rows would do too)
     return self._egress(x)
 
-  def _write_rows(self, kc: Tensor, vc: Tensor, k: Tensor, v: Tensor, slot: UOp, start: UOp, R: UOp) -> tuple[Tensor, Tensor]:
+  def _write_rows(self, kc: Tensor, vc: Tensor | None, k: Tensor, v: Tensor | None, slot: UOp, start: UOp, R: UOp) -> tuple[Tensor, Tensor | None]:
     """The flat caches after rows k, v (1, KvH, R, Hd) of one stream went into consecutive positions start.. of its slot;
     the padding rows' too (read by no row before a later one overwrites them)."""
-    kd, vd = self.key_view(kc)[slot:slot + 1, :, :, start:start + R], self.value_view(vc)[slot:slot + 1, :, start:start + R, :]
-    return Tensor(kc.uop.after(kd.uop.store(k.transpose(2, 3).uop))), Tensor(vc.uop.after(vd.uop.store(v.uop)))
+    kd = self.key_view(kc)[slot:slot + 1, :, :, start:start + R]
+    kc = Tensor(kc.uop.after(kd.uop.store(k.transpose(2, 3).uop)))
+    if vc is None: return kc, None
+    vd = self.value_view(vc)[slot:slot + 1, :, start:start + R, :]
+    return kc, Tensor(vc.uop.after(vd.uop.store(v.uop)))
 
   def prefill(self, slot: int, inp: np.ndarray, start: int, every_row: bool = False) -> Tensor:
     """Rows inp (T tokens or (T, dim)) of the stream in `slot` at positions start..start+T-1, T <= MAX_ROWS. Returns,
@@ -419,16 +484,17 @@ class RowPath:
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
       q, k, v = self._qkv(b, x, cos, sin)
       kc, vc = self._scatter_rows(b.rows_k, b.rows_v, k, v, ak, av)
-      return self._attend(b, q, self.key_view(kc)[lo:lo + W, :, :, :kv], self.value_view(vc)[lo:lo + W, :, :kv, :], p, kv)
+      return self._attend_cache(b, q, kc, vc, lo, W, p, kv)
     return self._egress(self._blocks(self._ingress(inp, W, W, 1), attention))
 
-  def _scatter_rows(self, kc: Tensor, vc: Tensor, k: Tensor, v: Tensor, ak: Tensor, av: Tensor) -> tuple[Tensor, Tensor]:
+  def _scatter_rows(self, kc: Tensor, vc: Tensor | None, k: Tensor, v: Tensor | None, ak: Tensor, av: Tensor) -> tuple[Tensor, Tensor | None]:
     """The flat caches after each decode row's key and value (k, v: (W, KvH, 1, Hd)) went into its own slot at its own
     position (a filler's into the spare slot): element offsets ak, av."""
-    c = self.m.config
     W = k.shape[0]
-    return (_scatter(kc, k.reshape(W, c.n_kv_heads, c.head_dim), ak, c.head_dim * self.length, self.length),
-            _scatter(vc, v.reshape(W, c.n_kv_heads, c.head_dim), av, self.length * c.head_dim, 1))
+    kc = _scatter(kc, k.reshape(W, self.kv_heads, self.key_dim), ak, self.key_dim * self.length, self.length)
+    if vc is None: return kc, None
+    c = self.m.config
+    return kc, _scatter(vc, v.reshape(W, c.n_kv_heads, c.head_dim), av, self.length * c.head_dim, 1)
 
   def window(self, slots: list[int]) -> tuple[int, int]:
     """(first slot, rows) of the decode window holding `slots`: the smallest power of two of consecutive slots from the
@@ -487,10 +553,9 @@ class RowPath:
       # (a custom kernel takes fixed shapes: the rows, computed, then padded to W + MAX_ROWS, the padding written into the
       # spare slot)
       full = lambda t: t.permute(2, 1, 0, 3).contiguous().pad(((0, MAX_ROWS - R), None, None, None))  # noqa: E731
-      kc, vc = self._scatter_rows(b.rows_k, b.rows_v, full(k), full(v), ak, av)
-      dec = self._attend(b, rows(q), self.key_view(kc)[lo:lo + W, :, :, :kv], self.value_view(vc)[lo:lo + W, :, :kv, :], pd, kv)
-      pre = self._attend(b, q[:, :, W:W + R], self.key_view(kc)[slot:slot + 1, :, :, :kvp], self.value_view(vc)[slot:slot + 1, :, :kvp, :],
-                         pp, kvp)
+      kc, vc = self._scatter_rows(b.rows_k, b.rows_v, full(k), None if v is None else full(v), ak, av)
+      dec = self._attend_cache(b, rows(q), kc, vc, lo, W, pd, kv)
+      pre = self._attend_cache(b, q[:, :, W:W + R], kc, vc, slot, 1, pp, kvp)
       return _join(b.rows_join, [(dec.reshape(1, W, -1), 0, W), (pre, W, R)])
     x = self._blocks(self._ingress(inp, W + R, 1, W + R), attention)
     if self.m.is_tail: x = _join(self.tail_join, [(x[:, :W], 0, W), (x[:, W + R - ROW_UNIT:W + R], W, ROW_UNIT)])
@@ -537,7 +602,7 @@ class RowPath:
     in the value cache (_scatter_rows adds the rest)."""
     c, L = self.m.config, self.length
     slots, positions = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
-    return ((slots * c.n_kv_heads * c.head_dim * L + positions).astype(np.int32),
+    return ((slots * self.kv_heads * self.key_dim * L + positions).astype(np.int32),
             (slots * c.n_kv_heads * L * c.head_dim + positions * c.head_dim).astype(np.int32))
 
   def rows_of(self, batch: Tensor, slots: list[int], lo: int | None = None) -> list[Tensor]:

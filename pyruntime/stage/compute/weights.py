@@ -47,7 +47,9 @@ def new_block(cfg: TransformerConfig, i: int) -> FFNBlock:
 # Projections that read the same input, kept as one column-blocked matrix: the rows path computes them in one kernel
 # (rows._projections). Each output's sum is the one it was alone (same inputs, same order), so the bits do not change.
 FUSED = {"rows_qkv": ("attn_q", "attn_k", "attn_v"), "rows_gate_up": ("ffn_gate", "ffn_up"),
-         "rows_shexp_gate_up": ("ffn_gate_shexp", "ffn_up_shexp")}
+         "rows_shexp_gate_up": ("ffn_gate_shexp", "ffn_up_shexp"),
+         # latent attention's query (or its low-rank first half) beside the latent and rotary key
+         "rows_q_kv_a": ("attn_q", "attn_kv_a_mqa"), "rows_q_a_kv_a": ("attn_q_a", "attn_kv_a_mqa")}
 
 
 def fuse_projections(b: Any, device: str) -> None:
@@ -86,9 +88,10 @@ def held_buffers(lin: Any, p: Tensor) -> list[Tensor]:
   return held.buffers() if isinstance(held, PackedMatrix) else [held]
 
 
-# a MoE block's router and shared expert are dense projections too (its routed experts are not: experts.py)
+# a MoE block's router and shared expert are dense projections too (its routed experts are not: experts.py), and so are
+# latent attention's (its per-head attn_k_b and attn_v_b are not: rows._latent_qk, rows._attend_latent)
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_shexp",
-               "ffn_up_shexp", "ffn_down_shexp")
+               "ffn_up_shexp", "ffn_down_shexp", "attn_q_a", "attn_q_b", "attn_kv_a_mqa")
 
 
 def linears(b: FFNBlock) -> list[nn.Linear]:

@@ -1,11 +1,15 @@
 """Logits against a float64 reference: how far each way of computing the model lands from exact arithmetic.
 
-  python bench/exactness.py [--model PATH] [--tokens 64] [--devices CPU,CL] [--no-llama] [--json]
+  python bench/exactness.py [--model PATH | --family llama|qwen3moe|glm4moe|deepseek2] [--tokens 64] [--devices CPU,CL]
+                            [--no-llama] [--json]
 
 The reference is the model's own arithmetic done in float64 with numpy: the same weight values the stages hold (every
 tensor dequantised and rounded to float16, as the reference model tinygrad follows rounds them: HALF=1), embedding,
-RMS norms, rotary embedding, causal grouped-query attention, SwiGLU, the vocabulary's projection. Sides, on the same
-tokens (a fixed text, the first `--tokens` of it), each logit of every position compared:
+RMS norms, rotary embedding (partial where the file says), causal grouped-query attention, SwiGLU, the vocabulary's
+projection; for mixture-of-experts blocks the routing as tinygrad's model defines it (softmax over the top k or over all
+experts, or sigmoid with an expert bias; renormalisation; scale), the chosen experts and the shared expert with its gate;
+for latent attention (MLA) the latent and rotary key, each head's keys and values through attn_k_b and attn_v_b. Sides,
+on the same tokens (a fixed text, the first `--tokens` of it), each logit of every position compared:
 
 - **pyruntime float32**: the batched path with float32 weights (packed and float16 weights give these bits:
   tests/integration/test_rows.py), float32 activations and sums.
@@ -13,13 +17,17 @@ tokens (a fixed text, the first `--tokens` of it), each logit of every position 
   float32 (docs/prompt-path.md, "Tensor cores"). Off a GPU with tensor cores the sums run in order; on one, in the
   tile's order: the same rounding of the inputs, so the same size of error (bench/gpu_check.sh times and checks it on
   a lent GPU).
+- **tinygrad's own** (`Transformer.from_gguf`, its blocks over the whole prompt at once, as its `generate` prefills): the
+  model pyruntime's contract is measured against. Where the rows path's bits differ from it (every MoE and MLA family's
+  do, in the last bits), the rows path must be no further from float64 than it.
 - **llama.cpp** (llama-cpp-python, the benchmark-only peer; `--no-llama` leaves it out): its own kernels, which round
   activations to int8 for the quantized weights' dot products. It holds the file's weight values unrounded, so its
   reference is the float64 arithmetic on those.
 - **... vs file**: a side against the float64 arithmetic on the file's own unrounded values (the model as its file
   holds it): for pyruntime, its arithmetic's error plus the contract's float16 rounding of every weight.
 
-For each: the largest and the root-mean-square difference from the reference over all logits, that RMS as a multiple
+`--family` writes a random model of that family with bench/families.py (its `small` size: dim 512, 8 blocks, Q8_0)
+instead of reading one. For each side: the largest and the root-mean-square difference from the reference over all logits, that RMS as a multiple
 of pyruntime float32's, and the share of positions whose likeliest token is the reference's.
 """
 from __future__ import annotations
@@ -65,8 +73,74 @@ def _rope(x: np.ndarray, pos: np.ndarray, theta: float, neox: bool) -> np.ndarra
   return np.concatenate([ra, rb], -1) if neox else np.stack([ra, rb], -1).reshape(x.shape)
 
 
+def _softmax(s: np.ndarray) -> np.ndarray:
+  p = np.exp(s - s.max(-1, keepdims=True))
+  return p / p.sum(-1, keepdims=True)
+
+
+def _silu(x: np.ndarray) -> np.ndarray: return x / (1 + np.exp(-x))
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+  """Causal attention of q (T, H, d) over k (T, H, d) and v (T, H, dv): (T, H * dv)."""
+  T = q.shape[0]
+  s = np.einsum("thd,shd->hts", q, k) * scale + np.triu(np.full((T, T), -np.inf), 1)
+  return np.einsum("hts,shd->thd", _softmax(s), v).reshape(T, -1)
+
+
+def _routed(w: dict[str, np.ndarray], kv: dict, arch: str, b: str, h: np.ndarray) -> np.ndarray:
+  """A MoE block's feed-forward of rows h (T, dim) as tinygrad's FFNBlock defines it: the router's choice of k experts
+  (top k of the logits, or of sigmoid + expert bias), their weights (softmax over the k or over every expert then
+  gathered; sigmoid; renormalised where the file says; times the scale), the experts' SwiGLU products, and the shared
+  expert times its sigmoid gate."""
+  logits = h @ w[f"{b}.ffn_gate_inp.weight"].T  # (T, E)
+  k = int(kv[f"{arch}.expert_used_count"])
+  norm, scale = kv.get(f"{arch}.expert_weights_norm", arch in ("qwen3moe", "qwen35moe")), float(kv.get(f"{arch}.expert_weights_scale", 1.0))
+  if (bias := w.get(f"{b}.exp_probs_b.bias")) is not None:
+    probs = 1 / (1 + np.exp(-logits))
+    sel = np.argsort(-(probs + bias), axis=-1, kind="stable")[:, :k]
+    p = np.take_along_axis(probs, sel, -1)
+    if norm: p = p / p.sum(-1, keepdims=True)
+  else:
+    sel = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    p = _softmax(np.take_along_axis(logits, sel, -1)) if norm else np.take_along_axis(_softmax(logits), sel, -1)
+  p = p * scale
+  gate, up, down = (w[f"{b}.ffn_{n}_exps.weight"] for n in ("gate", "up", "down"))  # (E, out, in)
+  out = np.zeros_like(h)
+  for t in range(len(h)):
+    for j, e in enumerate(sel[t]):
+      out[t] += p[t, j] * (down[e] @ (_silu(gate[e] @ h[t]) * (up[e] @ h[t])))
+  if f"{b}.ffn_gate_shexp.weight" in w:
+    shared = (_silu(h @ w[f"{b}.ffn_gate_shexp.weight"].T) * (h @ w[f"{b}.ffn_up_shexp.weight"].T)) @ w[f"{b}.ffn_down_shexp.weight"].T
+    if (g := w.get(f"{b}.ffn_gate_inp_shexp.weight")) is not None: shared = shared / (1 + np.exp(-(h @ g.reshape(-1))))[:, None]
+    out = out + shared
+  return out
+
+
+def _latent_attention(w: dict[str, np.ndarray], kv: dict, arch: str, b: str, h: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
+  """MLA (deepseek2) of rows h (T, dim): the query (through its low-rank half and norm where the file has one), the
+  normed latent and the shared rotary key, each head's keys and values from the latent (attn_k_b, attn_v_b), scaled by
+  1/sqrt(key length). The rotary parts are in the file's pair order (tinygrad permutes them to halves: the same
+  numbers)."""
+  eps, H = float(kv[f"{arch}.attention.layer_norm_rms_epsilon"]), int(kv[f"{arch}.attention.head_count"])
+  lora, rd = int(kv[f"{arch}.attention.kv_lora_rank"]), int(kv[f"{arch}.rope.dimension_count"])
+  T = len(h)
+  if f"{b}.attn_q_a.weight" in w:
+    q = _norm(h @ w[f"{b}.attn_q_a.weight"].T, w[f"{b}.attn_q_a_norm.weight"], eps) @ w[f"{b}.attn_q_b.weight"].T
+  else: q = h @ w[f"{b}.attn_q.weight"].T
+  q = q.reshape(T, H, -1)
+  nope = q.shape[-1] - rd
+  a = h @ w[f"{b}.attn_kv_a_mqa.weight"].T
+  latent = _norm(a[:, :lora], w[f"{b}.attn_kv_a_norm.weight"], eps)
+  k_rope = np.repeat(_rope(a[:, None, lora:], pos, theta, False), H, axis=1)
+  keys = np.concatenate([np.einsum("tc,hcn->thn", latent, w[f"{b}.attn_k_b.weight"]), k_rope], -1)
+  values = np.einsum("tc,hvc->thv", latent, w[f"{b}.attn_v_b.weight"])
+  q = np.concatenate([q[..., :nope], _rope(q[..., nope:], pos, theta, False)], -1)
+  return _attention(q, keys, values, 1 / np.sqrt(q.shape[-1]))
+
+
 def reference_logits(w: dict[str, np.ndarray], kv: dict, tokens: list[int]) -> np.ndarray:
-  """(T, vocab) float64 logits of every position, for a llama, qwen2 or qwen3 file."""
+  """(T, vocab) float64 logits of every position, for a llama, qwen2, qwen3, qwen3moe, glm4moe or deepseek2 file."""
   arch = kv["general.architecture"]
   g = lambda k: kv[f"{arch}.{k}"]  # noqa: E731
   H, KvH, eps = int(g("attention.head_count")), int(g("attention.head_count_kv")), float(g("attention.layer_norm_rms_epsilon"))
@@ -77,19 +151,20 @@ def reference_logits(w: dict[str, np.ndarray], kv: dict, tokens: list[int]) -> n
   for i in range(int(g("block_count"))):
     b = f"blk.{i}"
     h = _norm(x, w[f"{b}.attn_norm.weight"], eps)
-    q, k, v = (lin(f"{b}.attn_{n}", h) for n in "qkv")
-    Hd = q.shape[-1] // H
-    q, k, v = q.reshape(T, H, Hd), k.reshape(T, KvH, Hd), v.reshape(T, KvH, Hd)
-    if f"{b}.attn_q_norm.weight" in w: q, k = _norm(q, w[f"{b}.attn_q_norm.weight"], eps), _norm(k, w[f"{b}.attn_k_norm.weight"], eps)
-    q, k = _rope(q, pos, theta, neox), _rope(k, pos, theta, neox)
-    k, v = np.repeat(k, H // KvH, axis=1), np.repeat(v, H // KvH, axis=1)
-    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(Hd) + np.triu(np.full((T, T), -np.inf), 1)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    o = np.einsum("hts,shd->thd", p / p.sum(-1, keepdims=True), v).reshape(T, H * Hd)
+    if f"{b}.attn_kv_a_mqa.weight" in w: o = _latent_attention(w, kv, arch, b, h, pos, theta)
+    else:
+      q, k, v = (lin(f"{b}.attn_{n}", h) for n in "qkv")
+      Hd = q.shape[-1] // H
+      rd = int(kv.get(f"{arch}.rope.dimension_count", Hd))
+      q, k, v = q.reshape(T, H, Hd), k.reshape(T, KvH, Hd), v.reshape(T, KvH, Hd)
+      if f"{b}.attn_q_norm.weight" in w: q, k = _norm(q, w[f"{b}.attn_q_norm.weight"], eps), _norm(k, w[f"{b}.attn_k_norm.weight"], eps)
+      q, k = (np.concatenate([_rope(t[..., :rd], pos, theta, neox), t[..., rd:]], -1) for t in (q, k))
+      o = _attention(q, np.repeat(k, H // KvH, axis=1), np.repeat(v, H // KvH, axis=1), 1 / np.sqrt(Hd))
     x = x + lin(f"{b}.attn_output", o)
-    h = _norm(x, w[f"{b}.ffn_norm.weight"], eps)
-    gate = lin(f"{b}.ffn_gate", h)
-    x = x + lin(f"{b}.ffn_down", gate / (1 + np.exp(-gate)) * lin(f"{b}.ffn_up", h))
+    norm = w.get(f"{b}.ffn_norm.weight", w.get(f"{b}.post_attention_norm.weight"))  # glm4moe names it so
+    h = _norm(x, norm, eps)
+    if f"{b}.ffn_gate_inp.weight" in w: x = x + _routed(w, kv, arch, b, h)
+    else: x = x + lin(f"{b}.ffn_down", _silu(lin(f"{b}.ffn_gate", h)) * lin(f"{b}.ffn_up", h))
   out = w.get("output.weight", w["token_embd.weight"])
   return _norm(x, w["output_norm.weight"], eps) @ out.T
 
@@ -110,12 +185,23 @@ def pyruntime_logits(path: str, tokens: list[int], device: str | None, **kw) -> 
   return np.stack(out).astype(np.float64)
 
 
+def tinygrad_logits(path: str, tokens: list[int]) -> np.ndarray:
+  """(T, vocab) logits of every position from tinygrad's own model: its blocks over the whole prompt at once."""
+  from tinygrad import Tensor
+  from tinygrad.llm.model import Transformer
+  model, _ = Transformer.from_gguf(path, max_context=max(256, len(tokens) + 32))
+  x = model.token_embd(Tensor([tokens])).float()
+  for blk in model.blk: x = blk(x, 0)
+  return model.output(model.output_norm(x))[0].numpy().astype(np.float64)
+
+
 def llama_cpp_logits(path: str, tokens: list[int], threads: int) -> np.ndarray | None:
   try:
     from llama_cpp import Llama
   except ImportError:
     return None
-  llm = Llama(model_path=path, n_ctx=max(256, len(tokens) + 32), logits_all=True, n_threads=threads, verbose=False)
+  try: llm = Llama(model_path=path, n_ctx=max(256, len(tokens) + 32), logits_all=True, n_threads=threads, verbose=False)
+  except ValueError: return None  # a file llama.cpp cannot load (a random model's tiny vocabulary): no side
   llm.eval(tokens)
   return np.asarray(llm.scores[:len(tokens)], np.float64)
 
@@ -129,6 +215,7 @@ def compare(ref: np.ndarray, got: np.ndarray) -> dict:
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+  ap.add_argument("--family", default=None, help="instead of --model: a random model of this family (bench/families.py, small)")
   ap.add_argument("--tokens", type=int, default=64)
   ap.add_argument("--devices", default="CPU", help="devices of the pyruntime sides, comma-separated (CPU, CL)")
   ap.add_argument("--no-llama", action="store_true")
@@ -138,7 +225,13 @@ def main() -> None:
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.modelfile.source import default_model_path
   from pyruntime.text.tokenizer import Tokenizer
-  path = str(a.model or default_model_path())
+  if a.family:
+    import sys
+    import tempfile
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from families import write_model
+    path = write_model(tempfile.mkdtemp(prefix="exactness-"), a.family)
+  else: path = str(a.model or default_model_path())
   tokens = Tokenizer.from_gguf_kv(read_header(path).kv).encode(TEXT)[:a.tokens]
   w, kv = weights64(path)
   ref = reference_logits(w, kv, tokens)
@@ -151,6 +244,7 @@ def main() -> None:
     rows.append((f"pyruntime float32 ({dev})", compare(ref, f32)))
     rows.append((f"pyruntime float32 ({dev}) vs file", compare(ref_file, f32)))
     rows.append((f"pyruntime tensor-cores ({dev})", compare(ref, pyruntime_logits(path, tokens, dev, weights="float16", tensor_cores=True))))
+  rows.append(("tinygrad's own (CPU)", compare(ref, tinygrad_logits(path, tokens))))
   if not a.no_llama and (lc := llama_cpp_logits(path, tokens, a.threads)) is not None:
     # llama.cpp holds the file's values unrounded: its reference is the same arithmetic on those
     rows.append(("llama.cpp vs file", compare(ref_file, lc)))

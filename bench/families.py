@@ -44,6 +44,9 @@ MLA_DIMS = {"small": dict(q_lora=0, kv_lora=128, rope=32, nope=32, v=64), "1b": 
 FAMILY_ARGS = {
   "llama": dict(arch="llama", tied=True),
   "qwen3moe": dict(arch="qwen3moe", tied=False, qk_norm=True, rope_theta=1e6, moe=dict(experts=16, used=4, ff=384)),
+  # a leading dense block, sigmoid routing with an expert bias, renormalised and scaled, a gated shared expert
+  "glm4moe": dict(arch="glm4moe", tied=False, qkv_bias=True, rope_dim=32, post_norm=True,
+                  moe=dict(experts=16, used=4, ff=384, shared=1, lead=1, bias=True, scale=2.5, norm=True, shared_gate=True)),
   # DeepSeek-V2's routing: softmax over every expert, the top k gathered, not renormalised
   "deepseek2": dict(arch="deepseek2", tied=False, moe=dict(experts=16, used=4, ff=384, norm=False), mla=MLA_DIMS["small"]),
   "qwen35": dict(arch="qwen35", tied=True, rope_dim=32, post_norm=True,

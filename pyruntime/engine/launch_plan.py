@@ -104,11 +104,12 @@ def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, temp
 
 
 def packed_bytes(header: GGUFHeader, weights: str = "packed") -> int:
-  """What a CPU stage holds of the model with weights="packed" (or "packed-all"): every matrix of a type that mode packs
-  as its codes and scales (about the file's bytes), two bytes an element of the rest (float16)."""
+  """What a CPU stage holds of the model with weights="packed" (or "packed-all"): every matrix and every MoE block's
+  experts (`*_exps`) of a type that mode packs as codes and scales (about the file's bytes), two bytes an element of the
+  rest (float16)."""
   kept = packed_types(weights)
-  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims)) if t.ggml_type in kept and len(t.dims) == 2 else 2 * math.prod(t.dims)
-             for t in header.tensors.values())
+  def packs(name: str, t: Any) -> bool: return t.ggml_type in kept and (len(t.dims) == 2 or len(t.dims) == 3 and "_exps." in name)
+  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims)) if packs(n, t) else 2 * math.prod(t.dims) for n, t in header.tensors.items())
 
 
 # CPU renderers that compile with clang (loop_schedules' vector rules are written for them); tinygrad's own X86 backend,
@@ -120,8 +121,8 @@ CLANG_RENDERERS = ("", "CLANG", "CLANGJIT")
 
 def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool, float32_fits: bool = False) -> str:
   """How a stage on `device` keeps its weights. "auto": tinygrad's own "quantized" for reference decoding (its exact
-  tokens) and on accelerators; on a CPU, "packed" (Q4_0/Q4_1/Q8_0 projections as the file's blocks, dequantised in the
-  kernels to float32 mode's bits; any other tensor as float16, which gives the same bits) when that copy of the whole
+  tokens) and on accelerators; on a CPU, "packed" (Q4_0/Q4_1/Q8_0 projections and routed experts as the file's blocks,
+  dequantised in the kernels to float32 mode's bits; any other tensor as float16, which gives the same bits) when that copy of the whole
   model takes at most half of the memory available now, every stage sharing it: at the file's size, as fast as float16
   for one stream and faster for several (bench/results/2026-12-04-packed-weights.md). On a CPU without clang (CPU:X86)
   "float32" when that copy fits, else "quantized"; "packed" and "float16" are refused there by name."""

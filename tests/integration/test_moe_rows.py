@@ -14,10 +14,12 @@ import pytest
 from conftest import lane_device, stage_graphs
 from test_model import CTX, PROMPT, PROMPT2, bits, chain, load_split, reference_tokens
 from test_rows import CL, position_kv
+from tinygrad.helpers import prod
 from tinygrad.llm.model import Transformer
 from tinymodels import TINY_FAMILIES, write_tiny_gguf
 
 from pyruntime.stage.compute.model import StageModel
+from pyruntime.stage.compute.packed import PackedMatrix
 from pyruntime.stage.compute.weights import expert_matrices
 
 MOE = ["qwen3moe", "glm4moe", "deepseek2"]
@@ -70,6 +72,29 @@ def test_a_moe_decode_row_equals_its_prompt_row(paths, name, weights, device, te
   for p, kv in zip(range(40, 44), decode_kv, strict=True):
     for a, b in zip(kv, position_kv(m, 1, p), strict=True):
       assert np.array_equal(bits(a), bits(b)), f"{name}: keys/values at position {p} differ"
+
+
+@pytest.mark.parametrize("name", ["glm4moe", "deepseek2"])
+def test_packed_experts_hold_the_files_codes_and_give_float32_bits(paths, name):
+  """With packed weights a block's routed experts are held as the file's codes (one PackedMatrix per expert tensor, near
+  the file's size, not float16's), and a prompt chunk (experts dequantised once for its rows), a short chunk and decode
+  rows (each chosen expert rebuilt in the kernel) give float32 mode's logits bit for bit."""
+  packed, plain = stage(paths[name], slots=2, weights="packed"), stage(paths[name], slots=2, weights="float32")
+  experts = [w for b in packed.blk if b.config.num_experts for w in expert_matrices(b)]
+  assert experts and all(isinstance(w.rows_blocked, PackedMatrix) for w in experts)
+  assert all(sum(t.nbytes() for t in w.rows_blocked.buffers()) < 0.6 * 2 * prod(w.weight.shape) for w in experts)
+
+  def run(m: StageModel) -> list[np.ndarray]:
+    for s in (0, 1): m.reset_slot(s)
+    out = [m.prefill_rows(s, np.asarray(p, np.uint32), 0).numpy().copy() for s, p in ((0, PROMPT), (1, PROMPT2[:8]))]
+    toks = [int(out[0].argmax()), int(out[1].argmax())]
+    for step in range(3):
+      rows = m.batch_rows(m.forward_batch([0, 1], np.asarray(toks, np.uint32), [len(PROMPT) + step, 8 + step]), [0, 1])
+      out += [r.numpy().copy() for r in rows]
+      toks = [int(r.numpy().argmax()) for r in rows]
+    return out
+  for i, (a, b) in enumerate(zip(run(packed), run(plain), strict=True)):
+    assert np.array_equal(bits(a), bits(b)), f"{name}: output {i}: max |d| {np.abs(a - b).max()}"
 
 
 @pytest.mark.parametrize("name", ["glm4moe", "deepseek2"])

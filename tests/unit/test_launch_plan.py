@@ -55,6 +55,16 @@ def test_auto_weights_follow_the_device_the_memory_and_the_decode_mode(llama):
   assert plan(llama, devices="CPU", weights="float32").weights == ["float32", "float32"]
 
 
+def test_packed_weights_count_a_moe_models_experts_at_the_files_size(tmp_path):
+  """What `auto` weighs against memory: a MoE file's expert tensors (Q8_0 here) at their codes' size, not float16's."""
+  from pyruntime.modelfile.gguf import packed_nbytes
+  h = read_header(write_tiny_gguf(tmp_path / "moe.gguf", **TINY_FAMILIES["qwen3moe"]))
+  experts = [t for n, t in h.tensors.items() if "_exps." in n]
+  saved = sum(2 * math.prod(t.dims) - packed_nbytes(t.ggml_type, math.prod(t.dims)) for t in experts)
+  assert experts and saved > 0
+  assert 2 * sum(math.prod(t.dims) for t in h.tensors.values()) - packed_bytes(h) >= saved
+
+
 def test_a_cpu_without_clang_gets_the_weights_its_backend_runs(llama):
   """tinygrad's X86 backend cannot encode packed weights' shifts and crashes on float16 conversions (both seen)."""
   assert plan(llama, devices="CPU:X86").weights == ["float32", "float32"]

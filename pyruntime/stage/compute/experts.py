@@ -23,6 +23,8 @@ from typing import Any
 from tinygrad import Tensor, dtypes
 from tinygrad.llm.model import pairwise_topk
 
+from pyruntime.stage.compute.packed import PackedMatrix
+
 
 def route(b: Any, logits: Tensor) -> tuple[Tensor, Tensor]:
   """(selected experts (..., k) int32, their weights (..., k) float32) of each row's router logits (..., experts), as
@@ -39,29 +41,34 @@ def route(b: Any, logits: Tensor) -> tuple[Tensor, Tensor]:
   return sel.contiguous(), (probs * c.routed_scaling_factor).contiguous()
 
 
-def _expert_product(w: Any, sel: Tensor, x: Tensor) -> Tensor:
+def _expert_product(w: Any, sel: Tensor, x: Tensor, staged: bool) -> Tensor:
   """x (..., k or 1, in) times each row's selected experts' matrices: (..., k, out), one sum over `in` per output. From
   the experts' column blocks (experts, out / VEC, in, VEC) when the stage keeps them (weights.load: a kernel streams
-  VEC outputs of every input as one run of memory, as a dense projection's), else from (experts, out, in). Either way
-  the chosen matrices are read in the kernel by index (tinygrad turns the one-hot of `sel` into a load), so a row
-  reads only the k experts it chose."""
+  VEC outputs of every input as one run of memory, as a dense projection's; float16, or packed: the file's codes,
+  each chosen expert's values rebuilt in the kernel, or with `staged` every expert's dequantised into a scratch buffer
+  first, as rows._values does for a prompt chunk), else from (experts, out, in). Either way the chosen matrices are
+  read in the kernel by index (tinygrad turns the one-hot of `sel` into a load), so a row reads only the k experts it
+  chose, and their values are the same in every form."""
   # clamped (a no-op on a top-k's indices): the kernel then knows every index is in range and loads the chosen block
   # directly, not through a bounds check per load (7x faster on a CPU)
   sel = sel.maximum(0).minimum(w.weight.shape[0] - 1)
   if (wb := getattr(w, "rows_blocked", None)) is None:
     return (x.unsqueeze(-2) * w.weight[sel]).sum(-1, dtype=dtypes.float32).contiguous()
+  if isinstance(wb, PackedMatrix): values = wb.matrix(staged=True)[sel] if staged else wb.take(sel).matrix()
+  else: values = wb[sel]
   *lead, K = x.shape
-  y = (x.reshape(*lead, 1, K, 1) * wb[sel]).sum(-2, dtype=dtypes.float32)  # (..., k, out / VEC, VEC)
+  y = (x.reshape(*lead, 1, K, 1) * values).sum(-2, dtype=dtypes.float32)  # (..., k, out / VEC, VEC)
   return y.reshape(*y.shape[:-2], wb.shape[1] * wb.shape[3]).contiguous()
 
 
-def routed(b: Any, x: Tensor, logits: Tensor) -> Tensor:
+def routed(b: Any, x: Tensor, logits: Tensor, staged: bool = False) -> Tensor:
   """The block's routed experts for the normed rows x (B, T, dim) (a stored buffer), routed by their router logits
-  (B, T, experts): (B, T, dim), each row's k experts' outputs weighted and summed in the row's order of choice."""
+  (B, T, experts): (B, T, dim), each row's k experts' outputs weighted and summed in the row's order of choice.
+  `staged`: packed experts are dequantised once for the step's many rows (_expert_product)."""
   sel, probs = route(b, logits)
   h = x.unsqueeze(2)  # (B, T, 1, dim): one input row for each of the row's k experts
-  gate, up = _expert_product(b.ffn_gate_exps, sel, h), _expert_product(b.ffn_up_exps, sel, h)
-  down = _expert_product(b.ffn_down_exps, sel, (gate.silu() * up).contiguous())  # (B, T, k, dim)
+  gate, up = _expert_product(b.ffn_gate_exps, sel, h, staged), _expert_product(b.ffn_up_exps, sel, h, staged)
+  down = _expert_product(b.ffn_down_exps, sel, (gate.silu() * up).contiguous(), staged)  # (B, T, k, dim)
   return (down * probs.unsqueeze(-1)).sum(axis=2)
 
 

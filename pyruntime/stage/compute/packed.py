@@ -37,8 +37,9 @@ LOW = 4  # the low bits of a code below 8 bits live in words of 8 fields; the re
 
 
 def packable(ggml_type: int, shape: tuple[int, ...], vec: int) -> bool:
-  if ggml_type not in PACKED_TYPES or len(shape) != 2 or shape[0] % vec: return False
-  return shape[1] % GGML_TYPES[ggml_type][0] == 0  # whole blocks (a K-quant's super-block: 256 inputs)
+  """Whether a matrix (outputs, inputs), or a MoE block's experts' matrices (experts, outputs, inputs), can be packed."""
+  if ggml_type not in PACKED_TYPES or len(shape) not in (2, 3) or shape[-2] % vec: return False
+  return shape[-1] % GGML_TYPES[ggml_type][0] == 0  # whole blocks (a K-quant's super-block: 256 inputs)
 
 
 @dataclass
@@ -47,7 +48,10 @@ class PackedMatrix:
   for 5- and 6-bit types, and per-block scale and offset (outputs/VEC, inputs/block, VEC): float16, or a K-quant's
   integers with its super-blocks' float16 d and dmin (`dscale`, `doffset`: (outputs/VEC, inputs/256, VEC)). Host
   arrays as `repack` makes them, realized buffers once uploaded (the graph cache names them). `matrix()` is the lazy
-  expression of its values in the column-block layout of float modes, (outputs/VEC, inputs, VEC) float32."""
+  expression of its values in the column-block layout of float modes, (outputs/VEC, inputs, VEC) float32.
+
+  A MoE block's experts are one PackedMatrix whose arrays lead with the experts axis (`stack`); `take(sel)` gathers the
+  chosen experts' arrays (a load by index in the kernel that reads them), and `matrix()` keeps any leading axes."""
   codes: Any
   high: Any
   scale: Any
@@ -64,34 +68,39 @@ class PackedMatrix:
   def low_bits(self) -> int: return 8 if self.bits == 8 else LOW
 
   @property
-  def shape(self) -> tuple[int, int, int]:
-    n, words, vec = self.codes.shape
-    return n, words * (32 // self.low_bits), vec
+  def lead(self) -> tuple[int, ...]:
+    """The axes before a matrix's own: () for one matrix, (experts,) for a MoE block's, (..., k) once `take`n."""
+    return tuple(self.codes.shape[:-3])
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    *lead, n, words, vec = self.codes.shape
+    return (*lead, n, words * (32 // self.low_bits), vec)
 
   def matrix(self, staged: bool = False) -> Tensor:
     """The values, rebuilt in the registers of the kernel that reads them; `staged`: written to a scratch buffer (in the
     graph's memory) by a kernel of their own first, as float16 (the same values), so that a kernel of many rows does
     not rebuild each weight for every ROWS of them."""
-    n, K, vec = self.shape
+    *lead, n, K, vec = self.shape
     q = _fields(self.codes, self.low_bits, K)
     if self.high is not None: q = q + (_fields(self.high, self.bits - LOW, K) << LOW)
     if self.bias: q = q - self.bias
-    q = q.reshape(n, K // self.block, self.block, vec).cast(dtypes.float32)
+    q = q.reshape(*lead, n, K // self.block, self.block, vec).cast(dtypes.float32)
     w = q * self._per_block(self.scale, self.dscale)
     if self.dscale is not None and self.offset is not None: w = w - self._per_block(self.offset, self.doffset)  # - dmin * mn
     elif self.offset is not None: w = w + self._per_block(self.offset, None)
     if self.scaled_offset: w = w + self._per_block(self.scale, None) * self.scaled_offset
     if self.half: w = w.cast(dtypes.float16)
     if staged: w = w.contiguous()
-    return w.cast(dtypes.float32).reshape(n, K, vec)
+    return w.cast(dtypes.float32).reshape(*lead, n, K, vec)
 
   def _per_block(self, a: Tensor, factor: Tensor | None) -> Tensor:
-    """A per-block array as float32 (n, blocks, 1, vec); with a K-quant's super-block `factor`, factor * a (exact)."""
-    n, K, vec = self.shape
-    if factor is None: return a.reshape(n, K // self.block, 1, vec).cast(dtypes.float32)
+    """A per-block array as float32 (..., n, blocks, 1, vec); with a K-quant's super-block `factor`, factor * a (exact)."""
+    *lead, n, K, vec = self.shape
+    if factor is None: return a.reshape(*lead, n, K // self.block, 1, vec).cast(dtypes.float32)
     per = SUPER_BLOCK // self.block
-    f = factor.reshape(n, K // SUPER_BLOCK, 1, 1, vec).cast(dtypes.float32)
-    return (f * a.reshape(n, K // SUPER_BLOCK, per, 1, vec).cast(dtypes.float32)).reshape(n, K // self.block, 1, vec)
+    f = factor.reshape(*lead, n, K // SUPER_BLOCK, 1, 1, vec).cast(dtypes.float32)
+    return (f * a.reshape(*lead, n, K // SUPER_BLOCK, per, 1, vec).cast(dtypes.float32)).reshape(*lead, n, K // self.block, 1, vec)
 
   def _arrays(self) -> tuple[Any, ...]: return self.codes, self.high, self.scale, self.offset, self.dscale, self.doffset
 
@@ -102,6 +111,10 @@ class PackedMatrix:
   def __getitem__(self, s: slice) -> PackedMatrix:
     """Column blocks s of this matrix (views of its buffers)."""
     return self._with(None if a is None else a[s] for a in self._arrays())
+
+  def take(self, sel: Tensor) -> PackedMatrix:
+    """The matrices sel (int indices into the leading experts axis, any shape) chose: arrays (*sel.shape, ...)."""
+    return self._with(None if a is None else a[sel] for a in self._arrays())
 
   def buffers(self) -> list[Tensor]: return [t for t in self._arrays() if isinstance(t, Tensor)]
 
@@ -120,14 +133,19 @@ class PackedMatrix:
     if not all(p.on_host for p in parts) or len(kinds) != 1: return None
     return first._with(None if a is None else np.concatenate([p._arrays()[i] for p in parts], axis=0) for i, a in enumerate(first._arrays()))
 
+  @staticmethod
+  def stack(parts: list[PackedMatrix]) -> PackedMatrix:
+    """Host matrices of one format (a MoE block's experts: one tensor of the file) along a new leading axis."""
+    return parts[0]._with(None if a is None else np.stack([p._arrays()[i] for p in parts]) for i, a in enumerate(parts[0]._arrays()))
+
 
 def _fields(words: Tensor, bits: int, K: int) -> Tensor:
-  """The `bits`-wide fields of (n, K * bits / 32, vec) int32 words as (n, K, vec) ints: field i of word w is input
-  w * (32 / bits) + i."""
-  n, _, vec = words.shape
+  """The `bits`-wide fields of (..., n, K * bits / 32, vec) int32 words as (..., n, K, vec) ints: field i of word w is
+  input w * (32 / bits) + i."""
+  *lead, n, _, vec = words.shape
   per = 32 // bits
   shifts = (Tensor.arange(per, dtype=dtypes.int32, device=words.device) * bits).reshape(1, 1, per, 1)
-  return ((words.reshape(n, K // per, 1, vec) >> shifts) & ((1 << bits) - 1)).reshape(n, K, vec)
+  return ((words.reshape(*lead, n, K // per, 1, vec) >> shifts) & ((1 << bits) - 1)).reshape(*lead, n, K, vec)
 
 
 # --- the file's blocks as codes, scales and offsets ---------------------------------------------------------------
@@ -189,6 +207,15 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
   per = 32 // bits
   fields = q.astype(np.uint32).reshape(q.shape[0], -1, per) << (np.arange(per, dtype=np.uint32) * bits)
   return np.bitwise_or.reduce(fields, axis=-1).view(np.int32)
+
+
+def repack_experts(raw: np.ndarray, ggml_type: int, shape: tuple[int, int, int], vec: int, half: bool) -> PackedMatrix:
+  """A MoE block's experts (experts, outputs, inputs) from the bytes of their one GGML tensor (expert after expert), each
+  repacked as `repack` does a matrix, stacked along a leading experts axis."""
+  E, n_out, K = shape
+  per_block, size = GGML_TYPES[ggml_type]
+  each = n_out * K // per_block * size
+  return PackedMatrix.stack([repack(raw[e * each:(e + 1) * each], ggml_type, (n_out, K), None, vec, half) for e in range(E)])
 
 
 def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], rows: np.ndarray | None, vec: int, half: bool) -> PackedMatrix:

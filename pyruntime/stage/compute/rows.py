@@ -61,13 +61,18 @@ KV_UNIT = 32     # attended lengths are padded to a multiple of this (loop_sched
 def _round(n: int, unit: int) -> int: return -(-n // unit) * unit
 
 
+def _staged(lead: list) -> bool:
+  """Whether packed weights read by `lead` rows are dequantised into a scratch buffer first (_values)."""
+  return not all(isinstance(n, int) for n in lead) or prod(lead) > STAGED_ROWS
+
+
 def _values(wb: Tensor | PackedMatrix, lead: list) -> Tensor:
   """Column blocks' values for a product with `lead` rows: the buffer itself, or a packed matrix's dequantisation, in
   the registers of the kernel that reads it for a few rows (a decode step: one pass over the file's bytes), staged
   through a float16 scratch buffer for more (a prompt chunk: ~7 vector instructions per 16 weights would be repeated for
   every ROWS rows; 256-row chunks took 1.6x float16's time that way). The same values either way."""
   if not isinstance(wb, PackedMatrix): return wb
-  return wb.matrix(staged=not all(isinstance(n, int) for n in lead) or prod(lead) > STAGED_ROWS)
+  return wb.matrix(staged=_staged(lead))
 
 
 def _tensor_core_rows(x: Tensor, product) -> Tensor:
@@ -357,7 +362,7 @@ class RowPath:
 
     def moe(b: TransformerBlock, n: Tensor) -> tuple[Tensor, Tensor]:
       logits = _linear(b.ffn_gate_inp, n, tc).float().contiguous()
-      out = experts.routed(b, n, logits)  # one row at a time (experts.py)
+      out = experts.routed(b, n, logits, staged=_staged(list(n.shape[:-1])))  # one row at a time (experts.py)
       if hasattr(b, "ffn_gate_shexp"):
         shared = dense(b, n, "rows_shexp_gate_up", ("ffn_gate_shexp", "ffn_up_shexp"), "ffn_down_shexp")
         out = out + (shared * experts.shared_gate(b, n) if hasattr(b, "ffn_gate_inp_shexp") else shared)

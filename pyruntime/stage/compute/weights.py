@@ -31,7 +31,7 @@ from pyruntime import errors
 from pyruntime.modelfile.gguf import TensorInfo, packed_types
 from pyruntime.modelfile.plan import FFN_NORM_RENAMED, block_tensor_names, output_tensor_name, stage_tensor_names
 from pyruntime.stage.compute import device_memory, loop_schedules
-from pyruntime.stage.compute.packed import PackedMatrix, packable, repack
+from pyruntime.stage.compute.packed import PackedMatrix, packable, repack, repack_experts
 
 
 def new_block(cfg: TransformerConfig, i: int) -> FFNBlock:
@@ -198,6 +198,10 @@ def load(m: Any) -> None:
             # realized only where `rotary` permutes (q and k): each realize is a small schedule, ~60 ms at load
             row_orders[key] = None if (order := rotary(m, name, rows)) is rows else order.numpy()[:, 0]
           lin.rows_blocked = repack(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, row_orders[key], loop_schedules.VEC, m.half)
+        elif (ew := by_experts.get(id(p))) is not None and (name := file_name.get(id(p))) in m._packed:
+          # the experts' codes, each expert repacked as a projection is, one buffer set on the device (experts.py)
+          ti = header.tensors[name]
+          ew.rows_blocked = repack_experts(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, loop_schedules.VEC, m.half).upload(m.device)
         elif (ew := by_experts.get(id(p))) is not None and p.shape[1] % loop_schedules.VEC == 0:
           # each expert's matrix in column blocks, as a projection's (experts, outputs / VEC, inputs, VEC): a row's product
           # with its chosen expert streams VEC outputs of every input as one run of memory (experts.py)
@@ -251,11 +255,11 @@ def host_vector(m: Any, ti: TensorInfo, mm: np.ndarray) -> np.ndarray | None:
 
 def keeps_packed(m: Any, name: str) -> bool:
   """Whether the stage keeps tensor `name` as the file's blocks (weights="packed" or "packed-all": the rows path's
-  projections of the mode's types, modelfile.gguf.packed_types)."""
+  projections and routed experts of the mode's types, modelfile.gguf.packed_types)."""
   if m.weights not in ("packed", "packed-all") or not m.batched or m.header.tensors[name].ggml_type not in packed_types(m.weights): return False
-  ti = m.header.tensors[name]
-  projection = name.rsplit(".", 2)[-2] in PROJECTIONS or (m.is_tail and name == output_tensor_name(m.header))
-  return projection and packable(ti.ggml_type, ti.shape, loop_schedules.VEC)
+  ti, kind = m.header.tensors[name], name.rsplit(".", 2)[-2]
+  projection = kind in PROJECTIONS or (m.is_tail and name == output_tensor_name(m.header))
+  return (projection and len(ti.shape) == 2 or kind in EXPERTS and len(ti.shape) == 3) and packable(ti.ggml_type, ti.shape, loop_schedules.VEC)
 
 
 def rotary(m: Any, name: str, w: Tensor) -> Tensor:

@@ -65,6 +65,11 @@ def write_model(folder: str, family: str, size: str = "small") -> str:
   return str(write_tiny_gguf(os.path.join(folder, f"{family}.gguf"), **SIZES[size], **args, types=types))
 
 
+def family_model(family: str, size: str = "small") -> str:
+  """A random model of `family` at `size` in a new temporary folder (other benchmarks' `--family`)."""
+  return write_model(tempfile.mkdtemp(prefix=f"{family}-"), family, size)
+
+
 def pyruntime_side(path: str, streams: list[int], tokens: int) -> dict:
   from pyruntime.engine.launcher import Launcher
   out: dict = {}

@@ -3,11 +3,13 @@ matmuls at the same row count, and decode steps; then the loop schedules on and 
 the schedules being chosen when a kernel compiles), with every logit's bits compared.
 
   python bench/kernels.py [--model PATH] [--rows 32,64,128,256] [--decode 1,8] [--repeats 5]
-  python bench/kernels.py --report [--device CL,NULL:CUDA:sm_90] [--weights float32,quantized] [--tensor-cores] [--model PATH]
+  python bench/kernels.py --report [--device CL,NULL:CUDA:sm_90] [--weights float32,quantized] [--tensor-cores]
+                          [--model PATH | --family qwen3moe|glm4moe|deepseek2|...]
 
 --report is the launch report (a count, not a timing): per one-row decode step of a whole-model stage on each device
 beside the CPU's, the kernels it launches and the threads each reduction kernel (the projections, attention, norms)
 launches, against the outputs it computes. On NULL:CUDA:sm_90 the kernels are compiled for H200 and never run.
+`--family` reports a random model of that family (bench/families.py's small size) instead of a file.
 
 numpy's side is the stage's projections only (q, k, v, output, gate, up, down of every block, and the vocabulary
 projection of one row), float32, as one (rows, inputs) @ (inputs, outputs) call each: a floor that does no attention,
@@ -117,12 +119,17 @@ def main() -> None:
   ap.add_argument("--device", default="CL,NULL:CUDA:sm_90", help="--report: devices beside the CPU, comma-separated")
   ap.add_argument("--weights", default="float16,quantized", help="--report: weight modes, comma-separated (float16: a CPU's default)")
   ap.add_argument("--tensor-cores", action="store_true", help="--report: in the tensor-core mode (docs/prompt-path.md)")
+  ap.add_argument("--family", help="--report: a random model of this family (bench/families.py) instead of --model")
   a = ap.parse_args()
   if a.report:
     from pyruntime.devices import cpu_device, nvidia_compilers
     from pyruntime.modelfile.source import default_model_path
     nvidia_compilers()
-    model = a.model or str(default_model_path())
+    if a.family:
+      sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+      from families import family_model
+      model = family_model(a.family)
+    else: model = a.model or str(default_model_path())
     for dev, weights in [(d, w) for d in [cpu_device(), *a.device.split(",")] for w in a.weights.split(",")]:
       code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); from kernels import launch_report; "
               f"print(json.dumps(launch_report({model!r}, {dev!r}, {weights!r}, {a.tensor_cores})))")

@@ -17,6 +17,8 @@ on the same tokens (a fixed text, the first `--tokens` of it), each logit of eve
   float32 (docs/prompt-path.md, "Tensor cores"). Off a GPU with tensor cores the sums run in order; on one, in the
   tile's order: the same rounding of the inputs, so the same size of error (bench/gpu_check.sh times and checks it on
   a lent GPU).
+- **pyruntime HALF=0 vs file**: the float32 side with every weight kept as the file's value (`HALF=0`: no float16
+  rounding), against the file's float64 arithmetic: what a file-exact contract would give.
 - **tinygrad's own** (`Transformer.from_gguf`, its blocks over the whole prompt at once, as its `generate` prefills): the
   model pyruntime's contract is measured against, against both references: its weights are dequantised and cast to
   float16 inside the kernels that read them, and there (on the CPU backend, measured) the cast does not round, so its
@@ -187,6 +189,19 @@ def pyruntime_logits(path: str, tokens: list[int], device: str | None, **kw) -> 
   return np.stack(out).astype(np.float64)
 
 
+def file_exact_logits(path: str, tokens: list[int], device: str) -> np.ndarray:
+  """pyruntime float32 with HALF=0 (weights kept as the file's values, not rounded to float16: a file-exact mode), in a
+  process of its own (tinygrad reads HALF once)."""
+  import subprocess
+  import sys
+  import tempfile
+  with tempfile.NamedTemporaryFile(suffix=".npy") as f:
+    code = (f"import sys, numpy as np; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); from exactness import "
+            f"pyruntime_logits; np.save({f.name!r}, pyruntime_logits({path!r}, {tokens!r}, {device!r}, weights='float32'))")
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, "HALF": "0"}, check=True)
+    return np.load(f.name)
+
+
 def tinygrad_logits(path: str, tokens: list[int]) -> np.ndarray:
   """(T, vocab) logits of every position from tinygrad's own model: its blocks over the whole prompt at once."""
   from tinygrad import Tensor
@@ -244,6 +259,7 @@ def main() -> None:
     f32 = pyruntime_logits(path, tokens, dev, weights="float32")
     rows.append((f"pyruntime float32 ({dev})", compare(ref, f32)))
     rows.append((f"pyruntime float32 ({dev}) vs file", compare(ref_file, f32)))
+    rows.append((f"pyruntime HALF=0 ({dev}) vs file", compare(ref_file, file_exact_logits(path, tokens, dev))))
     rows.append((f"pyruntime tensor-cores ({dev})", compare(ref, pyruntime_logits(path, tokens, dev, weights="float16", tensor_cores=True))))
   tg = tinygrad_logits(path, tokens)
   rows.append(("tinygrad's own (CPU)", compare(ref, tg)))

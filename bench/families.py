@@ -98,8 +98,12 @@ def _stream(lm, i: int, tokens: int, firsts: list, lasts: list, n: list, arrival
 
 def tinygrad_side(path: str, tokens: int) -> float | str:
   """tokens/s of tinygrad's own model, or why it could not run (a comparison side that fails is reported, not fatal)."""
+  # tinygrad walks a MoE model's graph recursively: at 1b depth the default limit is too low (RecursionError)
+  limit = sys.getrecursionlimit()
+  sys.setrecursionlimit(max(limit, 50_000))
   try: return _tinygrad_rate(path, tokens)
   except (Exception, RecursionError) as e: return f"failed: {type(e).__name__}"
+  finally: sys.setrecursionlimit(limit)
 
 
 def _tinygrad_rate(path: str, tokens: int) -> float:

@@ -33,14 +33,31 @@ def family(request, tmp_path_factory):
   assert not any(lm.alive())
 
 
+def test_scoring_a_prompt_gives_the_logprobs_its_generation_had(family):
+  """A MoE or MLA pipeline scores a prompt (prompt_logprobs) with the bits its generation had: a prompt row computes what
+  a decode row did, experts and latent cache included. A hybrid refuses scoring by name (it needs the rows path)."""
+  name, _, lm = family
+
+  def ask(**kw) -> Done: return next(ev for ev in lm.generate(raw=True, ignore_eos=True, **kw) if isinstance(ev, Done))
+  first = lm.tokenizer.encode(PROMPTS[0])
+  if name in ("qwen35", "qwen35moe"):
+    with pytest.raises(errors.InvalidOption) as e: ask(prompt_ids=first, max_tokens=1, prompt_logprobs=True)
+    assert e.value.field == "prompt_logprobs"
+    return
+  gen = ask(prompt_ids=first, max_tokens=N, logprobs=2)
+  scored = ask(prompt_ids=first + gen.token_ids, max_tokens=1, logprobs=2, prompt_logprobs=True)
+  assert len(gen.logprobs) == N and len(scored.prompt_logprobs) == len(first) + N - 1
+  assert scored.prompt_logprobs[len(first) - 1:] == gen.logprobs[:N], name
+
+
 def generate(lm: Launcher, i: int) -> Done:
   return next(ev for ev in lm.generate(PROMPTS[i], raw=True, max_tokens=N, ignore_eos=True) if isinstance(ev, Done))
 
 
 def test_streams_equal_reference_alone_and_together(family):
   """Each prompt alone gives tinygrad's own tokens (one after another on the same slot: a hybrid's recurrent state
-  starts over with each stream); the three in flight together (the stages decode them one stream at a time with
-  tinygrad's kernels) give the same."""
+  starts over with each stream); the three in flight together (MoE and MLA stages batch them on the rows path, hybrid
+  ones decode them one stream at a time with tinygrad's kernels) give the same."""
   from tinygrad.llm.model import Transformer
   name, path, lm = family
   ref, _ = Transformer.from_gguf(path, max_context=128)

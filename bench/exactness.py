@@ -85,10 +85,18 @@ def _softmax(s: np.ndarray) -> np.ndarray:
 def _silu(x: np.ndarray) -> np.ndarray: return x / (1 + np.exp(-x))
 
 
-def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-  """Causal attention of q (T, H, d) over k (T, H, d) and v (T, H, dv): (T, H * dv)."""
+def _gelu(x: np.ndarray) -> np.ndarray:
+  """GELU, tanh-approximated (Gemma's feed-forward)."""
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0) -> np.ndarray:
+  """Causal attention of q (T, H, d) over k (T, H, d) and v (T, H, dv): (T, H * dv); with a sliding `window`, each
+  position sees itself and the window - 1 before it."""
   T = q.shape[0]
-  s = np.einsum("thd,shd->hts", q, k) * scale + np.triu(np.full((T, T), -np.inf), 1)
+  ahead = np.arange(T)[None, :] - np.arange(T)[:, None]  # key position - query position
+  hidden = (ahead > 0) | (ahead <= -window) if window else ahead > 0
+  s = np.einsum("thd,shd->hts", q, k) * scale + np.where(hidden, -np.inf, 0.0)
   return np.einsum("hts,shd->thd", _softmax(s), v).reshape(T, -1)
 
 
@@ -144,16 +152,21 @@ def _latent_attention(w: dict[str, np.ndarray], kv: dict, arch: str, b: str, h: 
 
 
 def reference_logits(w: dict[str, np.ndarray], kv: dict, tokens: list[int]) -> np.ndarray:
-  """(T, vocab) float64 logits of every position, for a llama, qwen2, qwen3, qwen3moe, glm4moe or deepseek2 file."""
+  """(T, vocab) float64 logits of every position, for a llama, qwen2, qwen3, qwen3moe, glm4moe, deepseek2 or gemma3 file.
+  Gemma 3 as llama.cpp defines it: the embedding times sqrt(dim), norms after the attention and the feed-forward too,
+  GELU (tanh) for SiLU, sliding-window attention with its own rotary base on all but every 6th block, the queries
+  scaled by 1/sqrt(head_dim), the logits soft-capped where the file says."""
   arch = kv["general.architecture"]
   g = lambda k: kv[f"{arch}.{k}"]  # noqa: E731
   H, KvH, eps = int(g("attention.head_count")), int(g("attention.head_count_kv")), float(g("attention.layer_norm_rms_epsilon"))
   theta, neox = float(kv.get(f"{arch}.rope.freq_base", 10000.0)), arch != "llama"
-  x = w["token_embd.weight"][tokens]
+  gemma = arch == "gemma3"
+  x = w["token_embd.weight"][tokens] * (np.sqrt(float(g("embedding_length"))) if gemma else 1.0)
   T, pos = len(tokens), np.arange(len(tokens), dtype=np.float64)
   lin = lambda name, h: h @ w[f"{name}.weight"].T + (w[f"{name}.bias"] if f"{name}.bias" in w else 0)  # noqa: E731
   for i in range(int(g("block_count"))):
     b = f"blk.{i}"
+    local = gemma and (i + 1) % 6 != 0
     h = _norm(x, w[f"{b}.attn_norm.weight"], eps)
     if f"{b}.attn_kv_a_mqa.weight" in w: o = _latent_attention(w, kv, arch, b, h, pos, theta)
     else:
@@ -162,15 +175,22 @@ def reference_logits(w: dict[str, np.ndarray], kv: dict, tokens: list[int]) -> n
       rd = int(kv.get(f"{arch}.rope.dimension_count", Hd))
       q, k, v = q.reshape(T, H, Hd), k.reshape(T, KvH, Hd), v.reshape(T, KvH, Hd)
       if f"{b}.attn_q_norm.weight" in w: q, k = _norm(q, w[f"{b}.attn_q_norm.weight"], eps), _norm(k, w[f"{b}.attn_k_norm.weight"], eps)
-      q, k = (np.concatenate([_rope(t[..., :rd], pos, theta, neox), t[..., rd:]], -1) for t in (q, k))
-      o = _attention(q, np.repeat(k, H // KvH, axis=1), np.repeat(v, H // KvH, axis=1), 1 / np.sqrt(Hd))
-    x = x + lin(f"{b}.attn_output", o)
+      base = float(kv.get(f"{arch}.rope.freq_base_swa", 10000.0)) if local else theta
+      at = pos if local or not gemma else pos / float(kv.get(f"{arch}.rope.scaling.factor", 1.0))
+      q, k = (np.concatenate([_rope(t[..., :rd], at, base, neox), t[..., rd:]], -1) for t in (q, k))
+      o = _attention(q, np.repeat(k, H // KvH, axis=1), np.repeat(v, H // KvH, axis=1), 1 / np.sqrt(Hd),
+                     int(g("attention.sliding_window")) if local else 0)
+    o = lin(f"{b}.attn_output", o)
+    x = x + (_norm(o, w[f"{b}.post_attention_norm.weight"], eps) if gemma else o)
     norm = w.get(f"{b}.ffn_norm.weight", w.get(f"{b}.post_attention_norm.weight"))  # glm4moe names it so
     h = _norm(x, norm, eps)
     if f"{b}.ffn_gate_inp.weight" in w: x = x + _routed(w, kv, arch, b, h)
+    elif gemma: x = x + _norm(lin(f"{b}.ffn_down", _gelu(lin(f"{b}.ffn_gate", h)) * lin(f"{b}.ffn_up", h)), w[f"{b}.post_ffw_norm.weight"], eps)
     else: x = x + lin(f"{b}.ffn_down", _silu(lin(f"{b}.ffn_gate", h)) * lin(f"{b}.ffn_up", h))
   out = w.get("output.weight", w["token_embd.weight"])
-  return _norm(x, w["output_norm.weight"], eps) @ out.T
+  logits = _norm(x, w["output_norm.weight"], eps) @ out.T
+  if cap := float(kv.get(f"{arch}.final_logit_softcapping", 0.0)): logits = cap * np.tanh(logits / cap)
+  return logits
 
 
 # --- the sides --------------------------------------------------------------------------------------

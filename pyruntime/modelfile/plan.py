@@ -15,11 +15,14 @@ DENSE_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
 MOE_SUPPORTED = frozenset({"qwen3moe", "glm4moe", "deepseek2"})
 MLA_SUPPORTED = frozenset({"deepseek2"})
 SSM_SUPPORTED = frozenset({"qwen35", "qwen35moe"})
-SUPPORTED_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | SSM_SUPPORTED
-# the architectures the rows path runs (attention blocks, latent attention included, with a dense or routed feed-forward:
-# stage/compute/rows.py and experts.py): many streams per step, the prefix cache, speculation, scoring, the tensor-core
-# mode; the others (recurrent blocks) decode with tinygrad's own kernels, one stream at a time
-ROWS_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED
+# architectures tinygrad has no model of, whose blocks pyruntime writes itself (stage/compute/gemma.py): the rows path only
+OWN_ARCHS = frozenset({"gemma3"})
+SUPPORTED_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | SSM_SUPPORTED | OWN_ARCHS
+# the architectures the rows path runs (attention blocks, latent attention and sliding windows included, with a dense or
+# routed feed-forward: stage/compute/rows.py, experts.py and gemma.py): many streams per step, the prefix cache,
+# speculation, scoring, the tensor-core mode; the others (recurrent blocks) decode with tinygrad's own kernels, one
+# stream at a time
+ROWS_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | OWN_ARCHS
 FFN_NORM_RENAMED = frozenset({"qwen35", "qwen35moe", "glm4moe"})  # from_gguf reads their post_attention_norm as ffn_norm
 
 
@@ -38,7 +41,8 @@ def unservable(header: GGUFHeader) -> list[str]:
 
 
 def check_architecture(header: GGUFHeader) -> None:
-  """Refuse, by name, what tinygrad's from_gguf does not run (or would run wrongly)."""
+  """Refuse, by name, what no stage runs: what tinygrad's from_gguf does not run (or would run wrongly), besides the
+  architectures pyruntime writes itself (OWN_ARCHS)."""
   arch, kv = header.arch, header.kv
   if arch not in SUPPORTED_ARCHS:
     raise errors.UnsupportedArchitecture(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHS))}")

@@ -113,7 +113,16 @@ def _llama3(messages: list[dict[str, str]], add_generation_prompt: bool, bos: st
   return text + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
 
 
-FALLBACKS = {"chatml": ("<|im_start|>", _chatml), "llama3": ("<|start_header_id|>", _llama3)}
+def _gemma(messages: list[dict[str, str]], add_generation_prompt: bool, bos: str) -> str:
+  # Gemma 3's own template: turns of `user` and `model`; a system message's text, then a blank line, opens the first turn
+  prefix = messages[0]["content"] + "\n\n" if messages and messages[0]["role"] == "system" else ""
+  turns = messages[1:] if prefix else messages
+  text = bos + "".join(f"<start_of_turn>{'model' if m['role'] == 'assistant' else m['role']}\n{prefix if i == 0 else ''}"
+                       f"{m['content'].strip()}<end_of_turn>\n" for i, m in enumerate(turns))
+  return text + ("<start_of_turn>model\n" if add_generation_prompt else "")
+
+
+FALLBACKS = {"chatml": ("<|im_start|>", _chatml), "llama3": ("<|start_header_id|>", _llama3), "gemma": ("<start_of_turn>", _gemma)}
 
 
 def _source_info(source: Tokenizer | Mapping[str, Any]) -> tuple[str | None, str, str, Any]:
@@ -136,7 +145,7 @@ def chat_format(source: Tokenizer | Mapping[str, Any]) -> str:
   for name, (marker, _) in FALLBACKS.items():
     if has(marker): return name
   raise UnsupportedFeature("chat template", "the model has no tokenizer.chat_template and its vocabulary matches "
-                           "no known chat format (ChatML, Llama 3); send a raw prompt instead")
+                           "no known chat format (ChatML, Llama 3, Gemma); send a raw prompt instead")
 
 
 def tool_format(source: Tokenizer | Mapping[str, Any], template: str | None = None) -> tuple[CallFormat, bool] | None:
@@ -207,13 +216,16 @@ def build_prompt_ids(tokenizer: Tokenizer, kv: Mapping[str, Any] | None = None, 
   """Token ids of a request's prompt.
 
   messages, or a prompt without raw, go through the chat template (a prompt as one user message);
-  raw encodes the prompt as is (special tokens in it parsed, BOS only where the GGUF asks for it).
+  raw encodes the prompt as is (special tokens in it parsed, BOS only where the GGUF asks for it), and so does a prompt
+  to a model whose file has no chat template of its own: a base model, which continues text (llama.cpp's CLI runs such
+  a file in completion mode too); messages to it take the fallback format its vocabulary implies.
   BOS appears once: a template that writes it as text gets it stripped and added as the id.
   Raises EmptyPrompt when nothing but BOS is left, and ContextLengthExceeded, before tokenizing, for
   text too long to fit `context_length` (default: the context the GGUF metadata states)."""
   if (prompt is None) == (messages is None): raise InvalidOption("prompt", "give exactly one of prompt and messages")
   if prompt is not None and not isinstance(prompt, str): raise InvalidOption("prompt", "must be a string")
   if context_length is None: context_length = _context_of(kv)
+  if messages is None and not _source_info(kv if kv is not None else tokenizer)[0]: raw = True  # a base model
   if raw:
     if messages is not None: raise InvalidOption("raw", "raw applies to a prompt, not to messages")
     if tools is not None: raise InvalidOption("tools", "tools go into the chat template: not with raw=True")

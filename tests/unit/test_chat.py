@@ -108,8 +108,24 @@ def test_fallback_chatml_and_llama3():
   assert text == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
                   "<|start_header_id|>assistant<|end_header_id|>\n\n")
   tok = Tokenizer.from_gguf_kv(l3)
-  ids = build_prompt_ids(tok, prompt=" hi ")
+  ids = build_prompt_ids(tok, l3, messages=[{"role": "user", "content": " hi "}])
   assert ids.count(tok.bos_id) == 1 and ids[0] == tok.bos_id   # BOS once, though the template writes it too
+  # Gemma's turns (a file without its template: the system message opens the first user turn), assistant -> model
+  gemma = tiny_kv(["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], add_bos=True)
+  assert chat_format(gemma) == "gemma"
+  msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"}]
+  assert render_chat(gemma, msgs) == ("<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\nyo<end_of_turn>\n"
+                                      "<start_of_turn>model\n")
+
+
+def test_a_prompt_to_a_model_without_its_own_template_is_its_input_as_is():
+  """A file without a chat template is a base model: a prompt continues as text (llama.cpp's CLI: completion mode), so
+  `generate "What is the capital of France?"` gets the ids of that text; messages still take the fallback."""
+  kv = tiny_kv(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+  tok = Tokenizer.from_gguf_kv(kv)
+  assert build_prompt_ids(tok, kv, prompt="hi there") == tok.encode("hi there")
+  assert build_prompt_ids(tok, kv, messages=[{"role": "user", "content": "hi there"}]) == tok.encode(
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", parse_special=True)
 
 
 def test_no_template_and_unknown_vocab_is_a_clear_error():

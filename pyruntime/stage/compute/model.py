@@ -43,6 +43,7 @@ from pyruntime.modelfile.plan import check_architecture, num_blocks, output_tens
 from pyruntime.options import DECODE_MODES, WEIGHT_MODES
 from pyruntime.protocol import PREFILL_CHUNK
 from pyruntime.stage.compute import cpu_graph, cuda_graph, device_memory, loop_schedules
+from pyruntime.stage.compute.gemma import gemma_form
 from pyruntime.stage.compute.graph_cache import GraphCache
 from pyruntime.stage.compute.rows import MAX_ROWS, ROW_UNIT, RowPath
 from pyruntime.stage.compute.weights import PROJECTIONS, held_buffers, linears
@@ -178,6 +179,10 @@ class StageModel:
     self._bdtype = BOUNDARY_TENSOR_DTYPES[boundary_dtype]
     self.boundary = StageBoundary.for_range(self.arch, start, end, L, cfg.dim, boundary_dtype, experts=cfg.num_experts)
     self.family = family(cfg)
+    self.gemma = gemma_form(header)  # Gemma 3's blocks (gemma.py): tinygrad has no model of them, so the rows path only
+    if self.gemma is not None and decode != "batched":
+      raise errors.InvalidOption("decode", f"{self.arch} runs on the rows path only (decode='batched'): tinygrad has no model of it "
+                                 "whose kernels decode='reference' would run")
     # tinygrad's generate prefills one token at a time when any block of the model is recurrent: every stage must cut the
     # prompt where the reference does, attention-only stages too
     self.recurrent = cfg.ssm is not None

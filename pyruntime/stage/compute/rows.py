@@ -177,19 +177,22 @@ class RowPath:
     self.short_jits: dict[int, TinyJit] = {}
     self.decode_jits: dict[int, TinyJit] = {}
     self.mixed_jits: dict[int, TinyJit] = {}
-    self.rope_host = m.blk[0].freqs_cis.numpy()  # the reference's table: a row's cos|sin, gathered on the host
+    # the reference's rotary tables (a row's cos|sin; Gemma's global and sliding-window ones side by side), gathered on
+    # the host for each row's position; a block reads its own (`rope_table`)
+    self.rope_host = np.concatenate([t.numpy() for t in m.rope_tables], axis=-1)
+    rw = self.rope_host.shape[-1]
     width = m._embd_row_bytes if m.is_head else cfg.dim
     dt = dtypes.uint8 if m.is_head else m._bdtype
     self.prefill_in, self.prefill_pos = m._empty((MAX_ROWS, width), dt), m._empty((MAX_ROWS,), dtypes.int32)
-    self.prefill_rope = m._empty((MAX_ROWS, cfg.rope_dim), dtypes.float32)
+    self.prefill_rope = m._empty((MAX_ROWS, rw), dtypes.float32)
     self.decode_in, self.decode_pos = m._empty((self.slots, width), dt), m._empty((self.slots,), dtypes.int32)
-    self.decode_rope = m._empty((self.slots, cfg.rope_dim), dtypes.float32)
+    self.decode_rope = m._empty((self.slots, rw), dtypes.float32)
     self.decode_at_k, self.decode_at_v = m._empty((self.slots,), dtypes.int32), m._empty((self.slots,), dtypes.int32)
     # a mixed step's inputs (the window's rows, then the prompt's), and where its parts are joined: per block the attention's
     # output, on the tail the rows whose logits are wanted
     n = self.slots + MAX_ROWS
     self.mixed_in, self.mixed_pos = m._empty((n, width), dt), m._empty((n,), dtypes.int32)
-    self.mixed_rope = m._empty((n, cfg.rope_dim), dtypes.float32)
+    self.mixed_rope = m._empty((n, rw), dtypes.float32)
     self.mixed_at_k, self.mixed_at_v = m._empty((n,), dtypes.int32), m._empty((n,), dtypes.int32)
     self.joins = [m._empty((1, n, cfg.n_heads * cfg.v_head_dim), dtypes.float32) for _ in m.blk]
     self.tail_join = m._empty((1, self.slots + ROW_UNIT, cfg.dim), dtypes.float32) if m.is_tail else None
@@ -263,6 +266,11 @@ class RowPath:
     return out
 
   # --- one layer, shared by both graphs ---------------------------------------------------------------
+  def _rope_tables(self, rope: Tensor, lead: tuple) -> list[tuple[Tensor, Tensor]]:
+    """Each rotary table's (cos, sin) of the rows `rope` (rows, tables x rope_dim), shaped (*lead, rope_dim / 2)."""
+    cd = self.m.config.rope_dim
+    return [rope[:, i * cd:(i + 1) * cd].reshape(*lead, cd).chunk(2, dim=-1) for i in range(len(self.m.rope_tables))]
+
   def _qkv(self, b: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """TransformerBlock._attention's projections, norms and rotary embedding for x (B, T, dim), each row at its own
     position (cos, sin: (B, 1, T, rope_dim / 2)). Returns q (B, H, T, Hd), k and v (B, KvH, T, Hd); with latent
@@ -306,15 +314,19 @@ class RowPath:
 
   def _attend(self, b: TransformerBlock, q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, kv: UOp | int) -> Tensor:
     """Scaled dot-product attention of q (B, H, T, Hd) over keys (B, KvH, Hd, kv) and values (B, KvH, kv, Hd), row
-    (b, t) seeing positions 0..pos[b, t] (pos: (B, 1, T, 1)); as tinygrad's (GQA by kv head groups, the scale a
-    division, softmax), with masked scores replaced rather than added to. Returns (B, T, H * Hd)."""
+    (b, t) seeing positions 0..pos[b, t] (pos: (B, 1, T, 1)), or with a sliding window (a Gemma block's `window`) the
+    last `window` of them; as tinygrad's (GQA by kv head groups, the scale a division, softmax; Gemma's a product), with
+    masked scores replaced rather than added to. Returns (B, T, H * Hd)."""
     c = b.config
     B, _, T, Hd = q.shape
     G = c.n_heads // c.n_kv_heads
     qg = q.reshape(B, c.n_kv_heads, G * T, Hd)  # head h uses kv head h // G, as repeat_interleave has it
-    scores = qg.matmul(keys, dtype=dtypes.float32) / float(np.sqrt(Hd))   # (B, KvH, G*T, kv)
+    scores = qg.matmul(keys, dtype=dtypes.float32)   # (B, KvH, G*T, kv)
+    scores = scores * self.m.gemma.attn_scale if self.m.gemma else scores / float(np.sqrt(Hd))
     seen = self.arange[:kv].reshape(1, 1, 1, kv)
-    hidden = (seen > pos.reshape(B, 1, 1, T, 1).expand(B, 1, G, T, 1).reshape(B, 1, G * T, 1))
+    at = pos.reshape(B, 1, 1, T, 1).expand(B, 1, G, T, 1).reshape(B, 1, G * T, 1)
+    hidden = seen > at
+    if window := getattr(b, "window", 0): hidden = hidden | (seen <= at - window)
     w = hidden.where(float("-inf"), scores).softmax(-1).contiguous()
     # the caches are not zeroed: a position past every row of a slot gets weight 0, and its value is made 0 as well, since
     # 0 * stale bytes (a NaN, even) must not reach the sum; a position some row sees was written this step or before
@@ -354,11 +366,18 @@ class RowPath:
     tc, fresh = self.m.tensor_cores, self.m._router_block
     self.router_rows = None
 
+    gemma = self.m.gemma is not None
+
     def dense(b: TransformerBlock, n: Tensor, fused: str, gate_up: tuple[str, str], down: str) -> Tensor:
       # tinygrad's dense feed-forward (FFNBlock._feed_forward), through the column-blocked matrices: a dense block's, or
-      # a MoE block's shared expert
+      # a MoE block's shared expert; Gemma's GeGLU (GELU, tanh-approximated, for SiLU)
       gate, up = _projections(b, n, fused, gate_up, tc)
-      return _linear(getattr(b, down), gate.silu().contiguous() * up, tc)
+      return _linear(getattr(b, down), (gate.gelu() if gemma else gate.silu()).contiguous() * up, tc)
+
+    def post(norm: Any, t: Tensor) -> Tensor:
+      # Gemma's norm of a block's attention or feed-forward output before the residual adds it (the output a buffer:
+      # the norm's sum of squares reads stored values in every graph)
+      return t if norm is None else norm(t.contiguous())
 
     def moe(b: TransformerBlock, n: Tensor) -> tuple[Tensor, Tensor]:
       logits = _linear(b.ffn_gate_inp, n, tc).float().contiguous()
@@ -371,9 +390,11 @@ class RowPath:
     def call(b: TransformerBlock, x: Tensor) -> Tensor:
       @function(allow_implicit=True)
       def _run(x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        h = x + _linear(b.attn_output, attention(b, b.attn_norm(x)), tc)
+        h = x + post(getattr(b, "post_attention_norm", None), _linear(b.attn_output, attention(b, b.attn_norm(x)), tc))
+        if gemma: h = h.contiguous()  # a normed output's row factor stays out of ffn_norm's sum
         n = b.ffn_norm(h).contiguous()
-        if not b.config.num_experts: return (h + dense(b, n, "rows_gate_up", ("ffn_gate", "ffn_up"), "ffn_down")).contiguous()
+        if not b.config.num_experts:
+          return (h + post(getattr(b, "post_ffw_norm", None), dense(b, n, "rows_gate_up", ("ffn_gate", "ffn_up"), "ffn_down"))).contiguous()
         ffn, logits = moe(b, n)
         out = (h + ffn).contiguous()
         return (out, logits.reshape(-1, b.config.num_experts).contiguous()) if b is fresh else out
@@ -392,7 +413,8 @@ class RowPath:
       # stored as float16 by a kernel of its own: a device without float16 arithmetic may skip the rounding of a cast
       # that stays inside one kernel (PoCL's CPU device does), and its rows would start from other values
       if m.half: w = w.cast("float16").contiguous()
-      return w[:rows].reshape(B, T, m.dim).float()
+      x = w[:rows].reshape(B, T, m.dim).float()
+      return x * m.gemma.embed_scale if m.gemma else x  # Gemma scales the embedding by sqrt(dim), in float32
     x = inp[:rows].reshape(B, T, m.dim)
     return x.float() if m._bdtype != dtypes.float32 else x
 
@@ -400,7 +422,10 @@ class RowPath:
     """Rows (n, 1, dim) or (1, n, dim) out: the tail's logits (n, vocab), else the residual in the boundary dtype; and
     with a router block, its logits (every row of the graph, experts) as a second output."""
     m = self.m
-    if m.is_tail: out = _linear(m.output, m.output_norm(x).contiguous(), m.tensor_cores).reshape(-1, m.vocab_size).contiguous()
+    if m.is_tail:
+      out = _linear(m.output, m.output_norm(x).contiguous(), m.tensor_cores).reshape(-1, m.vocab_size)
+      if m.gemma and (cap := m.gemma.softcap): out = (out.contiguous() / cap).tanh() * cap  # the file's soft cap
+      out = out.contiguous()
     else: out = (x.cast(m._bdtype) if m._bdtype != dtypes.float32 else x).contiguous()
     return out if self.router_rows is None else (out, self.router_rows)
 
@@ -420,13 +445,12 @@ class RowPath:
   # --- prefill: rows of one stream ------------------------------------------------------------------
   def _prefill_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, rows: UOp | int, slot: UOp, start: UOp, kv32: UOp) -> Tensor:
     R, kv = rows * ROW_UNIT if isinstance(rows, UOp) else rows, kv32 * KV_UNIT
-    cd = self.m.config.rope_dim
-    cos, sin = rope[:R].reshape(1, 1, R, cd).chunk(2, dim=-1)
+    tables = self._rope_tables(rope[:R], (1, 1, R))
     p = pos[:R].reshape(1, 1, R, 1)
     for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True): b.rows_k, b.rows_v = kc, vc
 
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
-      q, k, v = self._qkv(b, x, cos, sin)
+      q, k, v = self._qkv(b, x, *tables[getattr(b, "rope_table", 0)])
       kc, vc = self._write_rows(b.rows_k, b.rows_v, k, v, slot, start, R)
       return self._attend_cache(b, q, kc, vc, slot, 1, p, kv)
     x = self._blocks(self._ingress(inp, R, 1, R), attention)
@@ -480,14 +504,14 @@ class RowPath:
 
   # --- decode: one row for each stream of a window of slots -------------------------------------------
   def _decode_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, at_k: Tensor, at_v: Tensor, W: int, lo: UOp, kv32: UOp) -> Tensor:
-    c, kv = self.m.config, kv32 * KV_UNIT
-    cos, sin = rope[:W].reshape(W, 1, 1, c.rope_dim).chunk(2, dim=-1)
+    kv = kv32 * KV_UNIT
+    tables = self._rope_tables(rope[:W], (W, 1, 1))
     p = pos[:W].reshape(W, 1, 1, 1)
     ak, av = at_k[:W], at_v[:W]
     for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True): b.rows_k, b.rows_v = kc, vc
 
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
-      q, k, v = self._qkv(b, x, cos, sin)
+      q, k, v = self._qkv(b, x, *tables[getattr(b, "rope_table", 0)])
       kc, vc = self._scatter_rows(b.rows_k, b.rows_v, k, v, ak, av)
       return self._attend_cache(b, q, kc, vc, lo, W, p, kv)
     return self._egress(self._blocks(self._ingress(inp, W, W, 1), attention))
@@ -521,14 +545,14 @@ class RowPath:
   def _decode_inputs(self, slots: list[int], inp: np.ndarray, positions: list[int], lo: int, W: int) -> tuple[np.ndarray, ...]:
     """A decode window's inputs on the host: each row's input row, position (-1 for a filler), rotary row and cache
     offsets. A filler's row is zeros: it sees no key, computes NaN in its own row only, and writes into the spare slot."""
-    m, c = self.m, self.m.config
+    m = self.m
     at = np.asarray(slots) - lo
     pos = np.full(W, -1, dtype=np.int32)
     pos[at] = positions
     where = np.full(W, self.slots, dtype=np.int64)  # fillers write into the spare slot, at position 0
     where[at] = slots
     ak, av = self._offsets(where, np.maximum(pos, 0))
-    rope = np.zeros((W, c.rope_dim), np.float32)
+    rope = np.zeros((W, self.rope_host.shape[-1]), np.float32)
     rope[at] = self.rope_host[list(positions)]
     if m.is_head:
       rows = np.zeros((W, m._embd_row_bytes), np.uint8)
@@ -544,14 +568,14 @@ class RowPath:
     """The decode graph's W rows and the prefill graph's R, through the projections and feed-forwards as one batch
     (the weights are read once for both), each part through its own graph's attention. The parts are joined by
     stores into buffers of their own, not by a concatenation (whose symbolic bounds tinygrad's codegen cannot gate)."""
-    c, R, kv, kvp = self.m.config, rows16 * ROW_UNIT, kv32 * KV_UNIT, kvp32 * KV_UNIT
-    cos, sin = rope[:W + R].reshape(1, 1, W + R, c.rope_dim).chunk(2, dim=-1)
+    R, kv, kvp = rows16 * ROW_UNIT, kv32 * KV_UNIT, kvp32 * KV_UNIT
+    tables = self._rope_tables(rope[:W + R], (1, 1, W + R))
     pd, pp = pos[:W].reshape(W, 1, 1, 1), pos[W:W + R].reshape(1, 1, R, 1)
     ak, av = at_k[:W + MAX_ROWS], at_v[:W + MAX_ROWS]
     for b, (kc, vc), join in zip(self.m.blk, self.caches, self.joins, strict=True): b.rows_k, b.rows_v, b.rows_join = kc, vc, join
 
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
-      q, k, v = self._qkv(b, x, cos, sin)  # (1, heads, W + R, Hd)
+      q, k, v = self._qkv(b, x, *tables[getattr(b, "rope_table", 0)])  # (1, heads, W + R, Hd)
       rows = lambda t: t[:, :, :W].permute(2, 1, 0, 3)  # noqa: E731 - the decode part as the decode graph has it: (W, heads, 1, Hd)
       # every row's key and value through one scatter (a second write into the cache in the same graph, a store, makes
       # tinygrad copy the whole cache first)

@@ -31,12 +31,15 @@ from pyruntime import errors
 from pyruntime.modelfile.gguf import TensorInfo, packed_types
 from pyruntime.modelfile.plan import FFN_NORM_RENAMED, block_tensor_names, output_tensor_name, stage_tensor_names
 from pyruntime.stage.compute import device_memory, loop_schedules
+from pyruntime.stage.compute.gemma import GemmaBlock, GemmaForm, rope_tables
 from pyruntime.stage.compute.packed import PackedMatrix, packable, repack, repack_experts
 
 
-def new_block(cfg: TransformerConfig, i: int) -> FFNBlock:
+def new_block(cfg: TransformerConfig, i: int, gemma: GemmaForm | None = None) -> FFNBlock:
   """Block i as `Transformer.__init__` builds it: recurrent or attention (MLA when kv_lora_rank > 0), dense FFN for the
-  leading dense blocks, else the config's FFN (experts when it has them)."""
+  leading dense blocks, else the config's FFN (experts when it has them); a Gemma 3 block (gemma.py) for a gemma3 file,
+  its rotary table 1 (the sliding window's) or 0."""
+  if gemma is not None: return GemmaBlock(cfg, gemma.window if gemma.local(i) else 0, int(gemma.local(i)))
   dense = replace(cfg, num_experts=0, num_experts_per_tok=0, shared_expert_dim=0, hidden_dim=cfg.dense_hidden_dim or cfg.hidden_dim)
   if cfg.ssm:
     cfg = replace(cfg, qk_norm=cfg.head_dim)
@@ -148,17 +151,20 @@ def load(m: Any) -> None:
   m.raw_tensors = raws if m.weights == "quantized" else {}
   m.tensor_names = names
 
-  with no_random_init(): m.blk = [new_block(cfg, i) for i in range(m.start, m.end)]
-  m._block_sigs = [(type(b).__name__,) + tuple(sorted((n.split(".", 2)[2], header.tensors[n].ggml_type, header.tensors[n].dims)
-                                                         for n in block_tensor_names(header, i)))
+  with no_random_init(): m.blk = [new_block(cfg, i, m.gemma) for i in range(m.start, m.end)]
+  # blocks of one signature trace to one function body (StageModel._blocks): how a block attends is part of it
+  m._block_sigs = [(type(b).__name__, getattr(b, "window", 0), getattr(b, "rope_table", 0))
+                   + tuple(sorted((n.split(".", 2)[2], header.tensors[n].ggml_type, header.tensors[n].dims) for n in block_tensor_names(header, i)))
                       for i, b in zip(range(m.start, m.end), m.blk, strict=True)]
-  freqs_cis = precompute_freqs_cis(cfg.rope_dim, cfg.max_context, cfg.rope_theta, device=m.device).realize()
+  # each block's rotary table (rows path: RowPath.rope_host), one for most models, Gemma's global and local ones
+  m.rope_tables = rope_tables(m.gemma, cfg, m.device) if m.gemma else \
+    [precompute_freqs_cis(cfg.rope_dim, cfg.max_context, cfg.rope_theta, device=m.device).realize()]
   file_name: dict[int, str] = {}  # a parameter's tensor in the file (packed weights are repacked from its bytes)
   for i, b in zip(range(m.start, m.end), m.blk, strict=True):
     assign(b, {k: weight(m, raws, tensor_name(m, i, k)) for k in get_state_dict(b)}, f"blk.{i}")
     file_name.update({id(v): tensor_name(m, i, k) for k, v in get_state_dict(b).items()})
     # set here, not by the block's _init_state, which only runs without a cache
-    if not isinstance(b, GatedDeltaNetBlock): b.freqs_cis = freqs_cis
+    if not isinstance(b, GatedDeltaNetBlock): b.freqs_cis = m.rope_tables[getattr(b, "rope_table", 0)]
   if m.is_tail:
     with no_random_init(): m.output_norm, m.output = nn.RMSNorm(cfg.dim, cfg.norm_eps), nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
     assign(m.output_norm, {"weight": weight(m, raws, "output_norm.weight")}, "output_norm")

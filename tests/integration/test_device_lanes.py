@@ -19,7 +19,7 @@ import os
 import pytest
 from conftest import lane_device
 from test_model import fresh
-from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
+from tinymodels import TINY_FAMILIES, TINY_GEMMA, TINY_MODELS, write_tiny_gguf
 
 from pyruntime.engine.launcher import Done, Launcher
 from pyruntime.stage.compute.launch_report import launches
@@ -169,7 +169,7 @@ def test_cl_copies_only_a_records_own_bytes(tiny):
 @pytest.mark.parametrize("name,split", [("qwen3moe", [(0, 1), (1, 4)]), ("deepseek2", [(0, 2), (2, 4)])])
 def test_cl_moe_and_mla_families_equal_tinygrad(tmp_path, name, split):
   lane_device(CL)
-  path = write_tiny_gguf(tmp_path / f"{name}.gguf", **TINY_FAMILIES[name])
+  path = write_tiny_gguf(tmp_path / f"{name}.gguf", **{**TINY_FAMILIES, "gemma3": TINY_GEMMA}[name])
   with Launcher(path, split=split, devices=CL, max_context=256) as lm: got = generate(lm, n=6)
   assert got.token_ids == reference(path, CL, got.prompt_token_ids, 6)
 
@@ -220,27 +220,28 @@ def test_sm90_tensor_core_mode_runs_every_projection_on_tensor_cores(tiny, weigh
     assert len(tiles) == products, (g, products, tiles)
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "deepseek2", "qwen35"])
+@pytest.mark.parametrize("name", ["qwen3moe", "deepseek2", "qwen35", "gemma3"])
 @pytest.mark.parametrize("weights", ["quantized", "float16"])
 def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
-  """Each family's stage (MoE and MLA: every graph of the rows path, the routed experts' and the latent attention's
-  included; hybrid: tinygrad's prefill and decode graphs) and each weight form, compiled for sm_90 in-process; the kernels are CUDA C rendered for
-  sm_90 and compiled to PTX by NVRTC."""
+  """Each family's stage (MoE, MLA and Gemma 3: every graph of the rows path, the routed experts', the latent attention's
+  and the sliding window's included; hybrid: tinygrad's prefill and decode graphs) and each weight form, compiled for
+  sm_90 in-process; the kernels are CUDA C rendered for sm_90 and compiled to PTX by NVRTC."""
   lane_device(SM90.format(0))
   from tinygrad import Device
   from tinygrad.helpers import Context
 
   from pyruntime.stage.compute.model import StageModel
-  path = write_tiny_gguf(tmp_path / f"{name}.gguf", **TINY_FAMILIES[name])
+  path = write_tiny_gguf(tmp_path / f"{name}.gguf", **{**TINY_FAMILIES, "gemma3": TINY_GEMMA}[name])
   with Context(NULL_ALLOW_COPYOUT=1):
-    m = StageModel.load(path, 0, 2, device=SM90.format(1), max_context=64, slots=2, weights=weights)
+    # Gemma: blocks 4..6 (sliding window, global, sliding window) and the tail
+    m = StageModel.load(path, *((4, 7) if name == "gemma3" else (0, 2)), device=SM90.format(1), max_context=64, slots=2, weights=weights)
     m.warm_up()
   dev = Device[m.device]
   assert m.device == "NULL:1" and type(dev.renderer).__name__ == "CUDARenderer" and dev.renderer.target.arch == "sm_90"
   if m.batched:  # the rows path: every decode window, the prompt graphs and the mixed step
     graphs = {f"decode-{w}": j for w, j in m.rows.decode_jits.items()} | {"prefill": m.rows.prefill_jit} | \
              {f"mixed-{w}": j for w, j in m.rows.mixed_jits.items()} | {f"prefill-{r}": j for r, j in m.rows.short_jits.items()}
-    assert name in ("qwen3moe", "deepseek2") and {"decode-1", "decode-2", "prefill", "mixed-2"} <= set(graphs), sorted(graphs)
+    assert name in ("qwen3moe", "deepseek2", "gemma3") and {"decode-1", "decode-2", "prefill", "mixed-2"} <= set(graphs), sorted(graphs)
   else:
     graphs = m._graphs
     assert sorted(graphs) == ["decode", "prefill"]

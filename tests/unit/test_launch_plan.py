@@ -6,7 +6,7 @@ import math
 import pathlib
 
 import pytest
-from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
+from tinymodels import TINY_FAMILIES, TINY_GEMMA, TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
 from pyruntime.engine.launch_plan import LaunchOptions, packed_bytes, plan_launch, recipe_digest
@@ -92,6 +92,16 @@ def test_tensor_cores_reach_every_role_and_are_refused_where_they_cannot_hold(ll
     assert plan(routed, devices="CPU", tensor_cores="on").role(0)["tensor_cores"] is True
   hybrid = write_tiny_gguf(tmp_path / "hybrid.gguf", **TINY_FAMILIES["qwen35"])  # tinygrad's own kernels: refused by name
   with pytest.raises(errors.InvalidOption, match="rows path"): plan(hybrid, devices="CPU", tensor_cores="on")
+
+
+def test_gemma3_plans_the_rows_path_and_refuses_tinygrads_decode(tmp_path):
+  """Gemma 3 (pyruntime's own blocks): packed weights on a CPU, the tensor-core mode holds; decode='reference' (tinygrad
+  has no Gemma 3 model) is refused by name before any stage is spawned."""
+  gemma = write_tiny_gguf(tmp_path / "gemma3.gguf", **TINY_GEMMA)
+  p = plan(gemma, devices="CPU", tensor_cores="on")
+  assert p.weights == ["packed", "packed"] and p.role(1)["tensor_cores"] is True
+  with pytest.raises(errors.InvalidOption) as e: plan(gemma, devices="CPU", decode="reference")
+  assert e.value.field == "decode" and "rows path only" in str(e.value)
 
 
 def test_micro_batches_only_for_stages_on_devices_of_their_own(llama):

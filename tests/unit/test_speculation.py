@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import run_together
-from tinymodels import TINY_FAMILIES, TINY_MODELS, write_tiny_gguf
+from tinymodels import TINY_FAMILIES, TINY_GEMMA, TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
 from pyruntime.engine.launcher import Done, Launcher
@@ -138,12 +138,12 @@ def test_the_prefix_cache_keeps_no_rejected_draft(plain, spec):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("family,split", [("qwen2", [(0, 1), (1, 3), (3, 4)]), ("qwen3", [(0, 3), (3, 5)]), ("glm4moe", [(0, 2), (2, 4)]),
-                                         ("deepseek2", [(0, 3), (3, 4)])])
+                                         ("deepseek2", [(0, 3), (3, 4)]), ("gemma3", [(0, 5), (5, 7)])])
 def test_families_and_splits_speculate_exactly(tmp_path, family, split):
   """Dense families, a MoE one (glm4moe: a leading dense block, routed experts with expert bias, a gated shared expert)
-  and an MLA one (deepseek2: the latent cache rewound with the draft) speculate on the rows path, split, and give plain
-  decoding's tokens."""
-  path = write_tiny_gguf(tmp_path / f"{family}.gguf", **{**TINY_MODELS, **TINY_FAMILIES}[family])
+  and an MLA one (deepseek2: the latent cache rewound with the draft) and Gemma 3 (sliding windows) speculate on the
+  rows path, split, and give plain decoding's tokens."""
+  path = write_tiny_gguf(tmp_path / f"{family}.gguf", **{**TINY_MODELS, **TINY_FAMILIES, "gemma3": TINY_GEMMA}[family])
   with Launcher(path, split=split, max_context=256, speculative="ngram") as lm:
     rounds = 0
     for kw in CASES[:2]:  # greedy and penalised; stops and budgets do not depend on the family (all CASES above)

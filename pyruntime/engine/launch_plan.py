@@ -154,13 +154,13 @@ def preflight(plan: LaunchPlan) -> None:
 def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: int) -> LaunchPlan:
   """The plan for `options` over the model at `path` (its header read), with `memory` bytes available on this host."""
   from pyruntime.devices import parse_device, parse_devices
-  from pyruntime.modelfile.plan import OWN_ARCHS, ROWS_ARCHS, plan_split
+  from pyruntime.modelfile.plan import OWN_ARCHS, ROWS_ARCHS, SSM_SUPPORTED, plan_split
   if options.decode == "reference" and header.arch in OWN_ARCHS:
     raise errors.InvalidOption("decode", f"{header.arch} runs on the rows path only: tinygrad has no model of it whose kernels "
                                "decode='reference' would run")
-  if options.tensor_cores == "on" and header.arch not in ROWS_ARCHS:
-    raise errors.InvalidOption("tensor_cores", f"needs the rows path (architectures {sorted(ROWS_ARCHS)}); {header.arch} decodes with "
-                               "tinygrad's own kernels")
+  if options.tensor_cores == "on" and (header.arch not in ROWS_ARCHS or header.arch in SSM_SUPPORTED):
+    raise errors.InvalidOption("tensor_cores", f"needs the rows path's projections (architectures {sorted(ROWS_ARCHS - SSM_SUPPORTED)}); "
+                               f"{header.arch}'s recurrent blocks project with tinygrad's own kernels")
   n = len(options.split) if options.split else options.stages
   if not isinstance(n, int) or isinstance(n, bool) or n < 1: raise errors.InvalidOption("stages", f"must be an integer >= 1, got {n!r}")
   devices = parse_devices(options.devices, n)

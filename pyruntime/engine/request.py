@@ -78,7 +78,8 @@ class RequestBuilder:
     params = check_request(None if scoring_only else max_tokens, sampling, stop)
     if prompt_logprobs and not self.rows_everywhere:
       raise errors.InvalidOption("prompt_logprobs",
-                                 "scoring a prompt needs every stage on the rows path (decode='batched', a dense, MoE or MLA model)")
+                                 "scoring a prompt needs every stage on the rows path with positions it can recompute (decode='batched', "
+                                 "not a hybrid's recurrent blocks)")
     check_salt(cache_salt)
     if not isinstance(prefix_cache, bool): raise errors.InvalidOption("prefix_cache", f"must be true or false, got {prefix_cache!r:.80}")
     if not isinstance(speculative, bool): raise errors.InvalidOption("speculative", f"must be true or false, got {speculative!r:.80}")

@@ -18,11 +18,11 @@ SSM_SUPPORTED = frozenset({"qwen35", "qwen35moe"})
 # architectures tinygrad has no model of, whose blocks pyruntime writes itself (stage/compute/gemma.py): the rows path only
 OWN_ARCHS = frozenset({"gemma3"})
 SUPPORTED_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | SSM_SUPPORTED | OWN_ARCHS
-# the architectures the rows path runs (attention blocks, latent attention and sliding windows included, with a dense or
-# routed feed-forward: stage/compute/rows.py, experts.py and gemma.py): many streams per step, the prefix cache,
-# speculation, scoring, the tensor-core mode; the others (recurrent blocks) decode with tinygrad's own kernels, one
-# stream at a time
-ROWS_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | OWN_ARCHS
+# the architectures the rows path runs (stage/compute/rows.py, experts.py and gemma.py): many streams per step. Attention
+# blocks (latent attention and sliding windows included) with a dense or routed feed-forward also get the prefix cache,
+# speculation, scoring and the tensor-core mode; recurrent blocks (SSM_SUPPORTED: their state is not a function of
+# positions, and their projections are tinygrad's) get none of those, and take a prompt one row at a time
+ROWS_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | OWN_ARCHS | SSM_SUPPORTED
 FFN_NORM_RENAMED = frozenset({"qwen35", "qwen35moe", "glm4moe"})  # from_gguf reads their post_attention_norm as ffn_norm
 
 
@@ -40,9 +40,10 @@ def support_table() -> str:
     if a in MLA_SUPPORTED: return "latent attention (MLA) and routed experts"
     return "routed experts (MoE)" if a in MOE_SUPPORTED else "dense"
   rows = ["| architecture | family | runs on | prefix cache, speculation, tensor cores |", "|---|---|---|---|"]
-  runs = {True: "the rows path: many streams per step | yes", False: "tinygrad's own kernels, one stream at a time | no"}
   for a in sorted(SUPPORTED_ARCHS, key=lambda a: (a not in DENSE_ARCHS, a in SSM_SUPPORTED, a)):
-    rows.append(f"| `{a}` | {family(a)} | {runs[a in ROWS_ARCHS]} |")
+    runs = "the rows path: many streams per step" if a in ROWS_ARCHS else "tinygrad's own kernels, one stream at a time"
+    if a in SSM_SUPPORTED: runs += " (a prompt one row at a time)"
+    rows.append(f"| `{a}` | {family(a)} | {runs} | {'no' if a in SSM_SUPPORTED or a not in ROWS_ARCHS else 'yes'} |")
   names = lambda ids: ", ".join(GGML_TYPE_NAMES[t] for t in sorted(ids))  # noqa: E731
   return "\n".join(rows + ["", f"Tokenizer models: {', '.join(f'`{m}`' for m in TOKENIZER_MODELS)} "
                               "(byte-level BPE, SentencePiece), with any architecture.", "",

@@ -166,8 +166,9 @@ def test_cl_copies_only_a_records_own_bytes(tiny):
   assert device_memory.copies["bytes"] - before["bytes"] == sum(a.nbytes for a in inputs)
 
 
-@pytest.mark.parametrize("name,split", [("qwen3moe", [(0, 1), (1, 4)]), ("deepseek2", [(0, 2), (2, 4)])])
-def test_cl_moe_and_mla_families_equal_tinygrad(tmp_path, name, split):
+@pytest.mark.parametrize("name,split", [("qwen3moe", [(0, 1), (1, 4)]), ("deepseek2", [(0, 2), (2, 4)]), ("qwen35", [(0, 1), (1, 4)])])
+def test_cl_moe_mla_and_hybrid_families_equal_tinygrad(tmp_path, name, split):
+  """MoE, MLA and hybrid (recurrent blocks one row per stream) pipelines on the CL lane's rows path: tinygrad's tokens."""
   lane_device(CL)
   path = write_tiny_gguf(tmp_path / f"{name}.gguf", **{**TINY_FAMILIES, "gemma3": TINY_GEMMA}[name])
   with Launcher(path, split=split, devices=CL, max_context=256) as lm: got = generate(lm, n=6)
@@ -224,7 +225,7 @@ def test_sm90_tensor_core_mode_runs_every_projection_on_tensor_cores(tiny, weigh
 @pytest.mark.parametrize("weights", ["quantized", "float16"])
 def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
   """Each family's stage (MoE, MLA and Gemma 3: every graph of the rows path, the routed experts', the latent attention's
-  and the sliding window's included; hybrid: tinygrad's prefill and decode graphs) and each weight form, compiled for
+  and the sliding window's included; a hybrid's: its recurrent blocks' decode windows) and each weight form, compiled for
   sm_90 in-process; the kernels are CUDA C rendered for sm_90 and compiled to PTX by NVRTC."""
   lane_device(SM90.format(0))
   from tinygrad import Device
@@ -241,7 +242,10 @@ def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
   if m.batched:  # the rows path: every decode window, the prompt graphs and the mixed step
     graphs = {f"decode-{w}": j for w, j in m.rows.decode_jits.items()} | {"prefill": m.rows.prefill_jit} | \
              {f"mixed-{w}": j for w, j in m.rows.mixed_jits.items()} | {f"prefill-{r}": j for r, j in m.rows.short_jits.items()}
-    assert name in ("qwen3moe", "deepseek2", "gemma3") and {"decode-1", "decode-2", "prefill", "mixed-2"} <= set(graphs), sorted(graphs)
+    # (a hybrid's prompt rows are decode rows: it has decode windows only)
+    assert ({"decode-1", "decode-2"} if m.recurrent else {"decode-1", "decode-2", "prefill", "mixed-2"}) <= set(graphs), sorted(graphs)
+    if m.recurrent: assert set(graphs) == {"decode-1", "decode-2", "prefill"} and graphs["prefill"] is None
+    graphs = {k: j for k, j in graphs.items() if j is not None}
   else:
     graphs = m._graphs
     assert sorted(graphs) == ["decode", "prefill"]

@@ -56,8 +56,8 @@ def generate(lm: Launcher, i: int) -> Done:
 
 def test_streams_equal_reference_alone_and_together(family):
   """Each prompt alone gives tinygrad's own tokens (one after another on the same slot: a hybrid's recurrent state
-  starts over with each stream); the three in flight together (MoE and MLA stages batch them on the rows path, hybrid
-  ones decode them one stream at a time with tinygrad's kernels) give the same."""
+  starts over with each stream); the three in flight together (batched on the rows path: a hybrid's recurrent blocks
+  one row per stream, RowPath._recurrent) give the same."""
   from tinygrad.llm.model import Transformer
   name, path, lm = family
   ref, _ = Transformer.from_gguf(path, max_context=128)
@@ -120,8 +120,9 @@ def test_inspect_shows_a_running_servers_expert_load(family, capsys):
 
 @pytest.mark.parametrize("name", MOE)
 def test_boundary_carries_router_logits_and_positions(name, tmp_path):
-  """A cut after block 2: hidden_states, the router logits of block 1 (the last MoE block before the cut, the very values
-  tinygrad routes by), and for MLA the positions; a receiver refuses a boundary without them by name."""
+  """A cut after block 2: hidden_states, the router logits of block 1 (the last MoE block before the cut: the values
+  tinygrad routes by, to float32's precision, a hybrid's to float16's), and for MLA the positions; a receiver refuses a
+  boundary without them by name."""
   from tinygrad import Tensor
   from tinygrad.llm.model import Transformer
 
@@ -147,5 +148,8 @@ def test_boundary_carries_router_logits_and_positions(name, tmp_path):
   blk = ref.blk[1]
   blk._init_state(x)
   h = x + blk._attention(blk.attn_norm(x), 0)
-  np.testing.assert_allclose(parts["router_logits"], blk.ffn_gate_inp(blk.ffn_norm(h)).float().numpy()[0], rtol=1e-4, atol=1e-4)
+  # a hybrid's recurrent block computes in float16 (tinygrad's definition of it), and the rows path rounds to float16
+  # where tinygrad's kernels do not always (RowPath._recurrent): its router logits agree to float16's precision
+  tol = 1e-2 if a.recurrent else 1e-4
+  np.testing.assert_allclose(parts["router_logits"], blk.ffn_gate_inp(blk.ffn_norm(h)).float().numpy()[0], rtol=tol, atol=tol)
   with pytest.raises(errors.ActivationExtentInvalid): b.boundary.ingress.ingress_arrays(buf[:4 * a.dim * len(ids)])  # hidden only

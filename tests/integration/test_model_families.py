@@ -77,27 +77,58 @@ def test_family_configs_exercise_what_they_claim(family_refs):
   assert cfg("qwen35moe", 0).num_experts == 8 and cfg("qwen35moe", 0).shared_expert_gate
 
 
-def test_family_stage_warms_up_and_refuses_the_batched_decode(family_paths, family_refs):
-  """A hybrid stage decodes per stream even when the batched decode is asked for: warm_up captures tinygrad's T=1
-  decode (no batch shapes), forward_batch is refused by name, and the warmed-up stage is still exact. Which stages take
-  the rows path is what modelfile.plan.ROWS_ARCHS (the launcher's plan) says."""
+@pytest.mark.parametrize("name", sorted(RECURRENT))
+def test_a_hybrid_runs_the_rows_path_one_row_per_stream(family_paths, family_refs, name):
+  """A hybrid stage on the rows path (RowPath._recurrent): warm_up prepares the decode windows only (a prompt's rows go
+  one at a time through the one-row window: a prompt row is a decode row by construction); two stages give tinygrad's
+  tokens; a stream's rows are the same bits alone and beside other streams (whose fillers leave idle slots' state
+  untouched); splits equal one stage. Which stages take the rows path is what modelfile.plan.ROWS_ARCHS says."""
   from pyruntime.modelfile.plan import ROWS_ARCHS
-  stages = load_split(family_paths["qwen35"], [(0, 2), (2, 4)], slots=2, decode="batched")
-  for s in stages: assert not s.batched and s.warm_up() == []
-  with pytest.raises(errors.InvalidOption): stages[0].forward_batch([0], np.asarray([5], np.uint32), [1])
-  want = family_refs["qwen35"]
-  assert chain(stages, list(want["prompt"]), len(want["tokens"])) == want["tokens"]
-  for name, path in family_paths.items():
-    m = load_split(path, [(0, 1)], decode="batched")[0]
-    assert m.batched == (m.arch in ROWS_ARCHS), name
+  path, want = family_paths[name], family_refs[name]
+  stages = load_split(path, [(0, 2), (2, 4)], slots=4, decode="batched")
+  for s in stages: assert s.batched and s.recurrent and s.warm_up() == [1, 2, 4] and s.score_rows == 0
+  logits: list[np.ndarray] = []
+  assert chain(stages, list(want["prompt"]), len(want["tokens"]), logits=logits) == want["tokens"]
+  whole: list[np.ndarray] = []
+  chain(load_split(path, [(0, 4)], slots=4, decode="batched"), list(want["prompt"]), len(want["tokens"]), logits=whole)
+  assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(logits, whole, strict=True))
+  m = load_split(path, [(0, 4)], slots=4, decode="batched")[0]
+  prompts = [np.asarray(p, np.uint32) for p in (PROMPT[:12], PROMPT2, PROMPT[20:27], PROMPT[3:6])]
+
+  def run(slots: list[int]) -> list[np.ndarray]:
+    for s in range(4): m.reset_slot(s)
+    for s in slots: m.prefill_rows(s, prompts[s], 0)
+    toks, out = {s: 7 + 11 * s for s in slots}, []
+    for step in range(4):
+      rows = m.batch_rows(m.forward_batch(slots, np.asarray([toks[s] for s in slots], np.uint32), [len(prompts[s]) + step for s in slots]), slots)
+      out.append(rows[0].numpy().copy())
+      toks = {s: int(r.numpy().argmax()) for s, r in zip(slots, rows, strict=True)}
+    return out
+  alone = run([0])
+  for slots in ([0, 1], [0, 2, 3]):
+    assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(run(slots), alone, strict=True)), slots
+
+  def waiting(beside: bool) -> np.ndarray:
+    # slot 1 holds a stream that waits while slots 0 and 2 decode in a window of 4 (slots 1 and 3 its fillers): its
+    # next row must not see that those steps happened
+    for s in range(4): m.reset_slot(s)
+    for s in (0, 1, 2): m.prefill_rows(s, prompts[s], 0)
+    for step in range(3 if beside else 0):
+      m.forward_batch([0, 2], np.asarray([5, 9], np.uint32), [len(prompts[0]) + step, len(prompts[2]) + step])
+    return m.batch_rows(m.forward_batch([1], np.asarray([7], np.uint32), [len(prompts[1])]), [1])[0].numpy().copy()
+  assert np.array_equal(bits(waiting(True)), bits(waiting(False)))
+  for n, p in family_paths.items():
+    assert load_split(p, [(0, 1)], decode="batched")[0].batched == (read_header(p).arch in ROWS_ARCHS), n
 
 
-def test_recurrent_state_is_per_slot_and_reset_with_the_stream(family_paths, family_refs):
-  """qwen35: two streams interleaved on two slots, then a new stream on a reused slot, each equal their solo reference
-  runs (the recurrent state lives per slot and starts from zero with each stream); a recurrent stage cannot rewind."""
+@pytest.mark.parametrize("decode", ["reference", "batched"])
+def test_recurrent_state_is_per_slot_and_reset_with_the_stream(family_paths, family_refs, decode):
+  """qwen35, on tinygrad's kernels and on the rows path: two streams interleaved on two slots, then a new stream on a
+  reused slot, each equal their solo reference runs (the recurrent state lives per slot and starts from zero with each
+  stream); a recurrent stage cannot rewind."""
   ref = family_refs["qwen35"]["ref"]
   want1, want2 = family_refs["qwen35"]["tokens"][:6], reference_tokens(ref, PROMPT2, 6)
-  stages = load_split(family_paths["qwen35"], [(0, 1), (1, 4)], slots=2)
+  stages = load_split(family_paths["qwen35"], [(0, 1), (1, 4)], slots=2, decode=decode)
   assert all(s.chunk == 1 for s in stages)  # the attention-only tail [1, 4) too: generate prefills one token at a time
   streams = {0: (list(family_refs["qwen35"]["prompt"]), []), 1: (list(PROMPT2), [])}
   pos = {0: 0, 1: 0}

@@ -131,7 +131,7 @@ def _buffers(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Op
 
 
 # block attributes a graph sets while it is traced (caches, views of them): not weights, named by their owners instead
-_GRAPH_STATE = {"rows_k", "rows_v", "rows_join", "cache_kv", "cache_k", "conv_state", "recurrent_state", "batch_kv"}
+_GRAPH_STATE = {"rows_k", "rows_v", "rows_join", "rows_conv", "rows_rec", "cache_kv", "cache_k", "conv_state", "recurrent_state", "batch_kv"}
 
 
 # --- the stage ----------------------------------------------------------------------------------
@@ -188,18 +188,19 @@ class StageModel:
     self.recurrent = cfg.ssm is not None
     self.chunk = 1 if self.recurrent else PREFILL_CHUNK  # tinygrad's prefill chunk (the rows path takes up to MAX_ROWS)
     # the rows path (pyruntime/stage/compute/rows.py: prompt and decode rows through the same kernels, many streams per step) is
-    # written for attention blocks (latent attention included) with a dense or routed feed-forward (experts.py);
-    # recurrent blocks, and decode="reference", run tinygrad's own prefill and T=1 decode per stream
-    self.batched = self.family in ("dense", "moe", "mla") and decode == "batched"
+    # written for attention blocks (latent attention included) with a dense or routed feed-forward (experts.py), and for
+    # recurrent blocks (RowPath._recurrent: decode rows only, a prompt row by row); decode="reference" runs tinygrad's own
+    # prefill and T=1 decode per stream
+    self.batched = decode == "batched"
     self.half = bool(getenv("HALF", 1))  # the reference casts every weight to float16 unless HALF=0
 
     self.weights = weights or ("float16" if getenv("REALIZE", 0) else getenv("PYRUNTIME_WEIGHTS", "quantized"))
     if self.weights not in WEIGHT_MODES: raise errors.InvalidOption("weights", f"must be one of {WEIGHT_MODES}, not {self.weights!r}")
     # the tensor-core mode (docs/prompt-path.md, "Tensor cores"): the rows path's projections of float16 activations
     self.tensor_cores = bool(tensor_cores)
-    if self.tensor_cores and not self.batched:
-      raise errors.InvalidOption("tensor_cores", "needs the rows path (decode='batched' and a dense, MoE or MLA model; "
-                                 f"this stage: {self.family}, {decode})")
+    if self.tensor_cores and (not self.batched or self.recurrent):
+      raise errors.InvalidOption("tensor_cores", "needs the rows path's projections (decode='batched' and a dense, MoE, MLA or Gemma "
+                                 f"model; this stage: {self.family}, {decode})")
     if self.tensor_cores and (self.weights == "float32" or not self.half):
       raise errors.InvalidOption("tensor_cores", "needs float16 weights (weights 'float16', 'packed' or 'quantized', and not HALF=0), "
                                  f"not {self.weights!r}" + ("" if self.half else " with HALF=0"))
@@ -354,7 +355,7 @@ class StageModel:
   # --- the rows path (pyruntime/stage/compute/rows.py) ---------------------------------------------------------------
   def _check_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> None:
     if self.rows is None:
-      raise errors.InvalidOption("decode", f"the batched decode serves dense, MoE and MLA models; {self.arch} ({self.family}) decodes per stream")
+      raise errors.InvalidOption("decode", f"this stage decodes per stream (decode='reference'); {self.arch} ({self.family})")
     if not slots: raise errors.ActivationExtentInvalid("a batch needs at least one row")
     if len(set(slots)) != len(slots): raise errors.SlotInvalid(f"a batch names a KV slot twice: {slots}")
     for i, (slot, p) in enumerate(zip(slots, positions, strict=True)):
@@ -393,6 +394,7 @@ class StageModel:
     in the chunk's rows, rebuilds every packed weight into a scratch buffer first; a decode step and a short chunk each
     rebuild them in registers (SmolLM2, 7 decode rows beside 8 prompt rows: ~190 ms mixed, ~100 apart). Either way the
     same bits."""
+    if self.recurrent: return False  # its prompt rows go one at a time (prefill_rows)
     return self.rows is None or rows > max(self.rows.short_rows, default=0)
 
   def mixed_rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
@@ -406,6 +408,7 @@ class StageModel:
     if self.rows is None: return self._reference_forward(slot, inp, start_pos, True)
     inp = self._validate(slot, inp, start_pos)
     T = len(inp)
+    if self.recurrent: return self._prefill_row_by_row(slot, inp, start_pos)
     if T <= MAX_ROWS:
       out = self.rows.prefill(slot, inp, start_pos, every_row)
       self._keep_routers([(slot, 0, T)])
@@ -418,6 +421,20 @@ class StageModel:
       self._pos[slot] = start_pos + min(T, s + MAX_ROWS)
       if res is not None: _copy_rows(res, out.uop.buffer, s, min(MAX_ROWS, T - s))
     return out if res is None else res
+
+  def _prefill_row_by_row(self, slot: int, inp: np.ndarray, start_pos: int) -> Tensor:
+    """A recurrent model's prompt rows on the rows path: each a decode row of its slot alone, in order (the recurrence
+    runs one position at a time, as tinygrad's generate prefills such a model), so a prompt row is a decode row by
+    construction. Returns what prefill_rows returns."""
+    res = None if self.is_tail else self._empty((1, len(inp), self.dim), self._bdtype)
+    for i in range(len(inp)):
+      out = self.rows.decode([slot], inp[i:i + 1], [start_pos + i])
+      lo = self.rows.window([slot])[0]
+      self._keep_routers([(slot, slot - lo, 1)], after=i > 0)
+      self._pos[slot] = start_pos + i + 1
+      if res is not None: device_memory.write(res.uop.buffer, self.rows.rows_of(out, [slot])[0].numpy(), i * self.dim * res.dtype.itemsize)
+    if res is not None: return res
+    return self._view(out.uop.buffer, (self.vocab_size,), (slot - lo) * self.vocab_size)
 
   def _keep_routers(self, parts: list[tuple[int, int, int]], after: bool = False) -> None:
     """After a rows-path call: for each (slot, first row, rows) of its graph, those rows' router logits become the
@@ -433,11 +450,14 @@ class StageModel:
   def score_rows(self) -> int:
     """The most prompt rows a chunk can have when every row's logits are wanted (a scored prompt: the tail's graph keeps
     the last ROW_UNIT rows' logits); 0: this stage cannot give every row's logits (tinygrad's path)."""
-    return ROW_UNIT if self.rows is not None else 0
+    return ROW_UNIT if self.rows is not None and not self.recurrent else 0
 
   @property
   def max_chunk(self) -> int:
-    """The most prompt rows one forward computes at once: the rows path's MAX_ROWS, else tinygrad's chunk."""
+    """The most prompt rows one forward computes at once: the rows path's MAX_ROWS, else tinygrad's chunk; a recurrent
+    model's rows path ROW_UNIT (its prompt rows go one at a time, so a longer chunk buys nothing and only holds the
+    decoding streams' step back longer)."""
+    if self.rows is not None and self.recurrent: return ROW_UNIT
     return MAX_ROWS if self.rows is not None else self.chunk
 
   @property
@@ -526,7 +546,8 @@ class StageModel:
     """Forget a stream: the slot's next record must start at position 0 (its cache is overwritten, never read stale)."""
     self._check_slot(slot)
     self._pos[slot] = 0
-    if self.recurrent and self._kv is not None: self._zero_state(slot)
+    if self.recurrent and self.rows is not None: self.rows.zero_state(slot)
+    elif self.recurrent and self._kv is not None: self._zero_state(slot)
 
   def position(self, slot: int) -> int:
     self._check_slot(slot)
@@ -655,8 +676,8 @@ class StageModel:
       run("prefill", lambda: self.forward(0, zeros, 0, prefill=True))
       run("decode", lambda: self.forward(0, zeros, 1, prefill=False))
     else:
-      short = self.rows.short_rows
-      run("prefill", lambda: self.prefill_rows(0, np.repeat(zeros, short[-1] + 1 if short else 1, axis=0), 0))  # past them
+      short = () if self.recurrent else self.rows.short_rows  # (a recurrent model's prompt rows are decode rows)
+      if not self.recurrent: run("prefill", lambda: self.prefill_rows(0, np.repeat(zeros, short[-1] + 1 if short else 1, axis=0), 0))
       for R in short:
         self.reset_slot(0)
         run(f"prefill-{R}", lambda R=R: self.prefill_rows(0, np.repeat(zeros, R, axis=0), 0))
@@ -664,7 +685,7 @@ class StageModel:
       for slot in range(self.slots): self._pos[slot] = 1
       for rows in shapes: run(f"decode-{rows}", lambda rows=rows: step(rows))
       if every_window: self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
-      if every_window and self.slots > 1:  # a prompt's chunk beside decoding streams: the mixed step
+      if every_window and self.slots > 1 and not self.recurrent:  # a prompt's chunk beside decoding streams: the mixed step
         last = self.slots - 1
         self.reset_slot(last)
         run("mixed", lambda: self.forward_mixed(list(range(last)), np.repeat(zeros, last, axis=0), [1] * last, last, zeros, 0))

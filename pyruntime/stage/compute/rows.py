@@ -35,7 +35,7 @@ import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes, function
 from tinygrad.helpers import prod
 from tinygrad.llm.gguf import ggml_data_to_tensor
-from tinygrad.llm.model import TransformerBlock
+from tinygrad.llm.model import GatedDeltaNetBlock, TransformerBlock
 from tinygrad.uop.ops import KernelInfo
 
 from pyruntime import errors
@@ -95,6 +95,11 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
   """apply_rope's rotation of t's last axis (its halves), each row by its own position's cos and sin."""
   t1, t2 = t.chunk(2, dim=-1)
   return (t1 * cos - t2 * sin).cat(t2 * cos + t1 * sin, dim=-1)
+
+
+def _gated(out: Tensor, gate: Tensor | None) -> Tensor:
+  """An attention output (B, T, H * Hd) times its block's sigmoid output gate (TransformerBlock with attn_output_gate)."""
+  return out if gate is None else out * gate.sigmoid()
 
 
 def _blocked_product(x: Tensor, wb: Tensor | PackedMatrix, tc: bool) -> Tensor:
@@ -206,16 +211,32 @@ class RowPath:
   @property
   def caches(self) -> list[tuple[Tensor, Tensor | None]]:
     """Per block, flat: keys (slots + 1, kv heads, key width, positions) and values (slots + 1, kv heads, positions, head
-    dim); with latent attention the latent cache and None. The last slot takes a decode window's filler rows' writes
-    (never read)."""
+    dim); with latent attention the latent cache and None; a recurrent block's conv state (slots + 1, kernel - 1,
+    channels) and recurrent state (slots + 1, v heads, v head dim, v head dim), zeroed (_recurrent). The last slot
+    takes a decode window's filler rows' writes (never read)."""
     if self._caches is None:
       self._caches = []
-      for _ in self.m.blk:
+      for b in self.m.blk:
+        if isinstance(b, GatedDeltaNetBlock):
+          n = self.slots + 1
+          conv = self.m._empty((n * (b.ssm_conv_kernel - 1) * b.conv_channels,), dtypes.float32)
+          rec = self.m._empty((n * b.num_v_heads * b.head_v_dim * b.head_v_dim,), dtypes.float32)
+          for t in (conv, rec): t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))
+          self._caches.append((conv, rec))
+          continue
         # not zeroed: a position no row may see is masked out of the scores and the values (_attend), so whatever bytes it
         # holds never reach a sum, and the pages are only touched once a stream gets that far
         keys = self.m._empty((self.cache_elems,), dtypes.float32)
         self._caches.append((keys, None if self.latent else self.m._empty((self.cache_elems,), dtypes.float32)))
     return self._caches
+
+  def zero_state(self, slot: int) -> None:
+    """A new stream in `slot` starts from zero recurrent state (the reference's _state_reset_ops)."""
+    for b, (conv, rec) in zip(self.m.blk, self.caches, strict=True):
+      if not isinstance(b, GatedDeltaNetBlock): continue
+      for t in (conv, rec):
+        one = t.nbytes() // (self.slots + 1)
+        device_memory.write(t.uop.buffer, np.zeros(one, np.uint8), slot * one)
 
   @property
   def cache_elems(self) -> int: return (self.slots + 1) * self.kv_heads * self.key_dim * self.length
@@ -271,22 +292,27 @@ class RowPath:
     cd = self.m.config.rope_dim
     return [rope[:, i * cd:(i + 1) * cd].reshape(*lead, cd).chunk(2, dim=-1) for i in range(len(self.m.rope_tables))]
 
-  def _qkv(self, b: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+  def _qkv(self, b: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """TransformerBlock._attention's projections, norms and rotary embedding for x (B, T, dim), each row at its own
-    position (cos, sin: (B, 1, T, rope_dim / 2)). Returns q (B, H, T, Hd), k and v (B, KvH, T, Hd); with latent
-    attention _latent_qk's q and k, and no v."""
+    position (cos, sin: (B, 1, T, rope_dim / 2)). Returns q (B, H, T, Hd), k and v (B, KvH, T, Hd), and the output gate
+    (B, T, H * Hd) of a block that has one (qwen35's attention: q's projection holds each head's query and gate), else
+    None; with latent attention _latent_qk's q and k, and no v."""
     c = b.config
     B, T, _ = x.shape
     x = x.contiguous()  # normed: see _blocks
-    if self.latent: return (*self._latent_qk(b, x, cos, sin), None)
+    if self.latent: return (*self._latent_qk(b, x, cos, sin), None, None)
     q, k, v = _projections(b, x, "rows_qkv", ("attn_q", "attn_k", "attn_v"), self.m.tensor_cores)
+    gate = None
+    if c.attn_output_gate:
+      qg = q.reshape(B, T, c.n_heads, 2, c.head_dim)
+      q, gate = qg[:, :, :, 0, :].reshape(B, T, c.n_heads * c.head_dim), qg[:, :, :, 1, :].reshape(B, T, c.n_heads * c.head_dim)
     if c.qk_norm and c.qk_norm != c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
     q = q.reshape(B, T, c.n_heads, c.head_dim).transpose(1, 2)
     k = k.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
     v = v.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
     if c.qk_norm == c.head_dim: q, k = b.attn_q_norm(q), b.attn_k_norm(k)
     def rope(t: Tensor) -> Tensor: return _rotate(t[..., :c.rope_dim], cos, sin).cat(t[..., c.rope_dim:], dim=-1)
-    return rope(q).contiguous(), rope(k), v
+    return rope(q).contiguous(), rope(k), v, gate
 
   def _latent_qk(self, b: Any, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """MLATransformerBlock._attention's query and cache row for x (B, T, dim): q (B, H, T, kv_lora_rank + rope_dim), the
@@ -304,6 +330,39 @@ class RowPath:
     latent = b.attn_kv_a_norm(kv_a[..., :c.kv_lora_rank]).reshape(B, 1, T, c.kv_lora_rank)
     k_rope = _rotate(kv_a[..., c.kv_lora_rank:].reshape(B, T, 1, c.rope_dim).transpose(1, 2), cos, sin)
     return q, latent.cat(k_rope, dim=-1)
+
+  def _recurrent(self, b: GatedDeltaNetBlock, x: Tensor, lo: Any, W: int, pos: Tensor) -> Tensor:
+    """GatedDeltaNetBlock._attention for one row of each stream in slots lo..lo+W (x: (W, 1, dim), normed), as tinygrad
+    computes it for a batch of streams (the same operations, the batch axis the window's), reading and writing each
+    slot's conv and recurrent state in place; a filler row (pos < 0) leaves its slot's state as it was. A prompt's rows
+    come through here one at a time (a recurrence's prompt row is a decode row: StageModel.prefill_rows)."""
+    K, C, Hv, dv, Hk, dk = b.ssm_conv_kernel, b.conv_channels, b.num_v_heads, b.head_v_dim, b.num_k_heads, b.head_k_dim
+    conv_all, rec_all = b.rows_conv.reshape(self.slots + 1, K - 1, C), b.rows_rec.reshape(self.slots + 1, Hv, dv, dv)
+    conv, rec = conv_all[lo:lo + W], rec_all[lo:lo + W]
+    # tinygrad's block takes its input as float16 and its float16 projections return float16; here each is a float32 sum
+    # of the float16 values' products (a float16 product is exact in float32), rounded to float16 after: a float16 sum's
+    # kernel is cut by the window's rows, a float32 one is not. (The rounded input is stored as float32, so that the
+    # GPU rule does not take the product for the tensor-core mode's: loop_schedules._half_products.)
+    def proj(lin: Any, t: Tensor) -> Tensor: return lin(t.half().float().contiguous()).half()
+    out_gate = proj(b.attn_gate, x).reshape(W, 1, Hv, dv)
+    beta = proj(b.ssm_beta, x).sigmoid().reshape(W, Hv, 1, 1)
+    alpha = ((proj(b.ssm_alpha, x).float() + b.ssm_dt["bias"]).softplus() * b.ssm_a).reshape(W, Hv, 1, 1).exp()
+    window = conv.cat(proj(b.attn_qkv, x), dim=1)  # (W, K, C)
+    mixed = (window * b.ssm_conv1d["weight"].T.unsqueeze(0)).sum(1).silu()
+    q, k, v = mixed.split([b.q_dim, b.q_dim, C - 2 * b.q_dim], dim=-1)
+    q = q.reshape(W, Hk, dk).normalize(dim=-1).repeat(1, Hv // Hk, 1)
+    k = k.reshape(W, Hk, dk).normalize(dim=-1).repeat(1, Hv // Hk, 1)
+    # every factor of a row (a norm's, the gates') is stored before a sum reads it: fused, tinygrad may take it out of
+    # the sum, and whether it does depends on the window's rows (as _blocks says of the attention blocks)
+    q, k, v = q.mul(dk ** -0.5).contiguous().unsqueeze(-1), k.contiguous().unsqueeze(-1), v.reshape(W, Hv, dv).unsqueeze(-1)
+    state = (rec * alpha).contiguous()
+    state = state + ((v - state @ k) * beta).contiguous() @ k.transpose(-1, -2)
+    real = pos.reshape(W, 1, 1) >= 0
+    conv_store = conv.uop.store(real.where(window[:, 1:, :], conv).cast(dtypes.float32).uop)
+    rec_store = rec.uop.store(real.reshape(W, 1, 1, 1).where(state, rec).cast(dtypes.float32).uop)
+    state = Tensor(b.rows_rec.uop.after(rec_store, conv_store)).reshape(self.slots + 1, Hv, dv, dv)[lo:lo + W]
+    out = b.ssm_norm((state @ q).squeeze(-1).reshape(W, 1, Hv, dv))
+    return proj(b.ssm_out, (out * out_gate.silu()).reshape(W, 1, -1))
 
   def _attend_cache(self, b: Any, q: Tensor, kc: Tensor, vc: Tensor | None, lo: Any, n: int, pos: Tensor, kv: UOp | int) -> Tensor:
     """The attention of q over slots lo..lo+n of the caches (kc, vc), their first kv positions: _attend, or with latent
@@ -390,7 +449,9 @@ class RowPath:
     def call(b: TransformerBlock, x: Tensor) -> Tensor:
       @function(allow_implicit=True)
       def _run(x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        h = x + post(getattr(b, "post_attention_norm", None), _linear(b.attn_output, attention(b, b.attn_norm(x)), tc))
+        mixer = attention(b, b.attn_norm(x))  # a recurrent block's comes through its own output projection (_recurrent)
+        if not isinstance(b, GatedDeltaNetBlock): mixer = _linear(b.attn_output, mixer, tc)
+        h = x + post(getattr(b, "post_attention_norm", None), mixer)
         if gemma: h = h.contiguous()  # a normed output's row factor stays out of ffn_norm's sum
         n = b.ffn_norm(h).contiguous()
         if not b.config.num_experts:
@@ -450,9 +511,9 @@ class RowPath:
     for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True): b.rows_k, b.rows_v = kc, vc
 
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
-      q, k, v = self._qkv(b, x, *tables[getattr(b, "rope_table", 0)])
+      q, k, v, gate = self._qkv(b, x, *tables[getattr(b, "rope_table", 0)])
       kc, vc = self._write_rows(b.rows_k, b.rows_v, k, v, slot, start, R)
-      return self._attend_cache(b, q, kc, vc, slot, 1, p, kv)
+      return _gated(self._attend_cache(b, q, kc, vc, slot, 1, p, kv), gate)
     x = self._blocks(self._ingress(inp, R, 1, R), attention)
     if self.m.is_tail and isinstance(rows, UOp): x = x[:, R - ROW_UNIT:R]  # the last real row is among the last ROW_UNIT (ROWS rows would do too)
     return self._egress(x)
@@ -508,12 +569,15 @@ class RowPath:
     tables = self._rope_tables(rope[:W], (W, 1, 1))
     p = pos[:W].reshape(W, 1, 1, 1)
     ak, av = at_k[:W], at_v[:W]
-    for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True): b.rows_k, b.rows_v = kc, vc
+    for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True):
+      if isinstance(b, GatedDeltaNetBlock): b.rows_conv, b.rows_rec = kc, vc
+      else: b.rows_k, b.rows_v = kc, vc
 
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
-      q, k, v = self._qkv(b, x, *tables[getattr(b, "rope_table", 0)])
+      if isinstance(b, GatedDeltaNetBlock): return self._recurrent(b, x, lo, W, p)
+      q, k, v, gate = self._qkv(b, x, *tables[getattr(b, "rope_table", 0)])
       kc, vc = self._scatter_rows(b.rows_k, b.rows_v, k, v, ak, av)
-      return self._attend_cache(b, q, kc, vc, lo, W, p, kv)
+      return _gated(self._attend_cache(b, q, kc, vc, lo, W, p, kv), gate)
     return self._egress(self._blocks(self._ingress(inp, W, W, 1), attention))
 
   def _scatter_rows(self, kc: Tensor, vc: Tensor | None, k: Tensor, v: Tensor | None, ak: Tensor, av: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -575,7 +639,7 @@ class RowPath:
     for b, (kc, vc), join in zip(self.m.blk, self.caches, self.joins, strict=True): b.rows_k, b.rows_v, b.rows_join = kc, vc, join
 
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
-      q, k, v = self._qkv(b, x, *tables[getattr(b, "rope_table", 0)])  # (1, heads, W + R, Hd)
+      q, k, v, gate = self._qkv(b, x, *tables[getattr(b, "rope_table", 0)])  # (1, heads, W + R, Hd)
       rows = lambda t: t[:, :, :W].permute(2, 1, 0, 3)  # noqa: E731 - the decode part as the decode graph has it: (W, heads, 1, Hd)
       # every row's key and value through one scatter (a second write into the cache in the same graph, a store, makes
       # tinygrad copy the whole cache first)
@@ -585,7 +649,7 @@ class RowPath:
       kc, vc = self._scatter_rows(b.rows_k, b.rows_v, full(k), None if v is None else full(v), ak, av)
       dec = self._attend_cache(b, rows(q), kc, vc, lo, W, pd, kv)
       pre = self._attend_cache(b, q[:, :, W:W + R], kc, vc, slot, 1, pp, kvp)
-      return _join(b.rows_join, [(dec.reshape(1, W, -1), 0, W), (pre, W, R)])
+      return _gated(_join(b.rows_join, [(dec.reshape(1, W, -1), 0, W), (pre, W, R)]), gate)
     x = self._blocks(self._ingress(inp, W + R, 1, W + R), attention)
     if self.m.is_tail: x = _join(self.tail_join, [(x[:, :W], 0, W), (x[:, W + R - ROW_UNIT:W + R], W, ROW_UNIT)])
     return self._egress(x)

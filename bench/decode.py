@@ -31,6 +31,8 @@ import time
 
 from pyruntime.bench.machine import cpu
 
+from pyruntime.stage.memory_use import describe
+
 PROMPTS = [
   "Write a short story about a lighthouse keeper who finds a message in a bottle.",
   "Explain how a refrigerator works to a ten-year-old.",
@@ -128,7 +130,9 @@ def pyruntime_side(model: str, stages: int, streams: list[int], tokens: int, wei
       out[s_count] = {"decode_tokens_per_s": round(n / (max(lasts) - min(firsts)), 1),
                       "prompt_s": round(max(d.timings.ttft_s for d in dones), 3), "first_tokens_s": round(max(firsts) - t0, 3),
                       "prompt_tokens": sum(len(d.prompt_token_ids) for d in dones)}
+    out["memory"] = [s.get("memory") for s in lm.stage_stats()]  # where each stage's memory went (pyruntime/stage/memory_use.py)
   return out
+
 
 
 def main() -> None:
@@ -159,6 +163,8 @@ def main() -> None:
       ratio = r[s]["decode_tokens_per_s"] / ref[s]["decode_tokens_per_s"]
       print(f"{side:28s} {s} stream{'s' * (s > 1):1s}  decode {r[s]['decode_tokens_per_s']:7.1f} tok/s ({ratio:4.2f}x llama.cpp)"
             f"  prompt {r[s]['prompt_s']:6.2f} s for {r[s]['prompt_tokens']} tokens  rss {r['rss_mb']} MB")
+    for i, m in enumerate(r.get("memory") or []):
+      if m: print(f"{'':28s} stage {i} {describe(m)}")
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ BOUNDARY_DTYPES = ("float32", "float16")
 # bench/results/2026-12-06-packed-k-quants.md); "float16": dequantised once at load (tinygrad's REALIZE=1); "float32":
 # those float16 values held as float32 (the same products)
 WEIGHT_MODES = ("quantized", "packed", "packed-all", "float16", "float32")
-# "batched" runs a dense, MoE or MLA stage's rows path (many streams per step, prompt and decode rows with the same bits,
-# pyruntime/stage/compute/rows.py); "reference" runs tinygrad's own prefill and T=1 decode kernels, one stream at a time (tinygrad's
-# exact tokens). Hybrid families always run the latter (modelfile.plan.ROWS_ARCHS).
+# "batched" runs a stage's rows path (many streams per step, prompt and decode rows with the same bits,
+# pyruntime/stage/compute/rows.py; every family, modelfile.plan.ROWS_ARCHS); "reference" runs tinygrad's own prefill and T=1
+# decode kernels, one stream at a time (tinygrad's exact tokens; not for gemma3, which tinygrad has no model of).
 DECODE_MODES = ("batched", "reference")
 
 

@@ -336,7 +336,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           print(f"{'split ' + n:>{w}}: time {s['by_time']}  time with float32 weights {s['by_time_float32']}  memory {s['by_memory']}")
         continue
       if k == "stages":
-        for st in v: print(f"{'stage ' + str(st['stage']):>{w}}: {_where(st)}")
+        from pyruntime.stage.memory_use import describe
+        for st in v:
+          print(f"{'stage ' + str(st['stage']):>{w}}: {_where(st)}")
+          if st.get("memory"): print(f"{'memory':>{w}}: {describe(st['memory'])}")
         continue
       if k == "expert_load":
         if not v: print(f"{k:>{w}}: none counted by {a.server} (a dense model, or no token routed yet)")

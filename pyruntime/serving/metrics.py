@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 SAMPLE_S = 1.0
 HISTORY_S = 300.0
+MEMORY_S = 10.0  # how often the sampler asks the stages where their memory goes (a round trip to each)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)  # one token's wait
@@ -68,6 +69,7 @@ class Metrics:
                                  registry=r)
     self.pipeline: Callable[[], dict] = lambda: {}           # the sampler's latest view (set by the server)
     self.expert_load: Callable[[], list] = lambda: []        # asked of the stages at a scrape (a round trip: off the loop)
+    self.stage_memory: Callable[[], list] = lambda: []       # each stage's memory by kind (QueryStats: the sampler, now and then)
     r.register(_PipelineCollector(self))
 
   def request(self, route: str, status: int) -> None: self.requests.labels(route, str(status)).inc()
@@ -158,6 +160,8 @@ class StatsSampler:
     self.history: collections.deque[dict] = collections.deque(maxlen=max(1, int(keep_s / every_s)))
     self.latest: dict[str, Any] = {}
     self._beats: dict[int, tuple[int, dict]] = {}  # per stage: (its pid, the Heartbeat the last sample saw)
+    self._memory: list = []          # each stage's memory by kind (pyruntime/stage/memory_use.py), asked every MEMORY_S
+    self._memory_t = -MEMORY_S
     self._stop = threading.Event()
     self._lock = threading.Lock()
     self._thread: threading.Thread | None = None
@@ -186,6 +190,8 @@ class StatsSampler:
     raw = self.read()
     now = time.time()
     m = self.metrics
+    if keep and time.monotonic() - self._memory_t >= MEMORY_S:  # a round trip to every stage: not at every sample
+      self._memory, self._memory_t = list(m.stage_memory()), time.monotonic()
     view = {"t": round(now, 3), "phase": raw.get("phase"), "model": raw.get("model"), "restarts": raw.get("restarts", 0),
             "streams": {"running": raw.get("running", 0), "waiting": raw.get("waiting", 0), "max": raw.get("max_streams", 0)},
             "batch": {"last": raw.get("last_batch", 0), "mean": round(raw.get("mean_batch", 0.0), 3)},
@@ -218,7 +224,8 @@ class StatsSampler:
         steps = beat.get("steps", 0) - p.get("steps", 0)
         rows = round((beat.get("tokens", 0) - p.get("tokens", 0)) / steps, 3) if steps > 0 else 0.0
     if t is not None: self._beats[key] = (pid, beat, busy, rows)
-    out.update(steps=beat.get("steps"), doing=beat.get("doing"), busy=busy, rows_per_step=rows)
+    out.update(steps=beat.get("steps"), doing=beat.get("doing"), busy=busy, rows_per_step=rows,
+               memory=self._memory[key] if isinstance(key, int) and key < len(self._memory) else None)
     return out
 
   @staticmethod

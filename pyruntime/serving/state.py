@@ -168,6 +168,7 @@ class ServerState:
     self.launcher, self.queue_size = launcher, queue_size
     self.metrics = Metrics()
     self.metrics.expert_load = self.expert_load
+    self.metrics.stage_memory = self.stage_memory
     self.last_error: dict[str, Any] | None = None
     self.admission = Admission(launcher, queue_size, self.metrics, on_error=self._note_error)
     self.created = int(time.time())
@@ -351,6 +352,10 @@ class ServerState:
 
   def expert_load(self) -> list[list[int] | None]:
     try: return list(self.launcher.expert_load())
+    except Exception: return []  # noqa: BLE001 - a closed or failed launcher has no stages to ask
+
+  def stage_memory(self) -> list[dict | None]:
+    try: return [s.get("memory") for s in self.launcher.stage_stats()]
     except Exception: return []  # noqa: BLE001 - a closed or failed launcher has no stages to ask
 
   def raw_view(self) -> dict[str, Any]:

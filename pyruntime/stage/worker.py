@@ -27,6 +27,7 @@ from pyruntime import errors
 from pyruntime.devices import nvidia_compilers, parse_device
 from pyruntime.options import PREFILL_SHARE, WEIGHT_MODES
 from pyruntime.protocol import ABI_VERSION, Command, Event, split_object_id
+from pyruntime.stage import memory_use
 from pyruntime.stage.dataloop import DataLoop
 from pyruntime.stage.gc_policy import collect_due, collect_on_this_thread
 from pyruntime.stage.scheduler import StageScheduler
@@ -257,7 +258,7 @@ class Stage:
 
   def start_data_path(self, m: StageModel) -> StageModel:
     """What the loaded model decides: the scheduler's decode mode and chunk bounds, the prefix cache's blocks, the data loop."""
-    # the batched decode serves dense, MoE and MLA blocks; the others run tinygrad's own decode, one stream at a time (which
+    # the batched decode serves every family; decode="reference" runs tinygrad's own decode, one stream at a time (which
     # keeps streams in flight exact trivially)
     if not m.batched: self.sched.decode_mode = "reference"
     self.sched.max_chunk, self.sched.min_chunk, self.sched.is_head = m.max_chunk, m.min_chunk, m.is_head
@@ -402,7 +403,9 @@ class Stage:
     s.pop("started")
     if self.loop is not None and self.loop.writer is not None: s["egress_occupancy"] = self.loop.writer.occupancy()
     if self.model is not None and self.model.expert_load is not None: s["expert_load"] = self.model.expert_load.tolist()
-    if self.blocks is not None: s.update(self.blocks.stats, prefix_cache_bytes=self.blocks.nbytes if self.blocks.pools is not None else 0)
+    pool = self.blocks.nbytes if self.blocks is not None and self.blocks.pools is not None else 0
+    if self.blocks is not None: s.update(self.blocks.stats, prefix_cache_bytes=pool)
+    s["memory"] = memory_use.breakdown(self.model, pool)  # where this process's memory goes (pyruntime/stage/memory_use.py)
     self.ch.emit(Event.STAGE_STATS, stage=self.index, **s)
 
   # --- lifecycle ----------------------------------------------------------------------------------

@@ -54,18 +54,34 @@ def generate(lm: Launcher, i: int) -> Done:
   return next(ev for ev in lm.generate(PROMPTS[i], raw=True, max_tokens=N, ignore_eos=True) if isinstance(ev, Done))
 
 
+HYBRID = ("qwen35", "qwen35moe")
+NEAR_TIE = 0.05  # logits: a hybrid's recurrent blocks compute in float16, and the rows path rounds where tinygrad's kernels do not
+
+
+def chosen_by_tinygrad(ref, prompt: list[int], got: list[int], name: str, i: int) -> None:
+  """Every token of `got` is tinygrad's own greedy choice after the same prefix, or within NEAR_TIE of it in tinygrad's
+  logits: a hybrid's rows path agrees with tinygrad to float16's precision (RowPath._recurrent), so at a near tie the two
+  may part, and comparing the tokens after that would compare different prefixes."""
+  from test_model import reference_logits
+  for step, (lg, t) in enumerate(zip(reference_logits(ref, prompt + got, len(prompt), len(got)), got, strict=True)):
+    assert lg[t] >= lg.max() - NEAR_TIE, f"{name}: prompt {i}, token {step}: {t} at {lg[t]:.4f}, tinygrad's {int(lg.argmax())} at {lg.max():.4f}"
+
+
 def test_streams_equal_reference_alone_and_together(family):
-  """Each prompt alone gives tinygrad's own tokens (one after another on the same slot: a hybrid's recurrent state
-  starts over with each stream); the three in flight together (batched on the rows path: a hybrid's recurrent blocks
-  one row per stream, RowPath._recurrent) give the same."""
+  """Each prompt alone gives tinygrad's own tokens (a hybrid's: tinygrad's choices, or within a near tie of them; one
+  after another on the same slot: a hybrid's recurrent state starts over with each stream); the three in flight
+  together (batched on the rows path: a hybrid's recurrent blocks one row per stream, RowPath._recurrent) give the
+  same."""
   from tinygrad.llm.model import Transformer
   name, path, lm = family
   ref, _ = Transformer.from_gguf(path, max_context=128)
   solo = {}
   for i in range(len(PROMPTS)):
     d = generate(lm, i)
-    fresh(ref)
-    assert d.token_ids == list(itertools.islice(ref.generate(list(d.prompt_token_ids)), N)), f"{name}: prompt {i}"
+    if name in HYBRID: chosen_by_tinygrad(ref, list(d.prompt_token_ids), d.token_ids, name, i)
+    else:
+      fresh(ref)
+      assert d.token_ids == list(itertools.islice(ref.generate(list(d.prompt_token_ids)), N)), f"{name}: prompt {i}"
     solo[i] = d.token_ids
   together: dict[int, list[int]] = {}
 

@@ -172,17 +172,16 @@ def llama_greedy(llm, ids: list[int], n: int) -> tuple[list[int], list[np.ndarra
 
 
 def test_gemma3_270m_answers_as_llama_cpp_does_where_its_choice_is_clear(gemma, llama):
-  """`generate "What is the capital of France?"` on the real file answers Paris, in one stage and in two; ten questions'
-  greedy answers (the file has no chat template: a base model, prompted with the text itself) are llama.cpp's token for
-  token wherever llama.cpp's own top-1 margin is clear, and at least 8 of the 10 whole answers are its answers."""
-  with Launcher(gemma, stages=1, max_context=512) as lm:
-    one = next(ev for ev in lm.generate(QUESTIONS[0], max_tokens=12) if isinstance(ev, Done))
-  assert "Paris" in one.text
+  """`generate "What is the capital of France?"` on the real file in two stages answers Paris (one stage computes the
+  same bits: the split contract, tested on the tiny file above; the next test runs the whole model in one); ten
+  questions' greedy answers (the file has no chat template: a base model, prompted with the text itself) are
+  llama.cpp's token for token wherever llama.cpp's own top-1 margin is clear, and at least 8 of the 10 whole answers
+  are its answers."""
   same = 0
-  with Launcher(gemma, stages=2, max_context=512) as lm:
+  with Launcher(gemma, stages=2, max_context=256, max_streams=1) as lm:
     for q in QUESTIONS:
       d = next(ev for ev in lm.generate(q, max_tokens=16) if isinstance(ev, Done))
-      if q == QUESTIONS[0]: assert d.token_ids[:len(one.token_ids)] == one.token_ids and "Paris" in d.text
+      if q == QUESTIONS[0]: assert "Paris" in d.text, d.text
       want, logits = llama_greedy(llama, list(d.prompt_token_ids), len(d.token_ids))
       diverged = next((i for i, (a, b) in enumerate(zip(d.token_ids, want, strict=True)) if a != b), None)
       if diverged is None:
@@ -194,15 +193,15 @@ def test_gemma3_270m_answers_as_llama_cpp_does_where_its_choice_is_clear(gemma, 
 
 
 def test_gemma3_270m_logits_are_closer_to_the_files_float64_than_llama_cpps(gemma, llama):
-  """Every logit of 16 positions against the float64 computation of the file's own values: pyruntime's CPU default
+  """Every logit of 10 positions against the float64 computation of the file's own values: pyruntime's CPU default
   (packed weights: the file's codes, other weights float16) lands more than 10x closer than llama.cpp (int8
   activations), and picks float64's top-1 everywhere."""
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.text.tokenizer import Tokenizer
   tok = Tokenizer.from_gguf_kv(read_header(gemma).kv)
-  ids = [tok.bos_id, *tok.encode("The lighthouse keeper climbed the spiral stairs every evening at dusk, lighting the lamp")][:16]
+  ids = [tok.bos_id, *tok.encode("The lighthouse keeper climbed the spiral stairs every evening at dusk, lighting the lamp")][:10]
   ref = reference_logits(*weights64(gemma, half=False), ids)
-  ours = compare(ref, every_row(StageModel.load(gemma, 0, read_header(gemma).num_blocks, max_context=64, slots=1, weights="packed"), ids))
+  ours = compare(ref, every_row(StageModel.load(gemma, 0, read_header(gemma).num_blocks, max_context=32, slots=1, weights="packed"), ids))
   llama.reset()
   llama.eval(ids)
   theirs = compare(ref, np.asarray(llama.scores[:len(ids)], np.float64))

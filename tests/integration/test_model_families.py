@@ -77,12 +77,13 @@ def test_family_configs_exercise_what_they_claim(family_refs):
   assert cfg("qwen35moe", 0).num_experts == 8 and cfg("qwen35moe", 0).shared_expert_gate
 
 
-@pytest.mark.parametrize("name", sorted(RECURRENT))
+@pytest.mark.parametrize("name", ["qwen35"])  # qwen35moe's experts on the rows path: test_families.py, through stage processes
 def test_a_hybrid_runs_the_rows_path_one_row_per_stream(family_paths, family_refs, name):
   """A hybrid stage on the rows path (RowPath._recurrent): warm_up prepares the decode windows only (a prompt's rows go
-  one at a time through the one-row window: a prompt row is a decode row by construction); two stages give tinygrad's
+  one at a time through the decode window: a prompt row is a decode row by construction); two stages give tinygrad's
   tokens; a stream's rows are the same bits alone and beside other streams (whose fillers leave idle slots' state
-  untouched); splits equal one stage. Which stages take the rows path is what modelfile.plan.ROWS_ARCHS says."""
+  untouched); a prompt's row beside decode rows (one window, forward_mixed) equals it apart; splits equal one stage.
+  Which stages take the rows path is what modelfile.plan.ROWS_ARCHS says."""
   from pyruntime.modelfile.plan import ROWS_ARCHS
   path, want = family_paths[name], family_refs[name]
   stages = load_split(path, [(0, 2), (2, 4)], slots=4, decode="batched")
@@ -117,6 +118,20 @@ def test_a_hybrid_runs_the_rows_path_one_row_per_stream(family_paths, family_ref
       m.forward_batch([0, 2], np.asarray([5, 9], np.uint32), [len(prompts[0]) + step, len(prompts[2]) + step])
     return m.batch_rows(m.forward_batch([1], np.asarray([7], np.uint32), [len(prompts[1])]), [1])[0].numpy().copy()
   assert np.array_equal(bits(waiting(True)), bits(waiting(False)))
+
+  def step(mixed: bool) -> list[np.ndarray]:
+    # a prompt's next row beside two decode rows: one window of every slot (forward_mixed), or apart
+    for s in range(4): m.reset_slot(s)
+    for s in (0, 1): m.prefill_rows(s, prompts[s], 0)
+    m.prefill_rows(2, prompts[2][:4], 0)
+    tok, at = np.asarray([5, 9], np.uint32), [len(prompts[0]), len(prompts[1])]
+    if mixed:
+      dec, pre = m.forward_mixed([0, 1], tok, at, 2, prompts[2][4:5], 4)
+      return [r.numpy().copy() for r in m.mixed_rows(dec, [0, 1])] + [pre.numpy().copy()]
+    out = [r.numpy().copy() for r in m.batch_rows(m.forward_batch([0, 1], tok, at), [0, 1])]
+    return out + [m.prefill_rows(2, prompts[2][4:5], 4).numpy().copy()]
+  assert m.mixes(1) and not m.mixes(2) and m.max_chunk == 1
+  assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(step(True), step(False), strict=True))
   for n, p in family_paths.items():
     assert load_split(p, [(0, 1)], decode="batched")[0].batched == (read_header(p).arch in ROWS_ARCHS), n
 

@@ -255,3 +255,20 @@ def test_short_chunks_beside_decode_rows_go_apart_only_with_packed_weights(paths
   packed, floats = whole(paths["qwen3"], slots=2, weights="packed"), whole(paths["qwen3"], slots=2, weights="float16")
   assert [packed.mixes(n) for n in (1, SHORT_ROWS[0], SHORT_ROWS[-1], SHORT_ROWS[-1] + 1)] == [False, False, False, True]
   assert all(floats.mixes(n) for n in (1, SHORT_ROWS[-1], SHORT_ROWS[-1] + 1))
+
+
+def test_a_closed_streams_cache_pages_go_back_to_the_system(tmp_path):
+  """On a CPU a slot's keys and values are given back to the system when its stream ends (reset_slot: the pages a
+  stream wrote would otherwise stay resident for the stage's life), so the cache's resident memory follows the streams;
+  the next stream in that slot computes the same bits as the first did."""
+  from pyruntime.stage.memory_use import buffer_resident
+  path = write_tiny_gguf(tmp_path / "long.gguf", **dict(TINY_MODELS["llama_tied"], context=2048))
+  m = StageModel.load(path, 0, 5, max_context=2048, slots=2, weights="float32", graph_cache=stage_graphs())
+  def kv() -> int: return sum(buffer_resident(t) for t in m.state_tensors())
+  prompt = np.asarray((list(range(5, 250)) * 5)[:1000], np.uint32)
+  m.reset_slot(0)
+  first = m.prefill_rows(0, prompt, 0).numpy().copy()
+  grown = kv()
+  m.reset_slot(0)
+  assert grown > 500_000 and kv() < grown // 10, (grown, kv())
+  assert np.array_equal(bits(m.prefill_rows(0, prompt, 0).numpy()), bits(first))

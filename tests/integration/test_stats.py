@@ -60,6 +60,21 @@ def test_stats_show_the_stages_working_then_idle(served):
   assert sample(m, "pyruntime_stage_busy_ratio", stage="0") is not None and sample(m, "pyruntime_inter_token_latency_seconds_count") > 0
 
 
+def test_each_stages_memory_is_shown_by_kind(served):
+  """/stats shows where each stage process's memory goes (pyruntime/stage/memory_use.py), as the stages report it to
+  Launcher.stage_stats: the kinds add up to no more than the process's resident bytes, its weights are what it loaded,
+  and the KV pages the streams wrote are resident (a CPU maps a buffer's pages as they are written)."""
+  lm, srv = served
+  for t in load(srv, 1.0): t.join(60)
+  mem = [s["memory"] for s in lm.stage_stats()]
+  for m, st in zip(mem, lm.stage_view(), strict=True):
+    assert m["weights"] == st["resident_bytes"] > 0 and 0 < m["kv_resident"] <= m["kv_reserved"]
+    parts = m["weights"] + m["kv_resident"] + m["other_buffers"] + m["allocator_cache"] + m["prefix_cache"] + m["rest"]
+    assert parts == m["rss"] and m["rest"] > 0 and 0 < m["rss_file"] < m["rss"], m
+  shown = httpx.get(srv.url + "/stats?history=0").json()["now"]["stages"]
+  assert all(set(s["memory"]) == set(mem[0]) for s in shown), shown
+
+
 def test_top_prints_the_pipeline(served):
   lm, srv = served
   out = io.StringIO()

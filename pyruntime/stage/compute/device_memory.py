@@ -96,3 +96,23 @@ def view(buf: Buffer, shape: tuple[int, ...], offset: int = 0) -> Tensor:
   if has_views(buf.device):
     return Tensor(UOp.from_buffer(buf.view(n, buf.dtype, offset * buf.dtype.itemsize).ensure_allocated())).reshape(shape)
   return Tensor(UOp.from_buffer(buf))[offset:offset + n].reshape(shape).contiguous().realize()
+
+
+MADV_REMOVE = 9  # Linux madvise: free a shared mapping's pages and their backing (they read back as zeros)
+_libc = None
+
+
+def release(buf: Buffer, offset: int, size: int) -> int:
+  """Give back to the system the whole pages of bytes [offset, offset + size) of a CPU buffer (its contents become
+  zeros): tinygrad's CPU buffers are shared anonymous mappings whose pages, once written, stay resident until the
+  buffer is freed. The caller has synchronized the device: no kernel may still write there. Returns the bytes
+  released; 0 on another device (its memory is the device's, all of it committed) or where the system refuses."""
+  global _libc
+  import mmap
+  hcq = getattr(buf, "_buf", None) if buf.is_allocated() else None
+  if not buf.device.startswith("CPU") or (addr := getattr(hcq, "va_addr", None)) is None: return 0
+  start = -(-(int(addr) + offset) // mmap.PAGESIZE) * mmap.PAGESIZE
+  end = (int(addr) + offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
+  if end <= start: return 0
+  if _libc is None: _libc = ctypes.CDLL(None, use_errno=True)
+  return end - start if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_REMOVE) == 0 else 0

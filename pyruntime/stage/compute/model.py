@@ -382,11 +382,23 @@ class StageModel:
     self._check_batch(slots, dec_inp, positions)
     pre_inp = self._validate(slot, pre_inp, start_pos)
     if slot in slots: raise errors.SlotInvalid(f"slot {slot} both decodes and takes prompt rows in one step")
+    if self.recurrent: return self._mixed_row(slots, dec_inp, positions, slot, pre_inp, start_pos)
     dec, pre = self.rows.mixed(slots, dec_inp, positions, slot, pre_inp, start_pos, every_row)
     self._keep_routers([(s, s, 1) for s in slots] + [(slot, self.rows.slots, len(pre_inp))])  # the window is every slot
     for s, p in zip(slots, positions, strict=True): self._pos[s] = int(p) + 1
     self._pos[slot] = start_pos + len(pre_inp)
     return dec, pre
+
+  def _mixed_row(self, slots: list[int], dec_inp: np.ndarray, positions: list[int], slot: int, pre_inp: np.ndarray,
+                 start_pos: int) -> tuple[Tensor, Tensor]:
+    """A recurrent model's mixed step: the decode rows and the prompt's next row (one: a stream's recurrence takes its
+    positions in order) as rows of one decode window of every slot; the prompt's row is a decode row as any other."""
+    if len(pre_inp) != 1: raise errors.ActivationExtentInvalid(f"a recurrent model takes one prompt row beside decode rows, got {len(pre_inp)}")
+    out = self.rows.decode([*slots, slot], np.concatenate([dec_inp, pre_inp]), [*positions, start_pos], window=(0, self.slots))
+    self._keep_routers([(s, s, 1) for s in [*slots, slot]])
+    for s, p in zip([*slots, slot], [*positions, start_pos], strict=True): self._pos[s] = int(p) + 1
+    buf = out.uop.buffer
+    return out, self._view(buf, (self.vocab_size,) if self.is_tail else (1, 1, self.dim), slot * (self.vocab_size if self.is_tail else self.dim))
 
   def mixes(self, rows: int) -> bool:
     """Whether a chunk of `rows` beside decode rows costs less inside their step (forward_mixed) than apart from it:
@@ -394,7 +406,7 @@ class StageModel:
     in the chunk's rows, rebuilds every packed weight into a scratch buffer first; a decode step and a short chunk each
     rebuild them in registers (SmolLM2, 7 decode rows beside 8 prompt rows: ~190 ms mixed, ~100 apart). Either way the
     same bits."""
-    if self.recurrent: return False  # its prompt rows go one at a time (prefill_rows)
+    if self.recurrent: return rows == 1  # a recurrent model's prompt row rides in the decode window (_mixed_row)
     return self.rows is None or rows > max(self.rows.short_rows, default=0)
 
   def mixed_rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
@@ -455,16 +467,16 @@ class StageModel:
   @property
   def max_chunk(self) -> int:
     """The most prompt rows one forward computes at once: the rows path's MAX_ROWS, else tinygrad's chunk; a recurrent
-    model's rows path ROW_UNIT (its prompt rows go one at a time, so a longer chunk buys nothing and only holds the
-    decoding streams' step back longer)."""
-    if self.rows is not None and self.recurrent: return ROW_UNIT
+    model's rows path 1 (its prompt rows go one at a time anyway, so a chunk of one rides in the decoding streams'
+    window, _mixed_row, instead of holding their step back)."""
+    if self.rows is not None and self.recurrent: return 1
     return MAX_ROWS if self.rows is not None else self.chunk
 
   @property
   def min_chunk(self) -> int:
     """The fewest prompt rows worth a chunk: the rows path sizes chunks in ROW_UNITs (with packed weights a chunk of
     fewer runs in a short graph, RowPath.short_rows)."""
-    return ROW_UNIT if self.rows is not None else 1
+    return ROW_UNIT if self.rows is not None and not self.recurrent else 1
 
   def batch_window(self, slots: list[int]) -> tuple[int, int]:
     """(first slot, rows) of the decode window that holds `slots`."""
@@ -537,6 +549,12 @@ class StageModel:
     for t, (_, _, zero) in zip(self._slot_caches(slot), self._specs(), strict=True):
       if zero: t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))
 
+  def state_tensors(self) -> list[Tensor]:
+    """The buffers of every stream's state already allocated: the rows path's caches (keys, values, latent caches,
+    recurrent states) and tinygrad's path's (none before their first use)."""
+    rows = [t for kv in (self.rows._caches or []) for t in kv if t is not None] if self.rows is not None else []
+    return rows + list(self._kv or [])
+
   @property
   def kv_bytes(self) -> int:
     """Device bytes of the KV caches (every slot's, allocated together on first use)."""
@@ -546,6 +564,7 @@ class StageModel:
     """Forget a stream: the slot's next record must start at position 0 (its cache is overwritten, never read stale)."""
     self._check_slot(slot)
     self._pos[slot] = 0
+    if self.rows is not None: self.rows.release(slot)  # a CPU's pages of the slot's cache back to the system
     if self.recurrent and self.rows is not None: self.rows.zero_state(slot)
     elif self.recurrent and self._kv is not None: self._zero_state(slot)
 

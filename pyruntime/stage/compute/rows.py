@@ -1,4 +1,4 @@
-"""The batched path of a dense, MoE or MLA stage: prompt rows and decode rows through the same kernels, with the same bits.
+"""The batched path of a stage (every family): prompt rows and decode rows through the same kernels, with the same bits.
 
 Every position a stream computes (a prompt token, a decode token, later a drafted token under verification) is a
 row, and a row's numbers depend on nothing but its stream: its input, its position and the keys and values its
@@ -26,6 +26,11 @@ alike: a row's query heads are taken into the latent space (q_nope through attn_
 (kv_lora_rank + rope_dim) per position, the normed latent and the rotary key; the values are the latent part of the same
 cache (no second copy), and each head's weighted latent leaves through attn_v_b. The cache is the key cache of one kv
 head, so everything that moves keys (writes, scatters, the prefix cache's blocks) moves the latent unchanged.
+
+Recurrent blocks (the hybrids' GatedDeltaNet, `_recurrent`) run in the decode graph only: one row per stream of the
+window, each slot's conv and recurrent state read and updated in place, and a prompt's rows one at a time through the
+one-row window (StageModel.prefill_rows), as tinygrad's generate prefills such a model; so a prompt row is a decode
+row by construction. Their state is not a function of positions: no prefix cache, speculation or scoring for them.
 """
 from __future__ import annotations
 
@@ -160,9 +165,10 @@ def _scatter(flat: Tensor, rows: Tensor, at: Tensor, stride_a: int, stride_b: in
 
 
 class RowPath:
-  """The prefill and decode graphs of one StageModel (dense, MoE and MLA blocks), and the caches they share. Its length (~370 lines,
-  ~30 attributes) is those shared buffers (keys and values, positions, masks, staging) and the graphs captured over
-  them: one object, since every graph closes over the same buffers."""
+  """The prefill and decode graphs of one StageModel (dense, MoE, MLA, Gemma 3 and recurrent blocks), and the caches
+  they share. Its length (~430 lines, ~30 attributes) is those shared buffers (keys and values, recurrent states,
+  positions, masks, staging) and the graphs captured over them: one object, since every graph closes over the same
+  buffers."""
 
   def __init__(self, m: Any):  # the StageModel that owns this path (model.py imports this module, not the reverse)
     self.m, cfg = m, m.config
@@ -229,6 +235,20 @@ class RowPath:
         keys = self.m._empty((self.cache_elems,), dtypes.float32)
         self._caches.append((keys, None if self.latent else self.m._empty((self.cache_elems,), dtypes.float32)))
     return self._caches
+
+  def release(self, slot: int) -> int:
+    """Give the pages of `slot`'s keys and values back to the system (a CPU's: device_memory.release), so that a closed
+    stream's cache does not stay resident; what they held is never read again (a new stream writes a position before
+    any row sees it, _attend). Recurrent states stay (zero_state rewrites them). Returns the bytes released."""
+    if self._caches is None or not self.m.device.startswith("CPU"): return 0
+    self.m.synchronize()  # no kernel still writes there
+    out = 0
+    for b, kv in zip(self.m.blk, self._caches, strict=True):
+      if isinstance(b, GatedDeltaNetBlock): continue
+      for t in (x for x in kv if x is not None):
+        one = t.nbytes() // (self.slots + 1)
+        out += device_memory.release(t.uop.buffer, slot * one, one)
+    return out
 
   def zero_state(self, slot: int) -> None:
     """A new stream in `slot` starts from zero recurrent state (the reference's _state_reset_ops)."""
@@ -595,11 +615,12 @@ class RowPath:
     rows = min(self.slots, 1 << (max(slots) - min(slots)).bit_length())
     return min(min(slots), self.slots - rows), rows
 
-  def decode(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> Tensor:
+  def decode(self, slots: list[int], inp: np.ndarray, positions: list[int], window: tuple[int, int] | None = None) -> Tensor:
     """One decode row for each of `slots` (row i of inp at positions[i]). Returns, realized, (W, 1, dim) or on the tail
-    (W, vocab): row r belongs to slot lo + r (`window`), the others are fillers. May alias an internal buffer."""
+    (W, vocab): row r belongs to slot lo + r (`window`, or the one given), the others are fillers. May alias an
+    internal buffer."""
     m = self.m
-    lo, W = self.window(slots)
+    lo, W = window or self.window(slots)
     _put((self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v), self._decode_inputs(slots, inp, positions, lo, W))
     with loop_schedules.rows_schedules():
       ret = self.decode_graph(W)(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),

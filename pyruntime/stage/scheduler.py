@@ -101,6 +101,11 @@ class StageScheduler:
     # as a chunk): waiting for the row of a stream whose draft is here waits for a row that never comes
     rows, wanted = sum(1 for st in self.streams.values() if st.next_is_input()), -(-self.decoding() // self.micro_batches)
     if rows >= wanted: return True
+    # only the head gathers: every row comes back to it from the launcher, so that is where groups merge, and the stages
+    # after it take its groups as they come. A later stage that waited too would wait for rows a stage before it holds
+    # while that stage waits for the rows this one holds: two groups alternating between two stages, each waiting out
+    # its window every step (measured: a 2-stage Gemma 3 270M pipeline, 8 streams, 19 tok/s in that state, 70 without)
+    if rows and not self.is_head: return True
     if any(st.pending and not st.next_is_decode() for st in self.streams.values()) and (self.decode_mode != "batched" or not wanted):
       return True
     if self.gathering is None: self.gathering = self.clock()

@@ -75,6 +75,18 @@ def test_a_missing_row_is_waited_for_within_the_gather_window_only():
   assert [sid for sid, _ in plan.decode] == [0] and plan.prefill is None and not plan.mixed and s.gathering is None
 
 
+def test_only_the_head_gathers():
+  """A stage after the head runs the decode rows it has at once: the head merges the groups (every row comes back to
+  it), and a later stage that waited for a group a stage before it holds could wait for a stage that waits for it."""
+  s, _ = scheduler(is_head=False)
+  s.step_s = 0.01
+  decoding(s, 0, row=True); decoding(s, 1, row=False)
+  assert s.ready() and [sid for sid, _ in s.plan().decode] == [0]
+  s, _ = scheduler(is_head=False)
+  decoding(s, 1, row=False)
+  assert not s.ready()  # nothing here: nothing to run
+
+
 @pytest.mark.parametrize("step_s,want", [(0.0, GATHER_MIN_S), (0.01, GATHER_STEPS * 0.01), (10.0, GATHER_MAX_S)])
 def test_the_gather_window_follows_the_step_between_its_bounds(step_s, want):
   s, _ = scheduler(step_s=step_s)

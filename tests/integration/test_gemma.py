@@ -13,7 +13,7 @@ import pytest
 from conftest import gemma_file, lane_device, require, stage_graphs
 from pyruntime.bench.exactness import compare, reference_logits, weights64
 from test_model import CTX, PROMPT, PROMPT2, bits, chain, load_split
-from test_rows import CL, position_kv
+from test_rows import CL, decode_rows_equal_prompt_rows
 from tinymodels import TINY_GEMMA, write_tiny_gguf
 
 from pyruntime.engine.events import Done
@@ -65,20 +65,7 @@ def test_a_gemma_decode_row_equals_its_prompt_row(path, weights, device, tensor_
   and the same logits, bit for bit."""
   m = stage(path, slots=2, weights=weights, tensor_cores=tensor_cores, device=device)
   assert m.batched and m.gemma is not None and {b.window for b in m.blk} == {0, 8}
-  m.reset_slot(0)
-  lg = m.prefill_rows(0, np.asarray(PROMPT, np.uint32), 0).numpy().copy()
-  seq, decoded = list(PROMPT), [lg]
-  for _ in range(4):
-    seq.append(int(lg.argmax()))
-    lg = m.batch_rows(m.forward_batch([0], np.asarray(seq[-1:], np.uint32), [len(seq) - 1]), [0])[0].numpy().copy()
-    decoded.append(lg)
-  decode_kv = [position_kv(m, 0, p) for p in range(40, 44)]
-  m.reset_slot(1)
-  prompted = [m.prefill_rows(1, np.asarray(seq[:n], np.uint32), 0).numpy().copy() for n in range(40, 45)]
-  for i, (a, b) in enumerate(zip(decoded, prompted, strict=True)):
-    assert np.array_equal(bits(a), bits(b)), f"logits after position {39 + i}: max |d| {np.abs(a - b).max()}"
-  for p, kv in zip(range(40, 44), decode_kv, strict=True):
-    assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(kv, position_kv(m, 1, p), strict=True)), p
+  decode_rows_equal_prompt_rows(m, "gemma3")
 
 
 def test_gemma_streams_mixed_steps_and_splits_change_no_bit(path):

@@ -69,10 +69,14 @@ def test_decode_row_equals_prompt_row(paths, name, weights, device, tensor_cores
   """Positions 40..43 computed as decode rows (batched steps) and as prompt rows (prefill records): the same keys and
   values in every block and the same logits, bit for bit; in the tensor-core mode too (a decode row padded to the
   tile's rows)."""
-  m = whole(paths[name], slots=2, weights=weights, tensor_cores=tensor_cores, **on(device))
-  prompt = np.asarray(PROMPT, np.uint32)
+  decode_rows_equal_prompt_rows(whole(paths[name], slots=2, weights=weights, tensor_cores=tensor_cores, **on(device)), name)
+
+
+def decode_rows_equal_prompt_rows(m: StageModel, name: str) -> None:
+  """PROMPT's next four positions (40..43) as decode rows in slot 0 and as prompt rows in slot 1: the same logits and
+  the same keys and values in every block, bit for bit."""
   m.reset_slot(0)
-  lg = m.prefill_rows(0, prompt, 0).numpy().copy()
+  lg = m.prefill_rows(0, np.asarray(PROMPT, np.uint32), 0).numpy().copy()
   seq, decoded = list(PROMPT), [lg]
   for _ in range(4):
     seq.append(int(lg.argmax()))

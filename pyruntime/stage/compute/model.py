@@ -439,9 +439,9 @@ class StageModel:
     runs one position at a time, as tinygrad's generate prefills such a model), so a prompt row is a decode row by
     construction. Returns what prefill_rows returns."""
     res = None if self.is_tail else self._empty((1, len(inp), self.dim), self._bdtype)
+    lo = self.rows.window([slot])[0]
     for i in range(len(inp)):
       out = self.rows.decode([slot], inp[i:i + 1], [start_pos + i])
-      lo = self.rows.window([slot])[0]
       self._keep_routers([(slot, slot - lo, 1)], after=i > 0)
       self._pos[slot] = start_pos + i + 1
       if res is not None: device_memory.write(res.uop.buffer, self.rows.rows_of(out, [slot])[0].numpy(), i * self.dim * res.dtype.itemsize)

@@ -45,3 +45,35 @@ def test_a_real_kernel_is_lowered_once(cachedb, monkeypatch):
   n = len(lowered)
   again = codegen.to_program(ast, renderer)
   assert len(lowered) == n and again is first  # read back, not lowered again (UOps are interned: equal means the same)
+
+
+CHILD = """
+import sys, time
+from pyruntime.stage.compute import program_cache
+program_cache.LOCK_WAIT_S = float(sys.argv[1])
+t = time.monotonic()
+got = program_cache.ProgramCache("rows").get((b"ast digest", "renderer", "shared"))
+print(repr(got), round(time.monotonic() - t, 2))
+"""
+
+
+@pytest.mark.parametrize("wait_s", [60.0, 0.3])
+def test_a_kernel_missing_from_disk_is_lowered_by_one_process_while_the_others_wait(cachedb, wait_s):
+  """Two processes miss the same key: the first holds its lock until it stores the lowering; the second waits and reads
+  that lowering back instead of lowering it again; with a waiter's bound shorter than the lowering, it gives up and
+  lowers it itself (None: a miss), never hangs."""
+  import os
+  import subprocess
+  import sys
+  import time
+  key = (b"ast digest", "renderer", "shared")
+  mine = ProgramCache("rows")
+  assert mine.get(key) is None  # a miss: this process lowers it, holding the key's lock
+  child = subprocess.Popen([sys.executable, "-c", CHILD, str(wait_s)], stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "CACHEDB": str(cachedb)})
+  time.sleep(3.0)  # the child imports tinygrad (~1 s) and reaches the lock
+  mine[key] = "lowered"  # stored: the lock is released
+  got, waited = child.communicate(timeout=60)[0].split()
+  if wait_s > 3: assert got == "'lowered'" and float(waited) > 0.5, (got, waited)
+  else: assert got == "None" and float(waited) < 3.0, (got, waited)
+  assert ProgramCache("rows").get(key) == "lowered"

@@ -71,13 +71,14 @@ def _staged(lead: list) -> bool:
   return not all(isinstance(n, int) for n in lead) or prod(lead) > STAGED_ROWS
 
 
-def _values(wb: Tensor | PackedMatrix, lead: list) -> Tensor:
+def _values(wb: Tensor | PackedMatrix, lead: list, staged: bool | None = None) -> Tensor:
   """Column blocks' values for a product with `lead` rows: the buffer itself, or a packed matrix's dequantisation, in
   the registers of the kernel that reads it for a few rows (a decode step: one pass over the file's bytes), staged
   through a float16 scratch buffer for more (a prompt chunk: ~7 vector instructions per 16 weights would be repeated for
-  every ROWS rows; 256-row chunks took 1.6x float16's time that way). The same values either way."""
+  every ROWS rows; 256-row chunks took 1.6x float16's time that way). The same values either way. `staged` overrides
+  the rule by rows (the tail's output matrix: _egress)."""
   if not isinstance(wb, PackedMatrix): return wb
-  return wb.matrix(staged=_staged(lead))
+  return wb.matrix(staged=_staged(lead) if staged is None else staged)
 
 
 def _tensor_core_rows(x: Tensor, product) -> Tensor:
@@ -107,22 +108,22 @@ def _gated(out: Tensor, gate: Tensor | None) -> Tensor:
   return out if gate is None else out * gate.sigmoid()
 
 
-def _blocked_product(x: Tensor, wb: Tensor | PackedMatrix, tc: bool) -> Tensor:
+def _blocked_product(x: Tensor, wb: Tensor | PackedMatrix, tc: bool, staged: bool | None = None) -> Tensor:
   """x (..., K) times the column blocks wb (outputs / VEC, K, VEC): (..., outputs), one sum over K per output."""
-  if tc: return _tensor_core_rows(x, lambda r: _blocked_product(r, wb, False))
+  if tc: return _tensor_core_rows(x, lambda r: _blocked_product(r, wb, False, staged))
   *lead, K = x.shape
-  return (x.reshape(*lead, 1, K, 1) * _values(wb, lead)).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
+  return (x.reshape(*lead, 1, K, 1) * _values(wb, lead, staged)).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
 
 
-def _linear(lin: Any, x: Tensor, tc: bool = False) -> Tensor:
+def _linear(lin: Any, x: Tensor, tc: bool = False, staged: bool | None = None) -> Tensor:
   """nn.Linear's x @ weight.T (+ bias), from the matrix's column blocks (outputs / VEC, inputs, VEC) when the stage keeps
   them (realized weights: weights.load): for each block of VEC outputs the kernel reads one run of memory,
   every input's VEC weights in a row, instead of VEC floats per row of the whole matrix. The same sum over the inputs.
-  `tc`: the tensor-core mode's inputs (_tensor_core_rows)."""
+  `tc`: the tensor-core mode's inputs (_tensor_core_rows); `staged`: a packed matrix's staging, if not by rows (_values)."""
   if (wb := getattr(lin, "rows_blocked", None)) is None:
     if not tc: return lin(x)
     y = _tensor_core_rows(x, lambda r: r @ lin.weight.T)
-  else: y = _blocked_product(x, wb, tc)
+  else: y = _blocked_product(x, wb, tc, staged)
   return y if lin.bias is None else y + lin.bias
 
 
@@ -504,7 +505,10 @@ class RowPath:
     with a router block, its logits (every row of the graph, experts) as a second output."""
     m = self.m
     if m.is_tail:
-      out = _linear(m.output, m.output_norm(x).contiguous(), m.tensor_cores).reshape(-1, m.vocab_size)
+      # the output matrix is never staged: a graph's tail computes a few rows (a window, and a prompt chunk's last
+      # ROW_UNIT), and its float16 copy is the largest of all (Gemma's 262,144 x 640: 335 MB of scratch in every graph
+      # of more than STAGED_ROWS rows, rewritten at each of its steps)
+      out = _linear(m.output, m.output_norm(x).contiguous(), m.tensor_cores, staged=False).reshape(-1, m.vocab_size)
       if m.gemma and (cap := m.gemma.softcap): out = (out.contiguous() / cap).tanh() * cap  # the file's soft cap
       out = out.contiguous()
     else: out = (x.cast(m._bdtype) if m._bdtype != dtypes.float32 else x).contiguous()

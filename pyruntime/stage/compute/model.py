@@ -328,28 +328,34 @@ class StageModel:
       return (h + b._feed_forward(n)).contiguous(), b.ffn_gate_inp(n).float().contiguous()
     return _run(x, start_pos)
 
-  def _blocks(self, x: Tensor, call: Callable[[FFNBlock, Tensor], Tensor], fresh: FFNBlock | None = None) -> Tensor:
+  def _blocks(self, x: Tensor, call: Callable[[FFNBlock, Tensor], Tensor], fresh: FFNBlock | None = None,
+              each: bool = False) -> Tensor:
     """x through this stage's blocks, `call(block, x)` tracing each into a tinygrad function. Tracing a block into its
     tinygrad function costs ~0.5 s of Python; blocks with
     the same tensor types and shapes trace to the same function body, so the first one of each kind is traced and
     the others call that body with their own weights and cache (PYRUNTIME_TRACE_REUSE=0 traces every block). The block
-    `fresh` (one whose function has another body: it returns the router logits too) is traced by itself."""
+    `fresh` (one whose function has another body: it returns the router logits too) is traced by itself.
+
+    `each`: realize each block's output before the next block is traced (`call` realizes the fresh block's two
+    outputs together). The same kernels in the same order of blocks, but scheduled block by block: tinygrad's scheduler
+    runs every kernel that depends only on weights first, so in one schedule a packed matrix's staging (rows._values) of
+    every block would run ahead of the first block, and the graph's memory planner would hold every block's float16
+    copy at once (an arena of ~2.4x the packed weights); block by block it holds one block's."""
     traced: dict[tuple, tuple[UOp, TransformerBlock]] = {}
     for b, sig in zip(self.blk, self._block_sigs, strict=True):
-      if b is fresh:
-        x = call(b, x)
-        continue
-      if _TRACE_REUSE and (t := traced.get(sig)) is not None:
+      if b is fresh: x = call(b, x)
+      elif _TRACE_REUSE and (t := traced.get(sig)) is not None:
         fn, a = t
         sa, sb = get_state_dict(a), get_state_dict(b)
         bufmap = {ua: ub for k in sa for ua, ub in zip(_buffers(sa[k].uop), _buffers(sb[k].uop), strict=True) if ua is not ub}
         x = Tensor(fn.replace(src=(fn.src[0], x.uop, *(u.substitute(bufmap) for u in fn.src[2:]))).gettuple(0))
-        continue
-      out = call(b, x)
-      fn = out.uop.src[0] if out.uop.op is Ops.GETTUPLE else None
-      # reuse only what has the layout we rely on: FUNCTION(body, x, *inputs)
-      if fn is not None and fn.op is Ops.FUNCTION and len(fn.src) > 2 and fn.src[1] is x.uop: traced[sig] = (fn, b)
-      x = out
+      else:
+        out = call(b, x)
+        fn = out.uop.src[0] if out.uop.op is Ops.GETTUPLE else None
+        # reuse only what has the layout we rely on: FUNCTION(body, x, *inputs)
+        if fn is not None and fn.op is Ops.FUNCTION and len(fn.src) > 2 and fn.src[1] is x.uop: traced[sig] = (fn, b)
+        x = out
+      if each: x = x.realize()
     return x
 
   # --- the rows path (pyruntime/stage/compute/rows.py) ---------------------------------------------------------------

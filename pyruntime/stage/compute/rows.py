@@ -482,8 +482,11 @@ class RowPath:
         return (out, logits.reshape(-1, b.config.num_experts).contiguous()) if b is fresh else out
       if b is not fresh: return _run(x)
       out, self.router_rows = _run(x)
+      if each: Tensor.realize(out, self.router_rows)  # together: one after the other would compute the block twice
       return out
-    return self.m._blocks(x, call, fresh=fresh)
+    # a graph that stages packed matrices is scheduled block by block: its arena holds one block's staged copies
+    each = self.m.weights == "packed" and _staged(list(x.shape[:-1]))
+    return self.m._blocks(x, call, fresh=fresh, each=each)
 
   def _ingress(self, inp: Tensor, rows: int | UOp, B: int, T: int | UOp) -> Tensor:
     """The graph's input rows as float (B, T, dim): on the head, the token embedding from raw GGML rows (the

@@ -1,6 +1,6 @@
 """Decode speed beside llama.cpp: the same GGUF file, the same prompts, greedy, a fixed number of tokens, in one run.
 
-  python bench/decode.py [--model PATH] [--stages 1,2] [--streams 1,8] [--tokens 128] [--threads 2] [--weights auto] [--json]
+  python bench/decode.py [--model PATH | --model-size 1b|3b] [--stages 1,2] [--streams 1,8] [--tokens 128] [--threads 2] [--weights auto] [--json]
   pip install -e '.[bench]'     # llama-cpp-python, the peer (built from source: minutes; `.ci/setup --test` builds it
                                 # as below, with this CPU's AVX-512 units where it has them)
 
@@ -16,7 +16,8 @@ Sides, one after the other in this process (llama.cpp) and in the launcher's sta
   `auto,float16` to see packed weights beside float16 ones in the same run): S streams at once through `generate`, greedy,
   `ignore_eos`, speculation off (a plain decode step each token).
 
-For each: decode tokens/s (every token after each stream's first, over the time from the first first token to the
+For each: the load time (llama.cpp: the model and its context; pyruntime: the launcher's start, every graph made ready),
+decode tokens/s (every token after each stream's first, over the time from the first first token to the
 last token: for pyruntime the later prompts, computed in that time, count against it), the prompt's time, and
 the process's resident memory after loading (llama.cpp: this process's; pyruntime: its stage processes', summed).
 Printed first: the CPU's model and vector features; both sides' figures side by side with their ratio.
@@ -30,6 +31,7 @@ import threading
 import time
 
 from pyruntime.bench.machine import cpu
+from pyruntime.bench.sized_model import SIZES, sized_model
 
 from pyruntime.stage.memory_use import describe
 
@@ -61,13 +63,14 @@ def llama_cpp_side(model: str, streams: list[int], tokens: int, threads: int) ->
   import numpy as np
   S = max(streams)
   from llama_cpp import _internals
+  t_load = time.perf_counter()
   llm = L.Llama(model_path=model, n_ctx=S * 1024, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
   # S sequences in one context, sharing one KV cache: what llama.cpp's server does for S parallel slots (Llama() itself
   # takes no n_seq_max, so the context is made again with it)
   llm.context_params.n_seq_max, llm.context_params.kv_unified = S, True
   llm._ctx = _internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=False)
   ctx, vocab = llm._ctx.ctx, llm.n_vocab()
-  out: dict = {"rss_mb": rss_mb([os.getpid()]), "version": L.__version__}
+  out: dict = {"rss_mb": rss_mb([os.getpid()]), "version": L.__version__, "load_s": round(time.perf_counter() - t_load, 1)}
   batch = L.llama_batch_init(512 * S, 0, S)
   try:
     for s_count in streams:
@@ -118,6 +121,7 @@ def pyruntime_side(model: str, stages: int, streams: list[int], tokens: int, wei
   out: dict = {}
   with Launcher(model, stages=stages, max_streams=max(streams), max_context=1024, warmup=True, weights=weights) as lm:  # every window captured
     out["rss_mb"] = rss_mb([h.proc.pid for h in lm.handles])
+    out["load_s"] = round(lm.load_s, 1)  # spawn, weights, and every graph made ready (from the graph cache, or captured)
     out["weights"] = list(lm.planned.weights)
     for _ in lm.generate(PROMPTS[0], raw=True, max_tokens=4, temperature=0): pass  # a first request, untimed
     for s_count in streams:
@@ -138,6 +142,8 @@ def pyruntime_side(model: str, stages: int, streams: list[int], tokens: int, wei
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default=None)
+  ap.add_argument("--model-size", choices=list(SIZES), default=None,
+                  help="a random llama of Llama 3.2's shapes with the bundled tokenizer (bench/sized_model.py), instead of --model")
   ap.add_argument("--stages", default="1,2")
   ap.add_argument("--streams", default="1,8")
   ap.add_argument("--tokens", type=int, default=128)
@@ -146,7 +152,7 @@ def main() -> None:
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
   from pyruntime.modelfile.source import default_model_path
-  model = a.model or str(default_model_path())
+  model = str(sized_model(a.model_size)) if a.model_size else a.model or str(default_model_path())
   streams = [int(s) for s in a.streams.split(",")]
   res: dict = {"cpu": cpu(), "model": os.path.basename(model), "tokens": a.tokens,
                "llama.cpp": llama_cpp_side(model, streams, a.tokens, a.threads)}
@@ -162,7 +168,7 @@ def main() -> None:
     for s in streams:
       ratio = r[s]["decode_tokens_per_s"] / ref[s]["decode_tokens_per_s"]
       print(f"{side:28s} {s} stream{'s' * (s > 1):1s}  decode {r[s]['decode_tokens_per_s']:7.1f} tok/s ({ratio:4.2f}x llama.cpp)"
-            f"  prompt {r[s]['prompt_s']:6.2f} s for {r[s]['prompt_tokens']} tokens  rss {r['rss_mb']} MB")
+            f"  prompt {r[s]['prompt_s']:6.2f} s for {r[s]['prompt_tokens']} tokens  rss {r['rss_mb']} MB  load {r['load_s']} s")
     for i, m in enumerate(r.get("memory") or []):
       if m: print(f"{'':28s} stage {i} {describe(m)}")
 

@@ -101,6 +101,9 @@ class LoadProgress:
     if kind == "StageWarning":  # always said, even when quiet: something runs degraded
       with self.lock: Term.message(f"pyruntime: stage {ev.get('stage', '?')}: warning: {ev.get('message', '')}")
       return
+    if kind == "ContextReduced":  # always said: a smaller context than the file's, chosen to fit memory
+      with self.lock: Term.message(f"pyruntime: warning: {ev.get('message', '')}")
+      return
     if self.quiet: return
     with self.lock:
       if kind == "ArenaCreated":

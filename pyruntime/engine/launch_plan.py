@@ -103,13 +103,64 @@ def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, temp
   return hashlib.sha256(json.dumps([model, [list(r) for r in split], dtype, template]).encode()).hexdigest()[:16]
 
 
-def packed_bytes(header: GGUFHeader, weights: str = "packed") -> int:
-  """What a CPU stage holds of the model with weights="packed" (or "packed-all"): every matrix and every MoE block's
-  experts (`*_exps`) of a type that mode packs as codes and scales (about the file's bytes), two bytes an element of the
-  rest (float16)."""
+def packed_bytes(header: GGUFHeader, weights: str = "packed", names: Sequence[str] | None = None) -> int:
+  """What a CPU stage holds of the model (or of its tensors `names`) with weights="packed" (or "packed-all"): every matrix
+  and every MoE block's experts (`*_exps`) of a type that mode packs as codes and scales (about the file's bytes), two
+  bytes an element of the rest (float16)."""
   kept = packed_types(weights)
   def packs(name: str, t: Any) -> bool: return t.ggml_type in kept and (len(t.dims) == 2 or len(t.dims) == 3 and "_exps." in name)
-  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims)) if packs(n, t) else 2 * math.prod(t.dims) for n, t in header.tensors.items())
+  tensors = header.tensors.items() if names is None else ((n, header.tensors[n]) for n in names)
+  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims)) if packs(n, t) else 2 * math.prod(t.dims) for n, t in tensors)
+
+
+def held_bytes(header: GGUFHeader, names: Sequence[str], weights: str) -> int:
+  """Bytes a stage holds of the tensors `names` in weights mode `weights`: packed as packed_bytes, float16 and float32
+  2 and 4 bytes an element, "quantized" (tinygrad's own) the file's bytes."""
+  if weights.startswith("packed"): return packed_bytes(header, weights, names)
+  per = {"float16": 2, "float32": 4}.get(weights)
+  return sum(per * math.prod(header.tensors[n].dims) if per else header.tensors[n].nbytes for n in names)
+
+
+CONTEXT_STEP = 256  # a default context cut to fit memory is a multiple of this
+
+
+def memory_need(header: GGUFHeader, options: LaunchOptions, split: Sequence[tuple[int, int]], devices: Sequence[str],
+                weights: Sequence[str], context: int) -> dict[str, int]:
+  """Host bytes the plan's CPU stages hold once every stream slot is at `context` positions: their weights, their keys
+  and values (reserved for max_streams + 1 slots of the context plus one prompt chunk's padding rows, as
+  stage/compute/rows.py does; on a CPU the pages become resident as streams reach them), and the prefix cache's
+  pool (every stage's, at its token budget). A GPU stage's weights and caches are on its GPU, not counted. Graph
+  buffers and the interpreters (a few hundred MB a stage) come on top."""
+  from pyruntime.devices import parse_device
+  from pyruntime.modelfile.plan import kv_bytes_per_position, prefix_cache_bytes_per_token, stage_tensor_names
+  from pyruntime.protocol import MAX_CHUNK
+  host = [i for i, d in enumerate(devices) if parse_device(d).base == "CPU"]
+  positions = (options.max_streams + 1) * (context + MAX_CHUNK + 31)
+  return {"weights": sum(held_bytes(header, list(dict.fromkeys(stage_tensor_names(header, *split[i]))), weights[i]) for i in host),
+          "kv": sum(kv_bytes_per_position(header, *split[i]) for i in host) * positions,
+          "prefix_cache": options.prefix_cache * (prefix_cache_bytes_per_token(header) or 0)}
+
+
+def fit_context(header: GGUFHeader, options: LaunchOptions, split: Sequence[tuple[int, int]], devices: Sequence[str],
+                weights: Sequence[str], memory: int) -> int:
+  """The context the stages are given: max_context (at most the file's), refused by name with the numbers when what
+  the stages would hold at it (memory_need) exceeds the host memory available now; with none given, the file's context,
+  cut to the largest multiple of CONTEXT_STEP that fits when it does not (a launch's default always starts where it
+  can; Launcher emits ContextReduced). Stages on other hosts (placement="ray") are not checked here."""
+  most = int(header.get("context_length"))
+  want = int(min(options.max_context or most, most))
+  def need(ctx: int) -> int: return sum(memory_need(header, options, split, devices, weights, ctx).values())
+  if options.placement != "local" or need(want) <= memory: return want
+  fixed, per = need(0), need(1) - need(0)
+  fits = 0 if per <= 0 or fixed > memory else (memory - fixed) // per // CONTEXT_STEP * CONTEXT_STEP
+  if options.max_context is None and fits >= CONTEXT_STEP: return min(fits, want)
+  gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+  parts = memory_need(header, options, split, devices, weights, want)
+  advice = (f"at most max_context={fits} fits, or fewer max_streams" if fits >= CONTEXT_STEP else
+            "lower max_streams or prefix_cache, keep smaller weights (weights='quantized'), or put stages on GPUs")
+  raise errors.InvalidOption("max_context", f"a context of {want} with max_streams={options.max_streams} needs {gib(need(want))} of "
+                             f"host memory (weights {gib(parts['weights'])}, keys and values {gib(parts['kv'])}, prefix cache "
+                             f"{gib(parts['prefix_cache'])}) and {gib(memory)} is available: {advice}")
 
 
 # CPU renderers that compile with clang (loop_schedules' vector rules are written for them); tinygrad's own X86 backend,
@@ -174,8 +225,9 @@ def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: 
   # balanced by what a decode step takes on each stage: the bytes it reads of its weights, in the form it holds them
   # (float16 weights cost half of float32's per parameter: the same proportions, so the same split)
   split = plan_split(header, n, options.split, by="time-float32" if all(w in ("float16", "float32") for w in weights) else "time")
+  context = fit_context(header, options, split, devices, weights, memory)
   name = header.kv.get("general.name") or path.stem
   template = header.kv.get("tokenizer.chat_template") or ""
   return LaunchPlan(path, header, options, name, split, devices, weights, n if own else 1,
-                    int(min(options.max_context or 1 << 62, header.get("context_length"))), Tokenizer.from_gguf_kv(header.kv),
+                    context, Tokenizer.from_gguf_kv(header.kv),
                     int(header.get("embedding_length")), template, recipe_digest(name, split, options.boundary_dtype, template))

@@ -140,6 +140,10 @@ class Launcher:
     path = resolve_model(None if self.model_source is None else str(self.model_source), cache_dir=self.options.cache_dir,
                          on_progress=lambda done, total: self._event({"event": Event.DOWNLOAD_PROGRESS, "bytes": done, "total": total}))
     p = self.planned = plan_launch(path, read_header(path), self.options, available_memory())
+    if p.context_length < (most := int(p.header.get("context_length"))) and self.options.max_context is None:
+      self._event({"event": "ContextReduced", "context": p.context_length, "file_context": most,
+                   "message": f"the context is {p.context_length} tokens, not the file's {most}: every stream slot's keys and values "
+                              f"at {most} would not fit in the host memory available (give max_context to choose)"})
     self.requests = RequestBuilder(p.tokenizer, p.header.kv, p.context_length, self.options.speculative)
     return p
 

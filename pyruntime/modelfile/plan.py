@@ -106,17 +106,26 @@ def model_weight_bytes(header: GGUFHeader) -> int:
   return sum(t.nbytes for t in header.tensors.values())
 
 
+def kv_bytes_per_position(header: GGUFHeader, start: int, end: int) -> int:
+  """Bytes one position of one stream takes in the keys and values of blocks start..end-1 as a stage holds them
+  (float32, pyruntime/stage/compute/rows.py): each attention block's key and value rows, MLA's latent and rotary key; a
+  recurrent block holds a state per stream instead, not per position (none counted)."""
+  t, total = header.tensors, 0
+  for i in range(start, end):
+    p = f"blk.{i}."
+    if any(n.startswith(p + "ssm_") for n in t): continue
+    if p + "attn_kv_a_mqa.weight" in t: total += t[p + "attn_kv_a_mqa.weight"].shape[0]
+    else: total += t[p + "attn_k.weight"].shape[0] + t[p + "attn_v.weight"].shape[0]
+  return 4 * total
+
+
 def prefix_cache_bytes_per_token(header: GGUFHeader) -> int | None:
   """Host bytes one cached position takes in the whole pipeline's prefix-cache blocks (pyruntime/stage/compute/kv_blocks.py): every
   block's key and value rows (MLA: its latent and rotary key), as float32. None for a model with recurrent blocks: their
   state is not a function of positions alone, so it has no prefix cache."""
-  t, total = header.tensors, 0
-  for i in range(num_blocks(header)):
-    p = f"blk.{i}."
-    if any(n.startswith(p + "ssm_") for n in t): return None
-    if p + "attn_kv_a_mqa.weight" in t: total += t[p + "attn_kv_a_mqa.weight"].shape[0]
-    else: total += t[p + "attn_k.weight"].shape[0] + t[p + "attn_v.weight"].shape[0]
-  return 4 * total
+  L = num_blocks(header)
+  if any(n.startswith("blk.") and ".ssm_" in n and int(n.split(".")[1]) < L for n in header.tensors): return None
+  return kv_bytes_per_position(header, 0, L)
 
 
 SPLIT_BY = ("memory", "compute", "time", "time-float32")

@@ -13,12 +13,22 @@ from pyruntime.engine.launch_plan import LaunchOptions, packed_bytes, plan_launc
 from pyruntime.engine.prefix_cache import BLOCK
 from pyruntime.modelfile.gguf import read_header
 
-PLENTY, LITTLE = 1 << 40, 1 << 10  # bytes available: the packed copy fits / does not
+PLENTY = 1 << 40  # bytes available: everything fits
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> pathlib.Path:
   return write_tiny_gguf(tmp_path_factory.mktemp("launch_plan") / "llama.gguf", **TINY_MODELS["llama_tied"])
+
+
+@pytest.fixture(scope="module")
+def heavy(tmp_path_factory) -> pathlib.Path:
+  """A model whose weights outweigh its keys and values at a small context: the weights rule's memory thresholds can be
+  met with room left for the rest (fit_context)."""
+  return write_tiny_gguf(tmp_path_factory.mktemp("launch_plan") / "heavy.gguf", dim=256, hidden=2048, n_blocks=2, n_heads=4, n_kv_heads=2, context=16)
+
+
+LEAN = dict(devices="CPU", max_streams=1, prefix_cache=0)  # the least besides the weights
 
 
 def plan(path: pathlib.Path, memory: int = PLENTY, **options):
@@ -43,13 +53,12 @@ def test_an_explicit_split_is_kept_and_a_bad_one_refused_by_name(llama):
   with pytest.raises(errors.InvalidOption, match="stages"): plan(llama, stages=0, devices="CPU")
 
 
-def test_auto_weights_follow_the_device_the_memory_and_the_decode_mode(llama):
+def test_auto_weights_follow_the_device_the_memory_and_the_decode_mode(llama, heavy):
   assert plan(llama, devices="CPU").weights == ["packed", "packed"]
-  assert plan(llama, devices="CPU", memory=LITTLE).weights == ["quantized", "quantized"]  # the packed copy would not fit
-  need = packed_bytes(read_header(llama))  # the file's bytes of the packed matrices, float16 of the rest
-  assert 0 < need < 2 * sum(math.prod(t.dims) for t in read_header(llama).tensors.values())
-  assert plan(llama, devices="CPU", memory=2 * need).weights == ["packed", "packed"]
-  assert plan(llama, devices="CPU", memory=2 * need - 2).weights == ["quantized", "quantized"]
+  need = packed_bytes(read_header(heavy))  # the file's bytes of the packed matrices, float16 of the rest
+  assert 0 < need < 2 * sum(math.prod(t.dims) for t in read_header(heavy).tensors.values())
+  assert plan(heavy, memory=2 * need, **LEAN).weights == ["packed", "packed"]
+  assert plan(heavy, memory=2 * need - 2, **LEAN).weights == ["quantized", "quantized"]  # the packed copy would not fit
   assert plan(llama, devices="CPU", decode="reference").weights == ["quantized", "quantized"]  # tinygrad's own kernels
   assert plan(llama, devices="CUDA:0,CUDA:1").weights == ["quantized", "quantized"]
   assert plan(llama, devices="CPU", weights="float32").weights == ["float32", "float32"]
@@ -65,10 +74,10 @@ def test_packed_weights_count_a_moe_models_experts_at_the_files_size(tmp_path):
   assert 2 * sum(math.prod(t.dims) for t in h.tensors.values()) - packed_bytes(h) >= saved
 
 
-def test_a_cpu_without_clang_gets_the_weights_its_backend_runs(llama):
+def test_a_cpu_without_clang_gets_the_weights_its_backend_runs(llama, heavy):
   """tinygrad's X86 backend cannot encode packed weights' shifts and crashes on float16 conversions (both seen)."""
   assert plan(llama, devices="CPU:X86").weights == ["float32", "float32"]
-  assert plan(llama, devices="CPU:X86", memory=LITTLE).weights == ["quantized", "quantized"]
+  assert plan(heavy, memory=2 * packed_bytes(read_header(heavy)), **LEAN | {"devices": "CPU:X86"}).weights == ["quantized", "quantized"]
   assert plan(llama, devices="CPU:CLANGJIT").weights == ["packed", "packed"]
   for mode in ("packed", "float16"):
     with pytest.raises(errors.InvalidOption) as e: plan(llama, devices="CPU:X86", weights=mode)
@@ -135,3 +144,41 @@ def test_every_launch_option_is_a_launcher_keyword_with_the_same_default():
   assert not wrong or wrong == {"load_timeout_s": (300.0, 900.0)}, wrong  # the suite bounds loads (conftest.bound_launcher_loads)
   lm = Launcher("nowhere.gguf", max_streams=3, draft_tokens=4, stall_timeout=7, stage_env={"A": "1"})
   assert (lm.options.max_streams, lm.options.draft_tokens, lm.options.stall_timeout, lm.options.stage_env) == (3, 4, 7.0, {"A": "1"})
+
+
+def test_a_context_that_cannot_be_held_is_refused_with_the_numbers_and_a_default_one_cut_to_fit(tmp_path):
+  """fit_context: the CPU stages' weights, every slot's keys and values at the full context and the prefix cache's pool
+  against the memory available. An explicit max_context that does not fit is refused by name, naming the largest that
+  does (which plans, and a step more does not); with none given the plan takes the largest multiple of CONTEXT_STEP
+  that fits; with too little for any context, a refusal that says what else to lower. GPU stages are not counted."""
+  from pyruntime.engine.launch_plan import CONTEXT_STEP, memory_need
+  path = write_tiny_gguf(tmp_path / "long.gguf", **TINY_MODELS["llama_tied"] | {"context": 8192})
+  full = plan(path, devices="CPU")
+  assert full.context_length == 8192
+  def need(p) -> int: return sum(memory_need(p.header, p.options, p.split, p.devices, p.weights, p.context_length).values())
+  memory = need(full) // 3
+  with pytest.raises(errors.InvalidOption) as e: plan(path, memory=memory, devices="CPU", max_context=8192)
+  assert e.value.field == "max_context" and "8192" in str(e.value) and "GiB" in str(e.value)
+  most = int(str(e.value).split("at most max_context=")[1].split()[0])
+  assert 0 < most < 8192 and most % CONTEXT_STEP == 0
+  assert plan(path, memory=memory, devices="CPU", max_context=most).context_length == most
+  with pytest.raises(errors.InvalidOption): plan(path, memory=memory, devices="CPU", max_context=most + CONTEXT_STEP)
+  cut = plan(path, memory=memory, devices="CPU")  # no max_context: the largest that fits
+  assert cut.context_length == most and need(cut) <= memory
+  with pytest.raises(errors.InvalidOption, match="lower max_streams") as e: plan(path, memory=1 << 10, devices="CPU")
+  assert e.value.field == "max_context"
+  assert plan(path, memory=1 << 10, devices="CUDA:0,CUDA:1", prefix_cache=0).context_length == 8192  # on the GPUs
+
+
+def test_the_launcher_says_when_it_cut_the_context(tmp_path, monkeypatch):
+  """Launcher.plan() (before any stage is spawned) emits ContextReduced with the two contexts; an explicit max_context
+  that cannot fit is refused there, before anything is spawned."""
+  import pyruntime.engine.launcher as launcher_module
+  from pyruntime.engine.launcher import Launcher
+  path = write_tiny_gguf(tmp_path / "long.gguf", **TINY_MODELS["llama_tied"] | {"context": 8192})
+  monkeypatch.setattr(launcher_module, "available_memory", lambda: 64 << 20)
+  seen: list[dict] = []
+  p = Launcher(path, stages=1, devices="CPU", on_event=seen.append).plan()
+  assert p.context_length < 8192
+  assert [(ev["context"], ev["file_context"]) for ev in seen if ev["event"] == "ContextReduced"] == [(p.context_length, 8192)]
+  with pytest.raises(errors.InvalidOption, match="max_context"): Launcher(path, stages=1, devices="CPU", max_context=8192).start()

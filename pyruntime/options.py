@@ -6,7 +6,7 @@ No tinygrad, no numpy: the launcher, the CLI and the server import it.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pyruntime import errors
@@ -94,6 +94,60 @@ NUMBERS = {p.name: p for p in (
   Param("stall_capture_timeout", float, STALL_CAPTURE_TIMEOUT_S, "... while it captures a graph that was not prepared at load "
         "(no progress is reported meanwhile)", lo=0.5, hi=86400.0),
 )}
+
+
+# `pyruntime serve`'s own options (the launch options above come beside them): defined once here, the CLI's flags built
+# from them, and the server takes a ServeOptions (serving never sees the CLI's argparse namespace)
+SERVE_NUMBERS = {p.name: p for p in (
+  Param("port", int, 8000, "TCP port", lo=0, hi=65535),
+  Param("queue_size", int, 16, "streams waiting beyond the running ones (max_streams) get 429; 0: none wait", lo=0, hi=1 << 20),
+  Param("max_body_bytes", int, MAX_BODY_BYTES, "a request body longer than this gets 413", lo=0),
+  Param("timeout_request_head", float, TIMEOUT_REQUEST_HEAD, "seconds a connection may take to send a complete request head before "
+        "it is closed", lo=0.0, lo_open=True, hi=86400.0),
+  Param("timeout_request_body", float, TIMEOUT_REQUEST_BODY, "seconds a request body may take to arrive before it gets 408",
+        lo=0.0, lo_open=True, hi=86400.0),
+  Param("timeout_keep_alive", float, TIMEOUT_KEEP_ALIVE, "seconds an idle keep-alive connection is kept open", lo=0.0, lo_open=True, hi=86400.0),
+  Param("shutdown_grace", float, SHUTDOWN_GRACE_S, "on SIGTERM, seconds running requests get to finish (new ones get 503) before "
+        "they are ended", lo=0.0, hi=86400.0),
+  Param("restart_attempts", int, RESTART_ATTEMPTS, "when a stage dies, restart the pipeline, giving up after this many failed "
+        "attempts in a row; 0: never restart", lo=0, hi=1000),
+)}
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+  """What `pyruntime serve` runs with besides the launch options: where it listens, who may call it, and SERVE_NUMBERS'
+  limits (defaults from there), each checked on construction (InvalidOption naming it)."""
+  host: str = "127.0.0.1"
+  api_key: str | None = None             # the API, /stats and /metrics need 'Authorization: Bearer KEY'
+  allowed_host: tuple[str, ...] = ()     # Host names answered besides loopback and `host` (against DNS rebinding)
+  port: int = SERVE_NUMBERS["port"].default
+  queue_size: int = SERVE_NUMBERS["queue_size"].default
+  max_body_bytes: int = SERVE_NUMBERS["max_body_bytes"].default
+  timeout_request_head: float = SERVE_NUMBERS["timeout_request_head"].default
+  timeout_request_body: float = SERVE_NUMBERS["timeout_request_body"].default
+  timeout_keep_alive: float = SERVE_NUMBERS["timeout_keep_alive"].default
+  shutdown_grace: float = SERVE_NUMBERS["shutdown_grace"].default
+  restart_attempts: int = SERVE_NUMBERS["restart_attempts"].default
+
+  def __post_init__(self) -> None:
+    for name, param in SERVE_NUMBERS.items(): param.check(getattr(self, name))
+    if self.api_key is not None and not self.api_key: raise errors.InvalidOption("api_key", "must not be empty")
+
+  @classmethod
+  def from_args(cls, ns: argparse.Namespace) -> ServeOptions:
+    """From the CLI's parsed flags (add_serve_args)."""
+    return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)} | {"allowed_host": tuple(ns.allowed_host or ())})
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+  """`pyruntime serve`'s own flags, from ServeOptions and SERVE_NUMBERS."""
+  p.add_argument("--host", default=ServeOptions.host, help="address to listen on (beyond loopback, use --api-key)")
+  p.add_argument("--api-key", default=None, help="the API, /stats and /metrics need 'Authorization: Bearer KEY' (the page asks for it) "
+                 "(default: none)")
+  p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                 help="a Host name the server answers to besides loopback and --host (repeatable; against DNS rebinding) (default: none)")
+  for n in SERVE_NUMBERS.values(): p.add_argument(n.flag, type=n.kind, default=n.default, help=n.help)
 
 
 def check_launch(**options: Any) -> None:

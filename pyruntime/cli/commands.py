@@ -11,7 +11,7 @@ from typing import Any
 
 from pyruntime import errors
 from pyruntime.engine.prefix_cache import PREFIX_CACHE_TOKENS
-from pyruntime.options import add_cli_args
+from pyruntime.options import ServeOptions, add_cli_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -391,7 +391,8 @@ def _load_summary(load: list[int]) -> str:
 
 def cmd_serve(a: argparse.Namespace) -> int:
   from pyruntime.serving.server import serve
-  return serve(a, lambda: _launcher(a, warmup=True))  # a server captures every batch shape's kernels before it takes requests
+  # a server captures every batch shape's kernels before it takes requests
+  return serve(ServeOptions.from_args(a), lambda: _launcher(a, warmup=True))
 
 
 def cmd_warmup(a: argparse.Namespace) -> int:
@@ -488,24 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.set_defaults(fn=cmd_inspect)
   p = command("serve", "an OpenAI-compatible HTTP server")
   _add_model_args(p)
-  p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback, use --api-key)")
-  p.add_argument("--api-key", default=None, help="the API, /stats and /metrics need 'Authorization: Bearer KEY' (the page asks for it) "
-                 "(default: none)")
-  p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                 help="a Host name the server answers to besides loopback and --host (repeatable; against DNS rebinding) (default: none)")
-  p.add_argument("--port", type=int, default=8000, help="TCP port")
-  p.add_argument("--queue-size", type=int, default=16, help="requests waiting beyond this get 429")
-  p.add_argument("--max-body-bytes", type=int, default=options.MAX_BODY_BYTES, help="a request body longer than this gets 413")
-  p.add_argument("--timeout-request-head", type=float, default=options.TIMEOUT_REQUEST_HEAD,
-                 help="seconds a connection may take to send a complete request head before it is closed")
-  p.add_argument("--timeout-request-body", type=float, default=options.TIMEOUT_REQUEST_BODY,
-                 help="seconds a request body may take to arrive before it gets 408")
-  p.add_argument("--timeout-keep-alive", type=float, default=options.TIMEOUT_KEEP_ALIVE,
-                 help="seconds an idle keep-alive connection is kept open")
-  p.add_argument("--shutdown-grace", type=float, default=options.SHUTDOWN_GRACE_S,
-                 help="on SIGTERM, seconds running requests get to finish (new ones get 503) before they are ended")
-  p.add_argument("--restart-attempts", type=int, default=options.RESTART_ATTEMPTS,
-                 help="when a stage dies, restart the pipeline, giving up after this many failed attempts in a row; 0: never restart")
+  options.add_serve_args(p)
   p.set_defaults(fn=cmd_serve)
   p = command("top", "a running server's pipeline, live: per stage busy %, rows per step, rings, streams, tokens/s, cache hits")
   p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the server (`pyruntime serve`)")

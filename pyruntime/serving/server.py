@@ -37,14 +37,7 @@ from starlette.routing import Route
 
 from pyruntime import errors
 from pyruntime.engine.events import Delta, Done
-from pyruntime.options import (
-  MAX_BODY_BYTES,
-  RESTART_ATTEMPTS,
-  SHUTDOWN_GRACE_S,
-  TIMEOUT_KEEP_ALIVE,
-  TIMEOUT_REQUEST_BODY,
-  TIMEOUT_REQUEST_HEAD,
-)
+from pyruntime.options import MAX_BODY_BYTES, RESTART_ATTEMPTS, TIMEOUT_REQUEST_BODY, ServeOptions
 from pyruntime.serving import openai_api as api
 from pyruntime.serving import page, responses_api
 from pyruntime.serving.httpd import (
@@ -249,7 +242,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONBody:
                       status_code=exc.status_code, headers=exc.headers)
 
 
-def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX_BODY_BYTES,
+def create_app(launcher: Any, *, queue_size: int = ServeOptions.queue_size, max_body_bytes: int = MAX_BODY_BYTES,
                timeout_request_body: float = TIMEOUT_REQUEST_BODY, restart: Callable[[], LauncherLike] | None = None,
                restart_attempts: int = RESTART_ATTEMPTS, restart_backoff_s: float = RESTART_BACKOFF_S,
                restart_backoff_max_s: float = RESTART_BACKOFF_MAX_S, api_key: str | None = None,
@@ -341,24 +334,13 @@ def create_app(launcher: Any, *, queue_size: int = 16, max_body_bytes: int = MAX
   return app
 
 
-def serve(args: Any, make_launcher: Callable[[], Any]) -> int:
+def serve(o: ServeOptions, make_launcher: Callable[[], Any]) -> int:
   """`pyruntime serve`: load the stages (in this, the main thread: their parent-death signal follows the
   spawning thread), then run uvicorn here until SIGTERM / Ctrl-C (which drain first), then stop every stage.
   `make_launcher` builds an unstarted Launcher from the command line (cli.py), the first one and every restart's:
-  a pipeline whose stage dies is rebuilt by the server's supervisor thread (see create_app's `restart`)."""
-  queue_size = getattr(args, "queue_size", 16)
-  if queue_size < 0: raise errors.InvalidOption("queue_size", f"must be >= 0, got {queue_size}")
-  max_body = getattr(args, "max_body_bytes", MAX_BODY_BYTES)
-  t_head, t_body = getattr(args, "timeout_request_head", TIMEOUT_REQUEST_HEAD), getattr(args, "timeout_request_body", TIMEOUT_REQUEST_BODY)
-  t_keep_alive = getattr(args, "timeout_keep_alive", TIMEOUT_KEEP_ALIVE)
-  grace = getattr(args, "shutdown_grace", SHUTDOWN_GRACE_S)
-  attempts = getattr(args, "restart_attempts", RESTART_ATTEMPTS)
-  if max_body < 0: raise errors.InvalidOption("max_body_bytes", f"must be >= 0, got {max_body}")
-  for name, v in (("timeout_request_head", t_head), ("timeout_request_body", t_body), ("timeout_keep_alive", t_keep_alive)):
-    if not v > 0: raise errors.InvalidOption(name, f"must be > 0 seconds, got {v}")
-  if not grace >= 0: raise errors.InvalidOption("shutdown_grace", f"must be >= 0 seconds, got {grace}")
-  if attempts < 0: raise errors.InvalidOption("restart_attempts", f"must be >= 0, got {attempts}")
-  sock = listen_socket(args.host, args.port)  # before loading: a port in use is one line, not half a minute of warm-up
+  a pipeline whose stage dies is rebuilt by the server's supervisor thread (see create_app's `restart`). `o` was
+  checked when it was made (ServeOptions)."""
+  sock = listen_socket(o.host, o.port)  # before loading: a port in use is one line, not half a minute of warm-up
   lm = make_launcher()
   try: lm.start()
   except BaseException:
@@ -366,19 +348,19 @@ def serve(args: Any, make_launcher: Callable[[], Any]) -> int:
     raise
   state: ServerState | None = None
   try:
-    app = create_app(lm, queue_size=queue_size, max_body_bytes=max_body, timeout_request_body=t_body,
-                     restart=make_launcher if attempts > 0 else None, restart_attempts=max(1, attempts),
-                     api_key=getattr(args, "api_key", None), allowed_hosts=page.allowed_hosts(args.host, getattr(args, "allowed_host", None)))
+    app = create_app(lm, queue_size=o.queue_size, max_body_bytes=o.max_body_bytes, timeout_request_body=o.timeout_request_body,
+                     restart=make_launcher if o.restart_attempts > 0 else None, restart_attempts=max(1, o.restart_attempts),
+                     api_key=o.api_key, allowed_hosts=page.allowed_hosts(o.host, list(o.allowed_host)))
     state = app.state.pyruntime
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not getattr(args, "api_key", None):
-      sys.stderr.write(f"pyruntime: serving on {args.host}, beyond this host, without --api-key: there is no authentication\n")
+    if o.host not in ("127.0.0.1", "localhost", "::1") and not o.api_key:
+      sys.stderr.write(f"pyruntime: serving on {o.host}, beyond this host, without --api-key: there is no authentication\n")
     sys.stderr.write(f"pyruntime: {lm.model_name} (model id {state.model_id!r}) on {len(lm.split)} stages "
-                     f"{json.dumps([list(r) for r in lm.split])}, context {lm.context_length}: http://{args.host}:{args.port}/v1, the page at "
-                     f"http://{args.host}:{args.port}/\n")
+                     f"{json.dumps([list(r) for r in lm.split])}, context {lm.context_length}: http://{o.host}:{o.port}/v1, the page at "
+                     f"http://{o.host}:{o.port}/\n")
     sys.stderr.flush()
-    config = uvicorn_config(app, host=args.host, port=args.port, lifespan="on", timeout_graceful_shutdown=5,
-                            timeout_keep_alive=t_keep_alive, timeout_request_head=t_head)
-    draining_server(config, state, grace).run(sockets=[sock])
+    config = uvicorn_config(app, host=o.host, port=o.port, lifespan="on", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=o.timeout_keep_alive, timeout_request_head=o.timeout_request_head)
+    draining_server(config, state, o.shutdown_grace).run(sockets=[sock])
   finally:
     if state is not None: state.close()
     lm.close()

@@ -248,3 +248,25 @@ def test_every_help_renders(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "usage: pyruntime" in out and "(default: True)" not in out and "(default: False)" not in out  # flags say no default
+
+
+def test_serve_options_are_defined_once_and_reach_flag_field_and_check():
+  """Every SERVE_NUMBERS entry is a `serve` flag with its default and a ServeOptions field; the flags parse into a
+  ServeOptions as given; a bad value is refused by ServeOptions naming the option (before anything listens or loads)."""
+  from dataclasses import fields
+
+  from pyruntime import errors
+  from pyruntime.cli.commands import build_parser
+  from pyruntime.options import SERVE_NUMBERS, ServeOptions
+  names = {f.name for f in fields(ServeOptions)}
+  assert set(SERVE_NUMBERS) <= names and names - set(SERVE_NUMBERS) == {"host", "api_key", "allowed_host"}
+  defaults = build_parser().parse_args(["serve"])
+  assert ServeOptions.from_args(defaults) == ServeOptions()
+  for name, param in SERVE_NUMBERS.items(): assert getattr(defaults, name) == param.default == getattr(ServeOptions(), name)
+  given = build_parser().parse_args(["serve", "--queue-size", "0", "--port", "9", "--shutdown-grace", "1.5", "--allowed-host", "a",
+                                     "--allowed-host", "b", "--api-key", "k"])
+  o = ServeOptions.from_args(given)
+  assert (o.queue_size, o.port, o.shutdown_grace, o.allowed_host, o.api_key) == (0, 9, 1.5, ("a", "b"), "k")
+  for bad in (["--queue-size", "-1"], ["--timeout-keep-alive", "0"], ["--port", "65536"], ["--api-key", ""]):
+    with pytest.raises(errors.InvalidOption) as e: ServeOptions.from_args(build_parser().parse_args(["serve", *bad]))
+    assert e.value.field == bad[0][2:].replace("-", "_")

@@ -116,10 +116,12 @@ def _stream(lm, i: int, tokens: int, firsts: list, lasts: list, dones: list) -> 
     if type(ev).__name__ == "Done": dones[i] = ev
 
 
-def pyruntime_side(model: str, stages: int, streams: list[int], tokens: int, weights: str = "auto") -> dict:
+def pyruntime_side(model: str, stages: int, streams: list[int], tokens: int, weights: str = "auto", prefill_share: float | None = None) -> dict:
   from pyruntime.engine.launcher import Launcher
   out: dict = {}
-  with Launcher(model, stages=stages, max_streams=max(streams), max_context=1024, warmup=True, weights=weights) as lm:  # every window captured
+  share = {} if prefill_share is None else {"prefill_share": prefill_share}
+  # warmup: every window captured before the clock starts
+  with Launcher(model, stages=stages, max_streams=max(streams), max_context=1024, warmup=True, weights=weights, **share) as lm:
     out["rss_mb"] = rss_mb([h.proc.pid for h in lm.handles])
     out["load_s"] = round(lm.load_s, 1)  # spawn, weights, and every graph made ready (from the graph cache, or captured)
     out["weights"] = list(lm.planned.weights)
@@ -149,6 +151,8 @@ def main() -> None:
   ap.add_argument("--tokens", type=int, default=128)
   ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
   ap.add_argument("--weights", default="auto", help="weights modes of the pyruntime sides, comma-separated")
+  ap.add_argument("--prefill-share", type=float, default=None,
+                  help="the launcher's prefill_share (default its own): 0 computes a new prompt in whole chunks beside decoding streams")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
   from pyruntime.modelfile.source import default_model_path
@@ -159,7 +163,7 @@ def main() -> None:
   for st in (int(s) for s in a.stages.split(",")):
     for w in a.weights.split(","):
       name = f"pyruntime {st} stage{'s' * (st > 1)}" + (f" {w}" if w != "auto" else "")
-      res[name] = pyruntime_side(model, st, streams, a.tokens, w)
+      res[name] = pyruntime_side(model, st, streams, a.tokens, w, a.prefill_share)
   if a.json: print(json.dumps(res, indent=1))
   print(res["cpu"])
   ref = res["llama.cpp"]

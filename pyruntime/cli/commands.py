@@ -295,6 +295,18 @@ def cmd_chat(a: argparse.Namespace) -> int:
   return 0
 
 
+def _fits_here(h: Any) -> dict:
+  """What a launch with the Launcher's defaults would hold on this host (launch_plan.fit_context): the context it gets
+  and the bytes by kind, or the refusal it would meet."""
+  from pyruntime.devices import available_memory
+  from pyruntime.engine.launch_plan import LaunchOptions, memory_need, plan_launch
+  memory, o = available_memory(), LaunchOptions()
+  try: p = plan_launch(h.path, h, o, memory)
+  except errors.InvalidOption as e: return {"available_bytes": memory, "refused": str(e)}
+  return {"available_bytes": memory, "stages": len(p.split), "weights": p.weights, "max_streams": o.max_streams, "context": p.context_length,
+          "file_context": int(h.get("context_length")), "bytes": memory_need(h, o, p.split, p.devices, p.weights, p.context_length)}
+
+
 def cmd_inspect(a: argparse.Namespace) -> int:
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.modelfile.plan import block_tensor_names, prefix_cache_bytes_per_token, suggest_split, tensor_cost, unservable
@@ -324,6 +336,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           "suggested_split": {f"{n}_stages": {"by_time": suggest_split(h, n, by="time"), "by_time_float32": suggest_split(h, n, by="time-float32"),
                                               "by_memory": suggest_split(h, n, by="memory"), "by_compute": suggest_split(h, n, by="compute")}
                               for n in range(1, a.max_stages + 1) if n <= blocks}}
+  info["fits_here"] = _fits_here(h)
   if a.server: info["expert_load"], info["stages"] = _server_expert_load(a.server), _server_stages(a.server)
   if a.json: print(json.dumps(info, indent=1))
   else:
@@ -334,6 +347,16 @@ def cmd_inspect(a: argparse.Namespace) -> int:
       if k == "prefix_cache_bytes_per_token":
         k, v = "prefix_cache", (f"{v} bytes per token, host memory over all stages ({v * PREFIX_CACHE_TOKENS / 2**20:.0f} MiB for the "
                                 f"default {PREFIX_CACHE_TOKENS} tokens)" if v else "none: recurrent blocks' state is not a function of positions")
+      if k == "fits_here":
+        if "refused" in v: print(f"{k:>{w}}: no, with the launcher's defaults: {v['refused']}")
+        else:
+          g = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
+          b = v["bytes"]
+          print(f"{k:>{w}}: with the launcher's defaults ({v['stages']} stages, weights {'/'.join(dict.fromkeys(v['weights']))}, "
+                f"{v['max_streams']} streams): context {v['context']} of the file's {v['file_context']}, {g(sum(b.values()))} GiB "
+                f"(weights {g(b['weights'])}, keys and values {g(b['kv'])}, prefix cache {g(b['prefix_cache'])}) of "
+                f"{g(v['available_bytes'])} GiB available")
+        continue
       if k == "suggested_split":
         for n, s in v.items():
           print(f"{'split ' + n:>{w}}: time {s['by_time']}  time with float32 weights {s['by_time_float32']}  memory {s['by_memory']}")

@@ -22,6 +22,11 @@ def test_inspect_json_describes_the_model_and_suggests_splits(smollm2_path):
     for split in info["suggested_split"][f"{n}_stages"].values():
       assert len(split) == n and split[0][0] == 0 and split[-1][1] == 30
       assert all(a[1] == b[0] for a, b in zip(split, split[1:], strict=False))
+  # what the launcher's defaults would hold here: SmolLM2's keys and values are 46,080 bytes a position, every slot's
+  fits = info["fits_here"]
+  assert fits["context"] == min(fits["file_context"], 8192) and fits["weights"] == ["packed", "packed"]
+  assert fits["bytes"]["kv"] == 46080 * (fits["max_streams"] + 1) * (fits["context"] + 256 + 31)
+  assert sum(fits["bytes"].values()) <= fits["available_bytes"]
 
 
 def test_bad_split_is_refused_by_name_before_anything_starts(smollm2_path):

@@ -485,7 +485,7 @@ class RowPath:
       if each: Tensor.realize(out, self.router_rows)  # together: one after the other would compute the block twice
       return out
     # a graph that stages packed matrices is scheduled block by block: its arena holds one block's staged copies
-    each = self.m.weights == "packed" and _staged(list(x.shape[:-1]))
+    each = self.m.weights.startswith("packed") and _staged(list(x.shape[:-1]))
     return self.m._blocks(x, call, fresh=fresh, each=each)
 
   def _ingress(self, inp: Tensor, rows: int | UOp, B: int, T: int | UOp) -> Tensor:

@@ -73,6 +73,9 @@ SHUTDOWN_GRACE_S = 30.0         # on SIGTERM, how long running requests may take
 RESTART_ATTEMPTS = 5            # consecutive failed attempts to restart the pipeline before the server gives up (503 for good)
 
 PREFIX_CACHE_TOKENS = 8192  # the default budget: tokens whose keys and values every stage keeps (SmolLM2: 46 KB each)
+# a model with recurrent blocks (hybrid) also keeps their state at cached prefixes' ends: one snapshot per this many
+# tokens of the budget (a snapshot is a stream's whole recurrent state, tens of MiB at real sizes; docs/prompt-path.md)
+PREFIX_STATE_TOKENS = 64
 PREFILL_SHARE = 2.0   # bounds a step that carries a chunk at about 3 decode steps (bench/results/log-through-2026-12-03.md has the trade measured)
 # The stall rule (docs/control-channel.md, "Stalls"): a stage with work and no progress (Heartbeat counters) this long,
 # or STALL_STEPS of its slowest step if longer, is ended as stalled; while it captures a graph, the larger bound.

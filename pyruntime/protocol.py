@@ -85,7 +85,8 @@ def decode_json(payload) -> dict:
 @dataclass
 class OpenInfo:
   """The OPEN record's payload. `history` (the prompt ids) is for the tail's penalties. `load` names the prefix-cache
-  blocks holding the prompt's first `cached` positions ([block, position] pairs, positions 0, BLOCK, ...)."""
+  blocks holding the prompt's first `cached` positions ([block, position] pairs, positions 0, BLOCK, ...), and `state`
+  the snapshot of the recurrent blocks' state after them (models with recurrent blocks)."""
   slot: int
   prompt_tokens: int
   identity: dict = field(default_factory=dict)      # {"request": stream id, "recipe": digest of model, split, dtype, template}
@@ -99,6 +100,7 @@ class OpenInfo:
   speculative: bool = False                          # drafts come as records of up to MAX_VERIFY_ROWS rows, and may rewind
   logprobs: int = -1                                 # k >= 0: the tail answers with TokenScore records (top k); -1: token ids
   prompt_logprobs: bool = False                      # ... and scores every prompt row too (needs the rows path at the tail)
+  state: int | None = None                           # recurrent blocks: the snapshot holding their state at position `cached`
 
   def encode(self, alignment: int) -> bytes: return encode_json(asdict(self), alignment)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pyruntime import errors
 from pyruntime.engine.prefix_cache import PREFIX_CACHE_TOKENS
-from pyruntime.options import ServeOptions, add_cli_args
+from pyruntime.options import PREFIX_STATE_TOKENS, ServeOptions, add_cli_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -328,7 +328,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           "bytes_per_block": per_block, "non_block_bytes": other,
           "compute_per_block": [tensor_cost(h, block_tensor_names(h, i), "compute") for i in range(blocks)],  # parameters a token touches
           "unused_bytes": unused,  # multi-token-prediction (nextn) layers: in the file, run by nobody
-          "prefix_cache_bytes_per_token": cache,  # None: recurrent blocks, no prefix cache
+          "prefix_cache_bytes_per_token": cache,  # with recurrent blocks: a share of a state snapshot (PREFIX_STATE_TOKENS)
           "experts": h.get("expert_count", 0), "experts_per_token": h.get("expert_used_count", 0),
           "leading_dense_blocks": h.get("leading_dense_block_count", 0), "kv_lora_rank": h.get("attention.kv_lora_rank", 0),
           # the launcher's default: by time per decode step, from the bytes a step reads (weights as stored: GPUs; as
@@ -346,7 +346,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
       if k == "compute_per_block": v = f"{min(v)}..{max(v)} parameters per token"
       if k == "prefix_cache_bytes_per_token":
         k, v = "prefix_cache", (f"{v} bytes per token, host memory over all stages ({v * PREFIX_CACHE_TOKENS / 2**20:.0f} MiB for the "
-                                f"default {PREFIX_CACHE_TOKENS} tokens)" if v else "none: recurrent blocks' state is not a function of positions")
+                                f"default {PREFIX_CACHE_TOKENS} tokens" + (f"; with a snapshot of the recurrent state per "
+                                f"{PREFIX_STATE_TOKENS} tokens" if h.get("ssm.state_size") else "") + ")")
       if k == "fits_here":
         if "refused" in v: print(f"{k:>{w}}: no, with the launcher's defaults: {v['refused']}")
         else:

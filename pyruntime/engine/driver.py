@@ -272,9 +272,10 @@ class Driver:
     """The stream's OPEN and prompt records, built whole before any is written (a failure here leaves no trace)."""
     blocks = self.prefix.match(st.ids, st.req.cache_salt) if self.reads_cache(st.req) else []
     cached = len(blocks) * BLOCK
+    state = self.prefix.state_of(blocks[-1]) if blocks else None
     info = protocol.OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
                              sorted(st.end_ids), st.want_logits, cached, [[b, i * BLOCK] for i, b in enumerate(blocks)],
-                             st.req.grammar is not None, st.spec.length is not None, st.k, st.req.prompt_logprobs)
+                             st.req.grammar is not None, st.spec.length is not None, st.k, st.req.prompt_logprobs, state)
     rest = st.ids[cached:]
     records = [(object_id(st.id, 0), info.encode(4), FLAG_OPEN), (object_id(st.id, cached), struct.pack(f"<{len(rest)}I", *rest), 0)]
     st.cached = st.computed = cached
@@ -294,27 +295,35 @@ class Driver:
             try: self._admit()
             finally: self.outbox = None
         elif st.state == "open" and not self.closed:
-          self._close_stream(st)
+          self._close_stream(st, settled=False)  # its next token may be in flight
         else: return
         done = None if st.ended else st.final("cancelled")
       if done is not None: st.deliver(done)
       for s, ev in box: s.deliver(ev)
 
-  def _close_stream(self, st: StreamHandle, save: bool = True) -> None:
+  def _close_stream(self, st: StreamHandle, save: bool = True, settled: bool = True) -> None:
     """Under self.lock: what the stream computed goes to the prefix cache, then the CLOSE goes out; the slot is free
-    when its echo comes back (nothing of it is in flight then)."""
+    when its echo comes back (nothing of it is in flight then). `settled`: no record of the stream is in flight."""
     st.state = "closing"
     try:
-      if save: self._save_prefix(st, st.computed if self.cache_decoded else min(st.computed, len(st.ids)))
+      if save: self._save_prefix(st, st.computed if self.cache_decoded else min(st.computed, len(st.ids)), settled)
     finally: self._write(object_id(st.id, 0), b"", FLAG_CLOSE)  # whatever saving raised, the slot comes back
 
-  def _save_prefix(self, st: StreamHandle, n: int) -> None:
+  def _save_prefix(self, st: StreamHandle, n: int, settled: bool = True) -> None:
     """Under self.lock: index the stream's first n positions (computed in every stage) and tell the stages which blocks
-    to fill with them, in ring order (pyruntime/engine/prefix_cache.py)."""
-    if self.prefix is None or not st.req.prefix_cache or n < BLOCK: return
+    to fill with them, in ring order (pyruntime/engine/prefix_cache.py). With recurrent blocks, only a settled stream
+    (every stage holds exactly its n positions, so each kept the state at the last full block's end) saves, with that
+    state: a position in flight may have moved a stage's state past that boundary."""
+    if self.prefix is None or not st.req.prefix_cache or n < BLOCK or (self.prefix.states and not settled): return
     tokens = (st.ids + st.out)[:n]  # the token at position len(ids) + k is out[k], which was fed back
-    if pairs := self.prefix.insert(tokens, st.req.cache_salt):
-      self._write(object_id(st.id, 0), protocol.encode_json({"save": [list(p) for p in pairs]}, 4), FLAG_CACHE)
+    pairs = self.prefix.insert(tokens, st.req.cache_salt)
+    # the state goes at the last boundary before the last position: a request repeating these tokens (a choice of `n`,
+    # a retry) computes at least its last one, so it can start there
+    at = (n - 1) // BLOCK * BLOCK
+    state = self.prefix.attach_state(tokens[:at], st.req.cache_salt)
+    if pairs or state is not None:
+      save = {"save": [list(p) for p in pairs], **({"state": [state, at]} if state is not None else {})}
+      self._write(object_id(st.id, 0), protocol.encode_json(save, 4), FLAG_CACHE)
 
   # --- the loop ----------------------------------------------------------------------------------
   def run(self) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pyruntime import errors
-from pyruntime.engine.prefix_cache import BLOCK
+from pyruntime.engine.prefix_cache import BLOCK, prefix_states
 from pyruntime.modelfile.gguf import GGUFHeader, packed_nbytes, packed_types
 from pyruntime.options import PREFILL_SHARE, PREFIX_CACHE_TOKENS, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S, check_launch
 from pyruntime.text.tokenizer import Tokenizer
@@ -95,7 +95,8 @@ class LaunchPlan:
     o, (start, end) = self.options, self.split[i]
     return dict(stage=i, start=start, end=end, slots=o.max_streams, boundary_dtype=o.boundary_dtype, max_context=self.context_length,
                 decode=o.decode, warmup=o.warmup, weights=self.weights[i], graph_cache=o.graph_cache, micro_batches=self.micro_batches,
-                prefill_share=o.prefill_share, prefix_blocks=o.prefix_cache // BLOCK, block_size=BLOCK, tensor_cores=o.tensor_cores == "on")
+                prefill_share=o.prefill_share, prefix_blocks=o.prefix_cache // BLOCK, block_size=BLOCK,
+                prefix_states=prefix_states(o.prefix_cache), tensor_cores=o.tensor_cores == "on")
 
 
 def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, template: str) -> str:
@@ -138,7 +139,7 @@ def memory_need(header: GGUFHeader, options: LaunchOptions, split: Sequence[tupl
   positions = (options.max_streams + 1) * (context + MAX_CHUNK + 31)
   return {"weights": sum(held_bytes(header, list(dict.fromkeys(stage_tensor_names(header, *split[i]))), weights[i]) for i in host),
           "kv": sum(kv_bytes_per_position(header, *split[i]) for i in host) * positions,
-          "prefix_cache": options.prefix_cache * (prefix_cache_bytes_per_token(header) or 0)}
+          "prefix_cache": options.prefix_cache * prefix_cache_bytes_per_token(header)}
 
 
 def fit_context(header: GGUFHeader, options: LaunchOptions, split: Sequence[tuple[int, int]], devices: Sequence[str],

@@ -20,6 +20,13 @@ conversation's next turn reuses all its full blocks, recomputing at most BLOCK -
 block keeps the launcher's work per request small. Eviction: least recently used first, a block only once no cached
 block continues it (so every cached chain stays whole). A prompt's last token is never taken from the cache: its
 logits give the first token.
+
+Recurrent blocks (hybrid models): their state after a position is not a function of that position's keys and values,
+so a prefix is only usable where the stages also kept the state it ended in. The index then keeps `states` snapshots
+besides the blocks, each attached to the block it ends at: a stream saves one at the end of its last full block (the
+stages keep every slot's state as it was at its latest block boundary), a match stops at the last matched block that
+has one, and the snapshots are evicted least recently used first, on their own (a block without one stays: a longer
+prefix through it may still have one).
 """
 from __future__ import annotations
 
@@ -29,6 +36,13 @@ from dataclasses import dataclass
 
 BLOCK = 16  # tokens per block
 from pyruntime.options import PREFIX_CACHE_TOKENS as PREFIX_CACHE_TOKENS  # noqa: E402 - the default budget, with the other launch options
+from pyruntime.options import PREFIX_STATE_TOKENS  # noqa: E402
+
+
+def prefix_states(tokens: int) -> int:
+  """The recurrent-state snapshots a budget of `tokens` keeps (models with recurrent blocks): one per
+  PREFIX_STATE_TOKENS, at least one when there is a block at all."""
+  return max(1, tokens // PREFIX_STATE_TOKENS) if tokens >= BLOCK else 0
 
 
 @dataclass
@@ -39,6 +53,7 @@ class _Block:
   tokens: tuple[int, ...]
   children: int = 0
   used: int = 0
+  state: int | None = None  # the recurrent state snapshot at this block's end (models with recurrent blocks)
 
 
 def _key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -46,14 +61,18 @@ def _key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 
 
 class PrefixIndex:
-  """`blocks` blocks of BLOCK tokens: which token prefix each holds, and which to give up when one is needed."""
+  """`blocks` blocks of BLOCK tokens: which token prefix each holds, and which to give up when one is needed; with
+  `states` > 0 (a model with recurrent blocks) also which blocks end in a kept recurrent state."""
 
-  def __init__(self, blocks: int, block_size: int = BLOCK):
-    self.capacity, self.block_size = blocks, block_size
+  def __init__(self, blocks: int, block_size: int = BLOCK, states: int = 0):
+    self.capacity, self.block_size, self.states = blocks, block_size, states
     self.free = list(range(blocks))[::-1]
+    self.free_states = list(range(states))[::-1]
     self.entries: dict[bytes, _Block] = {}
+    self.by_id: dict[int, _Block] = {}
     self.clock = 0
-    self.stats = {"queries": 0, "hits": 0, "hit_tokens": 0, "prompt_tokens": 0, "saved_blocks": 0, "evictions": 0}
+    self.stats = {"queries": 0, "hits": 0, "hit_tokens": 0, "prompt_tokens": 0, "saved_blocks": 0, "evictions": 0,
+                  "saved_states": 0, "state_evictions": 0}
 
   @staticmethod
   def root(salt: str | None) -> bytes:
@@ -70,13 +89,17 @@ class PrefixIndex:
 
   def match(self, tokens: list[int], salt: str | None = None) -> list[int]:
     """The ids of the blocks holding the longest cached prefix of `tokens` that leaves at least its last token to
-    compute, in order (block i holds positions i * BLOCK ...). Counts a query."""
+    compute, in order (block i holds positions i * BLOCK ...); with recurrent state, the longest that ends in a kept
+    state (`state_of` its last block). Counts a query."""
     self.clock += 1
     found: list[int] = []
+    usable = 0
     for _, _, key, block in self._chain(tokens, salt, (len(tokens) - 1) // self.block_size):
       if (e := self.entries.get(key)) is None or e.tokens != block: break
       e.used = self.clock
       found.append(e.id)
+      if not self.states or e.state is not None: usable = len(found)
+    found = found[:usable]
     self.stats["queries"] += 1
     self.stats["prompt_tokens"] += len(tokens)
     if found:
@@ -98,11 +121,38 @@ class PrefixIndex:
         continue
       if e is not None: self._drop(e)  # another prefix under the same key (a hash collision): this one replaces it
       if (bid := self._take(mine)) is None: break
-      self.entries[key] = _Block(bid, key, parent if i else None, block, used=self.clock)
+      self.entries[key] = self.by_id[bid] = _Block(bid, key, parent if i else None, block, used=self.clock)
       if i and (p := self.entries.get(parent)) is not None: p.children += 1
       out.append((bid, i * self.block_size))
     self.stats["saved_blocks"] += len(out)
     return out
+
+  def state_of(self, block_id: int) -> int | None:
+    """The recurrent state snapshot kept at the end of block `block_id` (None: none, or no recurrent blocks)."""
+    return self.by_id[block_id].state
+
+  def attach_state(self, tokens: list[int], salt: str | None = None) -> int | None:
+    """After insert(tokens): the snapshot the stages must fill with the state at the end of the last full block of
+    `tokens` (what every stage kept at its stream's latest block boundary). None when that block is not cached (no
+    room), already ends in a snapshot (the same tokens from the same root give the same state bits: the rows path's
+    contract), no snapshot can be given up, or the model has no recurrent blocks."""
+    n = len(tokens) // self.block_size
+    if not self.states or not n: return None
+    chain = list(self._chain(tokens, salt, n))
+    keys = {key for _, _, key, _ in chain}
+    _, _, last, block = chain[-1]
+    if (e := self.entries.get(last)) is None or e.tokens != block: return None
+    if e.state is not None: return None
+    if not self.free_states:
+      held = [b for b in self.entries.values() if b.state is not None and b.key not in keys]
+      if not held: return None
+      victim = min(held, key=lambda b: b.used)
+      self.free_states.append(victim.state)
+      victim.state = None
+      self.stats["state_evictions"] += 1
+    e.state = self.free_states.pop()
+    self.stats["saved_states"] += 1
+    return e.state
 
   def _take(self, keep: set[bytes]) -> int | None:
     if self.free: return self.free.pop()
@@ -115,6 +165,8 @@ class PrefixIndex:
 
   def _drop(self, e: _Block) -> None:
     del self.entries[e.key]
+    del self.by_id[e.id]
+    if e.state is not None: self.free_states.append(e.state)
     if e.parent is not None and (p := self.entries.get(e.parent)) is not None: p.children -= 1
     self.free.append(e.id)
 
@@ -124,30 +176,37 @@ class PrefixIndex:
   def snapshot(self) -> dict:
     """Counters for /metrics and scheduler_stats: queries, hits, tokens served from the cache, blocks held and saved,
     evictions."""
-    return {**self.stats, "blocks": self.capacity, "held_blocks": self.held_blocks, "block_size": self.block_size}
+    held = sum(e.state is not None for e in self.entries.values())
+    return {**self.stats, "blocks": self.capacity, "held_blocks": self.held_blocks, "block_size": self.block_size,
+            "states": self.states, "held_states": held}
 
 
 @dataclass
 class PrefixCache:
   """The pipeline's prefix cache as the launcher runs it: the index (None when off, `why_off` says why), whether decoded
-  positions are cached too, and the host memory a cached token takes over all stages."""
+  positions are cached too, the host memory a cached token takes over all stages, and a recurrent-state snapshot."""
   index: PrefixIndex | None
   why_off: str
   decoded: bool = False
   bytes_per_token: int = 0
+  state_bytes: int = 0
 
   @classmethod
   def for_stages(cls, tokens: int, caches: list[dict | None], arch: str) -> PrefixCache:
-    """On when it was asked for and every stage keeps blocks (a model with recurrent blocks has none: its state is not a
-    function of positions alone). A decoded position is cached only if a decode row computes a prompt row's bits: every
-    stage on the rows path."""
+    """On when it was asked for and every stage keeps blocks (not a stage on tinygrad's own decode path with recurrent
+    blocks, `decode="reference"`: its state is kept nowhere). A decoded position is cached only if a decode row computes
+    a prompt row's bits: every stage on the rows path. Stages with recurrent blocks keep `states` snapshots too."""
     if not tokens // BLOCK: return cls(None, "off (prefix_cache=0)")
-    if not all(caches): return cls(None, f"off: {arch} has recurrent blocks, whose state cannot be cut at a position")
-    return cls(PrefixIndex(tokens // BLOCK, BLOCK), "", all(c["decoded_positions"] for c in caches), sum(c["bytes_per_token"] for c in caches))
+    if not all(caches): return cls(None, f"off: a stage of {arch} keeps no blocks (on tinygrad's own decode path: "
+                                                 "recurrent state, or a device without buffer views)")
+    states = min((c["states"] for c in caches if c.get("state_bytes")), default=0)  # (an attention-only stage keeps none)
+    return cls(PrefixIndex(tokens // BLOCK, BLOCK, states), "", all(c["decoded_positions"] for c in caches),
+               sum(c["bytes_per_token"] for c in caches), sum(c.get("state_bytes", 0) for c in caches))
 
   def stats(self) -> dict:
     """The index's counters (PrefixIndex.snapshot) and its host memory in all stages; {"enabled": False, "why": ...}."""
     if self.index is None: return {"enabled": False, "why": self.why_off}
     snap = self.index.snapshot()
-    return {"enabled": True, **snap, "bytes_held": snap["held_blocks"] * BLOCK * self.bytes_per_token,
-            "bytes_budget": snap["blocks"] * BLOCK * self.bytes_per_token, "caches_decoded_positions": self.decoded}
+    return {"enabled": True, **snap, "bytes_held": snap["held_blocks"] * BLOCK * self.bytes_per_token + snap["held_states"] * self.state_bytes,
+            "bytes_budget": snap["blocks"] * BLOCK * self.bytes_per_token + snap["states"] * self.state_bytes,
+            "caches_decoded_positions": self.decoded}

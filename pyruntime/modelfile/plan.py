@@ -9,6 +9,7 @@ from typing import Sequence
 
 from pyruntime import errors
 from pyruntime.modelfile.gguf import GGUFHeader
+from pyruntime.options import PREFIX_STATE_TOKENS
 
 DENSE_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
 # the architectures tinygrad 0.13's Transformer.from_gguf runs as they are meant to run (README: the per-family table)
@@ -21,7 +22,8 @@ SUPPORTED_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | SSM_SUPPORTED | 
 # the architectures the rows path runs (stage/compute/rows.py, experts.py and gemma.py): many streams per step. Attention
 # blocks (latent attention and sliding windows included) with a dense or routed feed-forward also get the prefix cache,
 # speculation, scoring and the tensor-core mode; recurrent blocks (SSM_SUPPORTED: their state is not a function of
-# positions, and their projections are tinygrad's) get none of those, and take a prompt one row at a time
+# positions, and their projections are tinygrad's) take a prompt one row at a time, and get the prefix cache only (their
+# state kept as snapshots at cached prefixes' ends)
 ROWS_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | OWN_ARCHS | SSM_SUPPORTED
 FFN_NORM_RENAMED = frozenset({"qwen35", "qwen35moe", "glm4moe"})  # from_gguf reads their post_attention_norm as ffn_norm
 
@@ -43,7 +45,9 @@ def support_table() -> str:
   for a in sorted(SUPPORTED_ARCHS, key=lambda a: (a not in DENSE_ARCHS, a in SSM_SUPPORTED, a)):
     runs = "the rows path: many streams per step" if a in ROWS_ARCHS else "tinygrad's own kernels, one stream at a time"
     if a in SSM_SUPPORTED: runs += " (a prompt one row at a time)"
-    rows.append(f"| `{a}` | {family(a)} | {runs} | {'no' if a in SSM_SUPPORTED or a not in ROWS_ARCHS else 'yes'} |")
+    extras = "yes" if a in ROWS_ARCHS else "no"
+    if a in SSM_SUPPORTED: extras = "the prefix cache (with state snapshots); no speculation or tensor cores"
+    rows.append(f"| `{a}` | {family(a)} | {runs} | {extras} |")
   names = lambda ids: ", ".join(GGML_TYPE_NAMES[t] for t in sorted(ids))  # noqa: E731
   return "\n".join(rows + ["", f"Tokenizer models: {', '.join(f'`{m}`' for m in TOKENIZER_MODELS)} "
                               "(byte-level BPE, SentencePiece), with any architecture.", "",
@@ -119,13 +123,23 @@ def kv_bytes_per_position(header: GGUFHeader, start: int, end: int) -> int:
   return 4 * total
 
 
-def prefix_cache_bytes_per_token(header: GGUFHeader) -> int | None:
-  """Host bytes one cached position takes in the whole pipeline's prefix-cache blocks (pyruntime/stage/compute/kv_blocks.py): every
-  block's key and value rows (MLA: its latent and rotary key), as float32. None for a model with recurrent blocks: their
-  state is not a function of positions alone, so it has no prefix cache."""
+def recurrent_state_bytes(header: GGUFHeader, start: int, end: int) -> int:
+  """Bytes one stream's recurrent state takes in blocks start..end-1 (float32, as tinygrad's GatedDeltaNet block holds
+  it): each recurrent block's last conv_kernel - 1 conv inputs and its (v heads, v head dim, v head dim) state."""
+  t = header.tensors
+  if not any(f"blk.{i}.ssm_a" in t for i in range(start, end)): return 0
+  kernel, inner, heads = header.get("ssm.conv_kernel"), header.get("ssm.inner_size"), header.get("ssm.time_step_rank")
+  channels = inner + 2 * header.get("ssm.group_count") * header.get("ssm.state_size")
+  one = (kernel - 1) * channels + heads * (inner // heads) ** 2
+  return 4 * one * sum(f"blk.{i}.ssm_a" in t for i in range(start, end))
+
+
+def prefix_cache_bytes_per_token(header: GGUFHeader) -> int:
+  """Host bytes one cached position takes in the whole pipeline's prefix cache (pyruntime/stage/compute/kv_blocks.py):
+  every attention block's key and value rows (MLA: its latent and rotary key), as float32, and with recurrent blocks
+  a PREFIX_STATE_TOKENS-th of a recurrent-state snapshot (the budget keeps one per that many tokens; rounded up)."""
   L = num_blocks(header)
-  if any(n.startswith("blk.") and ".ssm_" in n and int(n.split(".")[1]) < L for n in header.tensors): return None
-  return kv_bytes_per_position(header, 0, L)
+  return kv_bytes_per_position(header, 0, L) + -(-recurrent_state_bytes(header, 0, L) // PREFIX_STATE_TOKENS)
 
 
 SPLIT_BY = ("memory", "compute", "time", "time-float32")

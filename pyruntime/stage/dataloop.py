@@ -238,6 +238,9 @@ class DataLoop:
       st.position = self.blocks.load(slot, info.get("load"))
       if st.position != cached or (prompt_tokens is not None and cached >= prompt_tokens):
         raise errors.PrefixBlocksInvalid(f"stream {stream_id}: {cached!r} cached positions, its blocks hold {st.position}")
+      if self.blocks.recurrent:  # the recurrent blocks' state after those positions, as kept with them
+        if info.get("state") is None: raise errors.PrefixBlocksInvalid(f"stream {stream_id}: cached positions without their recurrent state")
+        self.blocks.load_state(slot, info["state"], cached)
       self.model.set_position(slot, cached)
     if self.model.is_tail:
       from pyruntime.params import SamplingParams
@@ -259,6 +262,7 @@ class DataLoop:
     if self.blocks is None: raise errors.PrefixBlocksInvalid(f"stream {stream_id}: a CACHE record, but this stage keeps no blocks")
     if (st := self.sched.streams.get(stream_id)) is None: raise errors.StreamNotOpen(f"a CACHE record names stream {stream_id}, which is not open")
     self.blocks.save(st.slot, info.get("save"), self.model.position(st.slot))
+    if self.blocks.recurrent and info.get("state") is not None: self.blocks.save_state(st.slot, info["state"])
 
   def close_stream(self, stream_id: int) -> None:
     self.grammars.pop(stream_id, None)

@@ -115,6 +115,7 @@ def role_from(cmd: dict) -> dict:
           "warmup": arg(cmd, "warmup", bool, False), "micro_batches": arg_int(cmd, "micro_batches", 1, lo=1, hi=1024),
           "weights": arg(cmd, "weights", str, "quantized"), "prefill_share": arg(cmd, "prefill_share", (int, float), PREFILL_SHARE),
           "prefix_blocks": arg_int(cmd, "prefix_blocks", 0, hi=1 << 24), "block_size": arg_int(cmd, "block_size", 16, lo=1, hi=1 << 12),
+          "prefix_states": arg_int(cmd, "prefix_states", 0, hi=1 << 20),
           "graph_cache": arg(cmd, "graph_cache", bool, True), "tensor_cores": arg(cmd, "tensor_cores", bool, False)}
   from pyruntime.options import CHOICES, NUMBERS
   CHOICES["boundary_dtype"].check(role["boundary_dtype"], errors.InvalidCommand)
@@ -165,7 +166,7 @@ class Stage:
     self.device: str | None = None
     self.role: dict | None = None
     self.model: StageModel | None = None
-    self.blocks: KVBlocks | None = None  # the prefix cache's blocks (ConfigureRole prefix_blocks; none with recurrent blocks)
+    self.blocks: KVBlocks | None = None  # the prefix cache's blocks (ConfigureRole prefix_blocks, prefix_states)
     self.header: GGUFHeader | None = None
     self.tokenizer: Tokenizer | None = None
     self.sched = StageScheduler()       # set by ConfigureRole and LoadWeights; its streams are the open ones
@@ -248,8 +249,9 @@ class Stage:
       from pyruntime.text.grammar import vocabulary
       vocabulary(self._tok())
     # the prefix cache may keep a decoded position only where a decode row has a prompt row's bits (the rows path)
-    cache = {"blocks": self.blocks.blocks, "block_size": self.blocks.block_size, "bytes_per_token": self.blocks.bytes_per_token,
-             "decoded_positions": m.batched} if self.blocks is not None else None
+    b = self.blocks
+    cache = {"blocks": b.blocks, "block_size": b.block_size, "bytes_per_token": b.bytes_per_token, "decoded_positions": m.batched,
+             "states": b.snapshots, "state_bytes": b.state_bytes} if b is not None else None
     self.ch.emit(Event.WEIGHTS_LOADED, stage=self.index, elapsed_s=round(time.monotonic() - t0, 4), path=str(path), arch=m.arch,
                  num_blocks=m.num_blocks, start=m.start, end=m.end, is_head=m.is_head, is_tail=m.is_tail, dim=m.dim,
                  vocab_size=m.vocab_size, context_length=m.context_length, resident_bytes=m.resident_bytes,
@@ -264,7 +266,8 @@ class Stage:
     self.sched.max_chunk, self.sched.min_chunk, self.sched.is_head = m.max_chunk, m.min_chunk, m.is_head
     if self.role["prefix_blocks"] and (states := m.position_states()) is not None:
       from pyruntime.stage.compute.kv_blocks import KVBlocks
-      self.blocks = KVBlocks(states, self.role["prefix_blocks"], self.role["block_size"])
+      self.blocks = KVBlocks(states, self.role["prefix_blocks"], self.role["block_size"], m.recurrent_states(), self.role["prefix_states"])
+      if self.blocks.recurrent: m.on_boundary, m.boundary_every = self.blocks.mark, self.blocks.block_size
     self.loop = DataLoop(self.ch.emit, self.index, m, self.blocks, self.sched, self.stats, self.constraint)
     return m
 

@@ -1,8 +1,8 @@
 """The prefix cache (pyruntime/engine/prefix_cache.py, pyruntime/stage/compute/kv_blocks.py), through real stage processes on tiny models:
 a stream served from the cache yields the very tokens of the same request on a launcher without one, greedy and seeded,
-across stages, for the dense (rows path), MoE and MLA families; chat turns reuse their history; salts and opt-outs
-share nothing; a small budget evicts and stays exact; hybrid models run without it and say why. The index alone is
-unit-tested at the end."""
+across stages, for the dense (rows path), MoE, MLA and hybrid families (a hybrid's recurrent state restored from a
+snapshot); chat turns reuse their history; salts and opt-outs share nothing; a small budget evicts and stays exact; a
+hybrid on tinygrad's own decode path runs without it and says why. The index alone is unit-tested at the end."""
 from __future__ import annotations
 
 import threading
@@ -14,12 +14,12 @@ from pyruntime import errors
 from pyruntime.engine.launcher import Done, Launcher
 from pyruntime.engine.prefix_cache import BLOCK, PrefixIndex
 from pyruntime.modelfile.gguf import read_header
-from pyruntime.modelfile.plan import prefix_cache_bytes_per_token
+from pyruntime.modelfile.plan import kv_bytes_per_position, prefix_cache_bytes_per_token, recurrent_state_bytes
 
 SYSTEM = "The quick brown fox jumps over the lazy dog. A tiny model has tiny weights, but the tokenizer is real. " * 2
 QUESTIONS = ["Hello world! Hello there, how are you?", "What is the answer to the question?", "The dog sleeps in the sun."]
 SAMPLED = dict(temperature=0.9, seed=5)
-COMPARED = ("llama", "qwen3moe", "deepseek2")  # the families whose cached turns are compared with uncached ones
+COMPARED = ("llama", "qwen3moe", "deepseek2", "qwen35")  # the families whose cached turns are compared with uncached ones
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def chat(lm: Launcher, turns: list[str], **options) -> list[Done]:
 def cold(paths):
   """What a launcher without a prefix cache answers: the reference for each family in COMPARED."""
   out = {}
-  for name in COMPARED:  # (qwen35 is only checked for refusing the cache: no reference run for it)
+  for name in COMPARED:
     with Launcher(paths[name], stages=2, max_context=512, prefix_cache=0) as lm:
       out[name] = {"greedy": chat(lm, QUESTIONS), "sampled": chat(lm, QUESTIONS, **SAMPLED)}
       assert lm.prefix_cache_stats() == {"enabled": False, "why": "off (prefix_cache=0)"}
@@ -70,13 +70,18 @@ def test_cached_turns_equal_a_launcher_without_the_cache(paths, cold, name):
         else: assert all(d.usage.cached_tokens for d in got[1:])
     stats = lm.prefix_cache_stats()
     assert stats["enabled"] and stats["hits"] >= 8 and stats["hit_tokens"] > 0 and stats["bytes_held"] > 0
-    # what `inspect` says from the header alone is what the stages hold
-    assert stats["bytes_budget"] == stats["blocks"] * BLOCK * prefix_cache_bytes_per_token(read_header(paths[name]))
+    # what `inspect` says from the header alone is what the stages hold: keys and values per position, and with
+    # recurrent blocks (qwen35) one state snapshot per PREFIX_STATE_TOKENS of the budget
+    h = read_header(paths[name])
+    state = recurrent_state_bytes(h, 0, h.num_blocks)
+    assert bool(state) == (name == "qwen35") and bool(stats["states"]) == bool(state) and bool(stats["held_states"]) == bool(state)
+    assert stats["bytes_budget"] == stats["blocks"] * BLOCK * kv_bytes_per_position(h, 0, h.num_blocks) + stats["states"] * state
+    assert stats["bytes_budget"] <= stats["blocks"] * BLOCK * prefix_cache_bytes_per_token(h)
     # every compared family runs the rows path (dense, MoE, MLA: a decode row is a prompt row), so each caches replies
     assert stats["caches_decoded_positions"]
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek2"])
+@pytest.mark.parametrize("name", ["llama", "deepseek2", "qwen35"])
 def test_a_reply_is_cached_on_the_rows_path(paths, name):
   """The next turn of a conversation finds the previous reply's tokens in the cache, not only the prompt's (an MLA
   model's too: its latent cache's decoded positions are prompt rows' positions). The turn resends the reply's token ids: a tiny model's reply is
@@ -137,11 +142,40 @@ def test_concurrent_streams_share_a_system_prompt(paths, cold):
     assert want  # the module's reference ran on the same model
 
 
-def test_recurrent_models_run_without_it_and_say_why(paths):
-  with Launcher(paths["qwen35"], stages=2, max_context=512) as lm:
+def test_a_hybrid_repeats_and_choices_start_from_its_kept_state(paths, cold):
+  """A hybrid's prompt asked again (its length a multiple of BLOCK too: the state one block back is kept for it), and
+  `n` choices of one prompt, start from a kept recurrent state and answer as the uncached launcher; in one stage too."""
+  with Launcher(paths["qwen35"], stages=1, max_context=512) as lm, Launcher(paths["qwen35"], stages=1, max_context=512, prefix_cache=0) as ref:
+    ids = lambda lead, k: [lead] + lm.tokenizer.encode(SYSTEM)[:k - 1]  # noqa: E731 - a first token of its own: shares nothing
+    for lead, k in ((5, 3 * BLOCK), (6, 3 * BLOCK + 5)):
+      want = done(ref, prompt_ids=ids(lead, k))
+      first, again = done(lm, prompt_ids=ids(lead, k)), done(lm, prompt_ids=ids(lead, k))
+      assert first.token_ids == again.token_ids == want.token_ids
+      assert first.usage.cached_tokens == 0 and again.usage.cached_tokens == (k - 1) // BLOCK * BLOCK
+    got, alone = choices(lm, ids(7, 2 * BLOCK + 8), 3), choices(ref, ids(7, 2 * BLOCK + 8), 3)
+    assert [d.token_ids for d in got] == [d.token_ids for d in alone]
+    assert [d.usage.cached_tokens for d in got] == [0, 2 * BLOCK, 2 * BLOCK]  # the first computed it, the others read it
+    assert lm.prefix_cache_stats()["hits"] == 4
+
+
+def choices(lm: Launcher, ids: list[int], n: int) -> list[Done]:
+  """`n` seeded choices of one prompt, in order."""
+  dones: dict[int, Done] = {}
+  got = threading.Event()
+
+  def on(i: int, ev) -> None:
+    if isinstance(ev, (Done, BaseException)):
+      dones[i] = ev
+      if len(dones) == n: got.set()
+  lm.submit(prompt_ids=ids, n=n, max_tokens=6, ignore_eos=True, on_event=on, **SAMPLED)
+  assert got.wait(300) and all(isinstance(d, Done) for d in dones.values()), dones
+  return [dones[i] for i in range(n)]
+
+
+def test_a_hybrid_on_tinygrads_decode_path_runs_without_it_and_says_why(paths):
+  with Launcher(paths["qwen35"], stages=2, max_context=512, decode="reference") as lm:
     s = lm.prefix_cache_stats()
-    assert not s["enabled"] and "recurrent" in s["why"]
-    assert prefix_cache_bytes_per_token(read_header(paths["qwen35"])) is None  # and `inspect` says so
+    assert not s["enabled"] and "keeps no blocks" in s["why"]
     a, b = (done(lm, messages=[{"role": "user", "content": QUESTIONS[0]}]) for _ in range(2))
     assert a.token_ids == b.token_ids and a.usage.cached_tokens == b.usage.cached_tokens == 0
 
@@ -169,3 +203,29 @@ def test_index_evicts_least_recently_used_leaves_first():
   assert len(ix.match(a + [6, 1])) == 2             # a lost its last (least recently used leaf) block, not the shared one
   full = PrefixIndex(2, 2)
   assert len(full.insert([1, 2, 3, 4, 5, 6])) == 2  # no room for the third block: the chain stops, nothing breaks
+
+
+def test_index_with_recurrent_state_matches_to_the_last_kept_state():
+  """With recurrent blocks a prefix is usable only up to a block that ends in a kept state; snapshots are evicted least
+  recently used first, never one on the chain being saved, and a dropped block gives its snapshot back."""
+  ix = PrefixIndex(8, 4, states=2)
+  toks = list(range(100, 113))  # 13 tokens: 3 full blocks
+  saves = ix.insert(toks)
+  assert len(saves) == 3 and ix.match(toks) == []  # blocks, but no state: nothing to start from
+  s = ix.attach_state(toks[:8])
+  assert s is not None and ix.attach_state(toks[:8]) is None  # kept already: the same tokens give the same state
+  got = ix.match(toks)
+  assert got == [b for b, _ in saves][:2] and ix.state_of(got[-1]) == s
+  other = list(range(200, 209))
+  ix.insert(other)
+  s2 = ix.attach_state(other[:8])
+  assert s2 not in (None, s) and len(ix.match(other)) == 2
+  s3 = ix.attach_state(toks[:12])  # no snapshot free: `other`'s (least recently used, not on this chain) goes
+  assert s3 == s2 and ix.match(other) == [] and len(ix.match(toks + [1])) == 3
+  snap = ix.snapshot()
+  assert snap["state_evictions"] == 1 and snap["held_states"] == 2 and snap["states"] == 2
+  small = PrefixIndex(2, 4, states=1)
+  small.insert([1, 2, 3, 4, 5])
+  assert small.attach_state([1, 2, 3, 4]) == 0
+  small.insert([7, 8, 9, 10, 11, 12, 13, 14, 15])  # two new blocks: the first chain's block is evicted, its snapshot freed
+  assert small.snapshot()["held_states"] == 0 and small.attach_state([7, 8, 9, 10, 11, 12, 13, 14]) == 0

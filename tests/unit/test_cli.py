@@ -194,14 +194,22 @@ def test_inspect_names_a_server_that_is_not_there(tmp_path):
   assert out.returncode == 2 and "ServerUnreachable" in out.stderr and "127.0.0.1:9/metrics" in out.stderr, out.stderr
 
 
-def test_inspect_text_keeps_its_column_and_says_a_hybrid_model_has_no_prefix_cache(tmp_path):
+def test_inspect_text_keeps_its_column_and_counts_a_hybrid_models_state_snapshots(tmp_path):
   from tinymodels import TINY_FAMILIES, write_tiny_gguf
+
+  from pyruntime.modelfile.gguf import read_header
+  from pyruntime.modelfile.plan import kv_bytes_per_position, recurrent_state_bytes
+  from pyruntime.options import PREFIX_STATE_TOKENS
   path = write_tiny_gguf(tmp_path / "hybrid.gguf", **TINY_FAMILIES["qwen35"])
   out = subprocess.run([*CLI, "inspect", str(path)], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
   assert len({ln.index(": ") for ln in lines}) == 1, out.stdout  # every value starts in the same column
-  assert any(ln.split(": ", 1)[0].strip() == "prefix_cache" and "none: recurrent" in ln for ln in lines), out.stdout
+  h = read_header(path)
+  per_token = kv_bytes_per_position(h, 0, h.num_blocks) + -(-recurrent_state_bytes(h, 0, h.num_blocks) // PREFIX_STATE_TOKENS)
+  assert recurrent_state_bytes(h, 0, h.num_blocks) > 0
+  assert any(ln.split(": ", 1)[0].strip() == "prefix_cache" and ln.split(": ", 1)[1].startswith(f"{per_token} bytes per token")
+             and "snapshot of the recurrent state" in ln for ln in lines), out.stdout
 
 
 def test_serve_on_a_port_in_use_says_so_before_loading_anything(tmp_path):

@@ -186,6 +186,8 @@ class StageModel:
     # tinygrad's generate prefills one token at a time when any block of the model is recurrent: every stage must cut the
     # prompt where the reference does, attention-only stages too
     self.recurrent = cfg.ssm is not None
+    self.on_boundary: Callable[[int, int], None] | None = None  # (slot, positions) at every boundary_every-th position
+    self.boundary_every = 0
     self.chunk = 1 if self.recurrent else PREFILL_CHUNK  # tinygrad's prefill chunk (the rows path takes up to MAX_ROWS)
     # the rows path (pyruntime/stage/compute/rows.py: prompt and decode rows through the same kernels, many streams per step) is
     # written for attention blocks (latent attention included) with a dense or routed feed-forward (experts.py), and for
@@ -378,8 +380,16 @@ class StageModel:
     out = self.rows.decode(slots, inp, positions)
     lo = self.rows.window(slots)[0]
     self._keep_routers([(s, s - lo, 1) for s in slots])
-    for slot, p in zip(slots, positions, strict=True): self._pos[slot] = int(p) + 1
+    for slot, p in zip(slots, positions, strict=True): self._advance(slot, int(p) + 1)
     return out
+
+  def _advance(self, slot: int, n: int) -> None:
+    """The slot holds n positions now; a recurrent stage's state at a block boundary goes to `on_boundary` (the prefix
+    cache's keeper, kv_blocks.KVBlocks.mark), once its kernels are done."""
+    self._pos[slot] = n
+    if self.on_boundary is not None and n % self.boundary_every == 0:
+      self.synchronize()
+      self.on_boundary(slot, n)
 
   def forward_mixed(self, slots: list[int], dec_inp: np.ndarray, positions: list[int], slot: int, pre_inp: np.ndarray,
                     start_pos: int, every_row: bool = False) -> tuple[Tensor, Tensor]:
@@ -402,7 +412,7 @@ class StageModel:
     if len(pre_inp) != 1: raise errors.ActivationExtentInvalid(f"a recurrent model takes one prompt row beside decode rows, got {len(pre_inp)}")
     out = self.rows.decode([*slots, slot], np.concatenate([dec_inp, pre_inp]), [*positions, start_pos], window=(0, self.slots))
     self._keep_routers([(s, s, 1) for s in [*slots, slot]])
-    for s, p in zip([*slots, slot], [*positions, start_pos], strict=True): self._pos[s] = int(p) + 1
+    for s, p in zip([*slots, slot], [*positions, start_pos], strict=True): self._advance(s, int(p) + 1)
     buf = out.uop.buffer
     return out, self._view(buf, (self.vocab_size,) if self.is_tail else (1, 1, self.dim), slot * (self.vocab_size if self.is_tail else self.dim))
 
@@ -449,7 +459,7 @@ class StageModel:
     for i in range(len(inp)):
       out = self.rows.decode([slot], inp[i:i + 1], [start_pos + i])
       self._keep_routers([(slot, slot - lo, 1)], after=i > 0)
-      self._pos[slot] = start_pos + i + 1
+      self._advance(slot, start_pos + i + 1)
       if res is not None: device_memory.write(res.uop.buffer, self.rows.rows_of(out, [slot])[0].numpy(), i * self.dim * res.dtype.itemsize)
     if res is not None: return res
     return self._view(out.uop.buffer, (self.vocab_size,), (slot - lo) * self.vocab_size)
@@ -533,9 +543,9 @@ class StageModel:
 
   def position_states(self) -> list[tuple[Tensor, int, tuple[int, ...], int]] | None:
     """Every state tensor a stream's positions live in, for the prefix cache (pyruntime/stage/compute/kv_blocks.py): (the tensor, its
-    slots, one slot's shape, the position axis in it). None for a model with recurrent blocks: their state is not a
-    function of positions alone, so no prefix of it can be taken or given."""
-    if self.recurrent: return None
+    slots, one slot's shape, the position axis in it); a recurrent block's state is not a function of positions: on the
+    rows path it goes with a prefix as a snapshot (recurrent_states), on tinygrad's path nowhere (None: no prefix)."""
+    if self.recurrent and self.rows is None: return None
     if self.rows is None and not device_memory.has_views(self.device): return None  # a tensor per slot (_kv_caches): not yet
     if self.rows is not None: return self.rows.position_states()
     out = []
@@ -544,6 +554,11 @@ class StageModel:
       one.remove(1)  # the batch axis, as _kv_caches drops it
       out.append((t, self.slots, tuple(one), one.index(self.config.max_context)))
     return out
+
+  def recurrent_states(self) -> list[tuple[Tensor, int, int]]:
+    """The recurrent blocks' state tensors, for the prefix cache's snapshots: (tensor, slots, one slot's elements); none
+    without recurrent blocks (or on tinygrad's path, which keeps no prefix)."""
+    return self.rows.recurrent_states() if self.recurrent and self.rows is not None else []
 
   def set_position(self, slot: int, n: int) -> None:
     """The slot holds n positions now (its first n were copied in from the prefix cache)."""

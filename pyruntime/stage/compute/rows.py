@@ -266,8 +266,15 @@ class RowPath:
     """The caches as the prefix cache's blocks take them (kv_blocks.KVBlocks): (tensor, slots, one slot's shape, its
     position axis)."""
     c, n = self.m.config, self.slots + 1
-    keys = [(k, n, (self.kv_heads, self.key_dim, self.length), 2) for k, _ in self.caches]
-    return keys + [(v, n, (c.n_kv_heads, self.length, c.head_dim), 1) for _, v in self.caches if v is not None]
+    kv = [pair for b, pair in zip(self.m.blk, self.caches, strict=True) if not isinstance(b, GatedDeltaNetBlock)]
+    keys = [(k, n, (self.kv_heads, self.key_dim, self.length), 2) for k, _ in kv]
+    return keys + [(v, n, (c.n_kv_heads, self.length, c.head_dim), 1) for _, v in kv if v is not None]
+
+  def recurrent_states(self) -> list[tuple[Tensor, int, int]]:
+    """Every recurrent block's conv and recurrent state as the prefix cache's snapshots take them: (tensor, slots, one
+    slot's float32 elements)."""
+    n = self.slots + 1
+    return [(t, n, t.numel() // n) for b, pair in zip(self.m.blk, self.caches, strict=True) if isinstance(b, GatedDeltaNetBlock) for t in pair]
 
   def key_view(self, k: Tensor) -> Tensor: return k.reshape(self.slots + 1, self.kv_heads, self.key_dim, self.length)
 

@@ -165,8 +165,10 @@ class Launcher:
       vocabulary(p.tokenizer)  # the structured-output bridge, built while the stages load, never on a request's path
       self._load(p)
       self.prefix = PrefixCache.for_stages(self.options.prefix_cache, [h.info.get("prefix_cache") for h in self.handles], p.header.arch)
-      # verifying drafts and scoring a prompt need rows that can be recomputed at any position: not a recurrence's
-      self.requests.rows_everywhere = all(h.info.get("batched") and h.info.get("family") != "hybrid" for h in self.handles)
+      # scoring a prompt needs every prompt row's logits: the rows path (a hybrid's prompt rows are decode rows); verifying
+      # drafts also needs rows that can be recomputed at any position: not a recurrence's
+      self.requests.scores_everywhere = all(h.info.get("batched") for h in self.handles)
+      self.requests.rows_everywhere = self.requests.scores_everywhere and all(h.info.get("family") != "hybrid" for h in self.handles)
       if draft_path is not None:
         self._check_open()  # a close() meanwhile found no drafter to end: start none
         self.drafter = self._start_drafter(p, draft_path)

@@ -58,7 +58,8 @@ class RequestBuilder:
 
   def __init__(self, tokenizer: Any, kv: dict, context_length: int, speculative: str):
     self.tokenizer, self.kv, self.context_length, self.speculative = tokenizer, kv, context_length, speculative
-    self.rows_everywhere = False  # every stage runs the rows path (known once they loaded): what verifying drafts needs
+    self.rows_everywhere = False    # every stage runs the rows path, none recurrent (known once they loaded): what verifying drafts needs
+    self.scores_everywhere = False  # every stage runs the rows path: what scoring a prompt needs
     self._tool_format: tuple[CallFormat, bool] | None = None
 
   def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False,
@@ -76,10 +77,8 @@ class RequestBuilder:
     k = check_logprobs(logprobs, prompt_logprobs, logits, max_tokens)
     scoring_only = max_tokens == 0
     params = check_request(None if scoring_only else max_tokens, sampling, stop)
-    if prompt_logprobs and not self.rows_everywhere:
-      raise errors.InvalidOption("prompt_logprobs",
-                                 "scoring a prompt needs every stage on the rows path with positions it can recompute (decode='batched', "
-                                 "not a hybrid's recurrent blocks)")
+    if prompt_logprobs and not self.scores_everywhere:
+      raise errors.InvalidOption("prompt_logprobs", "scoring a prompt needs every stage on the rows path (decode='batched')")
     check_salt(cache_salt)
     if not isinstance(prefix_cache, bool): raise errors.InvalidOption("prefix_cache", f"must be true or false, got {prefix_cache!r:.80}")
     if not isinstance(speculative, bool): raise errors.InvalidOption("speculative", f"must be true or false, got {speculative!r:.80}")

@@ -34,20 +34,23 @@ def family(request, tmp_path_factory):
 
 
 def test_scoring_a_prompt_gives_the_logprobs_its_generation_had(family):
-  """A MoE or MLA pipeline scores a prompt (prompt_logprobs) with the bits its generation had: a prompt row computes what
-  a decode row did, experts and latent cache included. A hybrid refuses scoring by name (it needs the rows path)."""
+  """A MoE, MLA or hybrid pipeline scores a prompt (prompt_logprobs) with the bits its generation had: a prompt row
+  computes what a decode row did, experts, latent cache and recurrent state included."""
   name, _, lm = family
 
   def ask(**kw) -> Done: return next(ev for ev in lm.generate(raw=True, ignore_eos=True, **kw) if isinstance(ev, Done))
   first = lm.tokenizer.encode(PROMPTS[0])
-  if name in ("qwen35", "qwen35moe"):
-    with pytest.raises(errors.InvalidOption) as e: ask(prompt_ids=first, max_tokens=1, prompt_logprobs=True)
-    assert e.value.field == "prompt_logprobs"
-    return
   gen = ask(prompt_ids=first, max_tokens=N, logprobs=2)
   scored = ask(prompt_ids=first + gen.token_ids, max_tokens=1, logprobs=2, prompt_logprobs=True)
   assert len(gen.logprobs) == N and len(scored.prompt_logprobs) == len(first) + N - 1
   assert scored.prompt_logprobs[len(first) - 1:] == gen.logprobs[:N], name
+  # and the same scores beside a decoding stream (its rows ride in that stream's steps: mixed steps)
+  started = threading.Event()
+  other = lm.submit(prompt_ids=[5, 6, 7], max_tokens=60, ignore_eos=True, on_event=lambda ev: started.set())
+  assert started.wait(120)
+  beside = ask(prompt_ids=first + gen.token_ids, max_tokens=1, logprobs=2, prompt_logprobs=True)
+  other.cancel()
+  assert beside.prompt_logprobs == scored.prompt_logprobs, name
 
 
 def generate(lm: Launcher, i: int) -> Done:

@@ -173,9 +173,12 @@ def choices(lm: Launcher, ids: list[int], n: int) -> list[Done]:
 
 
 def test_a_hybrid_on_tinygrads_decode_path_runs_without_it_and_says_why(paths):
+  """decode='reference': tinygrad's kernels keep the recurrent state where no snapshot is taken; no prefix cache, no scoring."""
   with Launcher(paths["qwen35"], stages=2, max_context=512, decode="reference") as lm:
     s = lm.prefix_cache_stats()
     assert not s["enabled"] and "keeps no blocks" in s["why"]
+    with pytest.raises(errors.InvalidOption) as e: done(lm, prompt_ids=[5, 6, 7], prompt_logprobs=True, logprobs=0)
+    assert e.value.field == "prompt_logprobs"  # nor can tinygrad's own kernels score a prompt's every row
     a, b = (done(lm, messages=[{"role": "user", "content": QUESTIONS[0]}]) for _ in range(2))
     assert a.token_ids == b.token_ids and a.usage.cached_tokens == b.usage.cached_tokens == 0
 

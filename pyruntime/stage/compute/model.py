@@ -398,7 +398,7 @@ class StageModel:
     self._check_batch(slots, dec_inp, positions)
     pre_inp = self._validate(slot, pre_inp, start_pos)
     if slot in slots: raise errors.SlotInvalid(f"slot {slot} both decodes and takes prompt rows in one step")
-    if self.recurrent: return self._mixed_row(slots, dec_inp, positions, slot, pre_inp, start_pos)
+    if self.recurrent: return self._mixed_row(slots, dec_inp, positions, slot, pre_inp, start_pos, every_row)
     dec, pre = self.rows.mixed(slots, dec_inp, positions, slot, pre_inp, start_pos, every_row)
     self._keep_routers([(s, s, 1) for s in slots] + [(slot, self.rows.slots, len(pre_inp))])  # the window is every slot
     for s, p in zip(slots, positions, strict=True): self._pos[s] = int(p) + 1
@@ -406,15 +406,17 @@ class StageModel:
     return dec, pre
 
   def _mixed_row(self, slots: list[int], dec_inp: np.ndarray, positions: list[int], slot: int, pre_inp: np.ndarray,
-                 start_pos: int) -> tuple[Tensor, Tensor]:
+                 start_pos: int, every_row: bool = False) -> tuple[Tensor, Tensor | list[Tensor]]:
     """A recurrent model's mixed step: the decode rows and the prompt's next row (one: a stream's recurrence takes its
-    positions in order) as rows of one decode window of every slot; the prompt's row is a decode row as any other."""
+    positions in order) as rows of one decode window of every slot; the prompt's row is a decode row as any other
+    (`every_row`: its logits as a list of one, as prefill_rows gives a scored chunk's)."""
     if len(pre_inp) != 1: raise errors.ActivationExtentInvalid(f"a recurrent model takes one prompt row beside decode rows, got {len(pre_inp)}")
     out = self.rows.decode([*slots, slot], np.concatenate([dec_inp, pre_inp]), [*positions, start_pos], window=(0, self.slots))
     self._keep_routers([(s, s, 1) for s in [*slots, slot]])
     for s, p in zip([*slots, slot], [*positions, start_pos], strict=True): self._advance(s, int(p) + 1)
     buf = out.uop.buffer
-    return out, self._view(buf, (self.vocab_size,) if self.is_tail else (1, 1, self.dim), slot * (self.vocab_size if self.is_tail else self.dim))
+    row = self._view(buf, (self.vocab_size,) if self.is_tail else (1, 1, self.dim), slot * (self.vocab_size if self.is_tail else self.dim))
+    return out, [row] if every_row and self.is_tail else row
 
   def mixes(self, rows: int) -> bool:
     """Whether a chunk of `rows` beside decode rows costs less inside their step (forward_mixed) than apart from it:
@@ -436,7 +438,7 @@ class StageModel:
     if self.rows is None: return self._reference_forward(slot, inp, start_pos, True)
     inp = self._validate(slot, inp, start_pos)
     T = len(inp)
-    if self.recurrent: return self._prefill_row_by_row(slot, inp, start_pos)
+    if self.recurrent: return self._prefill_row_by_row(slot, inp, start_pos, every_row)
     if T <= MAX_ROWS:
       out = self.rows.prefill(slot, inp, start_pos, every_row)
       self._keep_routers([(slot, 0, T)])
@@ -450,10 +452,12 @@ class StageModel:
       if res is not None: _copy_rows(res, out.uop.buffer, s, min(MAX_ROWS, T - s))
     return out if res is None else res
 
-  def _prefill_row_by_row(self, slot: int, inp: np.ndarray, start_pos: int) -> Tensor:
+  def _prefill_row_by_row(self, slot: int, inp: np.ndarray, start_pos: int, every_row: bool = False) -> Tensor | list[Tensor]:
     """A recurrent model's prompt rows on the rows path: each a decode row of its slot alone, in order (the recurrence
     runs one position at a time, as tinygrad's generate prefills such a model), so a prompt row is a decode row by
-    construction. Returns what prefill_rows returns."""
+    construction. Returns what prefill_rows returns (`every_row`, a scored chunk: at most score_rows = 1 row)."""
+    if every_row and self.is_tail and len(inp) > 1:
+      raise errors.ActivationExtentInvalid(f"every row's logits of a recurrent model: one row at a time, got {len(inp)}")
     res = None if self.is_tail else self._empty((1, len(inp), self.dim), self._bdtype)
     lo = self.rows.window([slot])[0]
     for i in range(len(inp)):
@@ -462,7 +466,8 @@ class StageModel:
       self._advance(slot, start_pos + i + 1)
       if res is not None: device_memory.write(res.uop.buffer, self.rows.rows_of(out, [slot])[0].numpy(), i * self.dim * res.dtype.itemsize)
     if res is not None: return res
-    return self._view(out.uop.buffer, (self.vocab_size,), (slot - lo) * self.vocab_size)
+    logits = self._view(out.uop.buffer, (self.vocab_size,), (slot - lo) * self.vocab_size)
+    return [logits] if every_row else logits
 
   def _keep_routers(self, parts: list[tuple[int, int, int]], after: bool = False) -> None:
     """After a rows-path call: for each (slot, first row, rows) of its graph, those rows' router logits become the
@@ -477,8 +482,10 @@ class StageModel:
   @property
   def score_rows(self) -> int:
     """The most prompt rows a chunk can have when every row's logits are wanted (a scored prompt: the tail's graph keeps
-    the last ROW_UNIT rows' logits); 0: this stage cannot give every row's logits (tinygrad's path)."""
-    return ROW_UNIT if self.rows is not None and not self.recurrent else 0
+    the last ROW_UNIT rows' logits; a recurrent model's prompt rows are decode rows, one at a time); 0: this stage cannot
+    give every row's logits (tinygrad's path)."""
+    if self.rows is None: return 0
+    return 1 if self.recurrent else ROW_UNIT
 
   @property
   def max_chunk(self) -> int:

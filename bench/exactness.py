@@ -1,6 +1,6 @@
 """Logits against a float64 reference: how far each way of computing the model lands from exact arithmetic.
 
-  python bench/exactness.py [--model PATH | --family llama|qwen3moe|glm4moe|deepseek2] [--tokens 64] [--devices CPU,CL]
+  python bench/exactness.py [--model PATH | --family llama|qwen3moe|glm4moe|deepseek2|qwen35|qwen35moe] [--tokens 64] [--devices CPU,CL]
                             (a gemma3 file too: its reference is llama.cpp's definition of the family; no tinygrad side)
                             [--no-llama] [--json]
 
@@ -10,6 +10,7 @@ RMS norms, rotary embedding (partial where the file says), causal grouped-query 
 projection; for mixture-of-experts blocks the routing as tinygrad's model defines it (softmax over the top k or over all
 experts, or sigmoid with an expert bias; renormalisation; scale), the chosen experts and the shared expert with its gate;
 for latent attention (MLA) the latent and rotary key, each head's keys and values through attn_k_b and attn_v_b; for
+hybrids (qwen35) the GatedDeltaNet recurrence position by position and the attention's output gate; for
 Gemma 3 the scaled embedding, post norms, GELU and sliding windows (reference_logits). Sides,
 on the same tokens (a fixed text, the first `--tokens` of it), each logit of every position compared:
 
@@ -153,16 +154,47 @@ def _latent_attention(w: dict[str, np.ndarray], kv: dict, arch: str, b: str, h: 
   return _attention(q, keys, values, 1 / np.sqrt(q.shape[-1]))
 
 
+def _gated_delta(w: dict[str, np.ndarray], kv: dict, arch: str, b: str, h: np.ndarray) -> np.ndarray:
+  """A GatedDeltaNet block's mixer (qwen35, qwen35moe) of rows h (T, dim) as tinygrad's GatedDeltaNetBlock defines it,
+  one position after another from zero state: the qkv projection through a causal depthwise convolution (the last
+  conv_kernel inputs) and SiLU; q and k L2-normalised per group (head i uses group i mod groups), q scaled by 1/sqrt(state
+  size); the state decayed by exp(softplus(alpha + dt bias) * a) and corrected by the delta rule with weight sigmoid(beta);
+  the output read with q, RMS-normed per head, gated by SiLU of the gate projection, projected by ssm_out."""
+  g = lambda k: int(kv[f"{arch}.ssm.{k}"])  # noqa: E731
+  K, S, G, Hv, inner = g("conv_kernel"), g("state_size"), g("group_count"), g("time_step_rank"), g("inner_size")
+  dv, qd, eps = inner // Hv, S * G, float(kv[f"{arch}.attention.layer_norm_rms_epsilon"])
+  qkv, gate = h @ w[f"{b}.attn_qkv.weight"].T, h @ w[f"{b}.attn_gate.weight"].T
+  beta = 1 / (1 + np.exp(-(h @ w[f"{b}.ssm_beta.weight"].T)))
+  alpha = np.exp(np.logaddexp(0, h @ w[f"{b}.ssm_alpha.weight"].T + w[f"{b}.ssm_dt.bias"]) * w[f"{b}.ssm_a"])
+  conv_w = w[f"{b}.ssm_conv1d.weight"]  # (channels, kernel)
+  conv, state = np.zeros((K - 1, qkv.shape[1])), np.zeros((Hv, dv, dv))
+  unit = lambda t: t / np.maximum(np.linalg.norm(t, axis=-1, keepdims=True), 1e-12)  # noqa: E731
+  out = np.zeros((len(h), inner))
+  for t in range(len(h)):
+    window = np.concatenate([conv, qkv[t:t + 1]])
+    conv = window[1:]
+    c = _silu((window * conv_w.T).sum(0))
+    heads = lambda part: np.tile(unit(part.reshape(G, S)), (Hv // G, 1))  # noqa: E731
+    q, k, v = heads(c[:qd]) * S ** -0.5, heads(c[qd:2 * qd]), c[2 * qd:].reshape(Hv, dv)
+    state = state * alpha[t][:, None, None]
+    state = state + np.einsum("hv,hk->hvk", (v - np.einsum("hvk,hk->hv", state, k)) * beta[t][:, None], k)
+    o = _norm(np.einsum("hvk,hk->hv", state, q), w[f"{b}.ssm_norm.weight"], eps)
+    out[t] = (o * _silu(gate[t].reshape(Hv, dv))).reshape(-1)
+  return out @ w[f"{b}.ssm_out.weight"].T
+
+
 def reference_logits(w: dict[str, np.ndarray], kv: dict, tokens: list[int]) -> np.ndarray:
-  """(T, vocab) float64 logits of every position, for a llama, qwen2, qwen3, qwen3moe, glm4moe, deepseek2 or gemma3 file.
-  Gemma 3 as llama.cpp defines it: the embedding times sqrt(dim), norms after the attention and the feed-forward too,
-  GELU (tanh) for SiLU, sliding-window attention with its own rotary base on all but every 6th block, the queries
-  scaled by 1/sqrt(head_dim), the logits soft-capped where the file says."""
+  """(T, vocab) float64 logits of every position, for a llama, qwen2, qwen3, qwen3moe, glm4moe, deepseek2, qwen35,
+  qwen35moe or gemma3 file. Gemma 3 as llama.cpp defines it: the embedding times sqrt(dim), norms after the attention and
+  the feed-forward too, GELU (tanh) for SiLU, sliding-window attention with its own rotary base on all but every 6th
+  block, the queries scaled by 1/sqrt(head_dim), the logits soft-capped where the file says. Qwen3.5's attention blocks:
+  each head's query followed by its output gate in attn_q, the output times sigmoid of the gate; its other blocks
+  GatedDeltaNet (_gated_delta)."""
   arch = kv["general.architecture"]
   g = lambda k: kv[f"{arch}.{k}"]  # noqa: E731
   H, KvH, eps = int(g("attention.head_count")), int(g("attention.head_count_kv")), float(g("attention.layer_norm_rms_epsilon"))
   theta, neox = float(kv.get(f"{arch}.rope.freq_base", 10000.0)), arch != "llama"
-  gemma = arch == "gemma3"
+  gemma, ssm = arch == "gemma3", arch in ("qwen35", "qwen35moe")
   x = w["token_embd.weight"][tokens] * (np.sqrt(float(g("embedding_length"))) if gemma else 1.0)
   T, pos = len(tokens), np.arange(len(tokens), dtype=np.float64)
   lin = lambda name, h: h @ w[f"{name}.weight"].T + (w[f"{name}.bias"] if f"{name}.bias" in w else 0)  # noqa: E731
@@ -170,10 +202,13 @@ def reference_logits(w: dict[str, np.ndarray], kv: dict, tokens: list[int]) -> n
     b = f"blk.{i}"
     local = gemma and (i + 1) % 6 != 0
     h = _norm(x, w[f"{b}.attn_norm.weight"], eps)
-    if f"{b}.attn_kv_a_mqa.weight" in w: o = _latent_attention(w, kv, arch, b, h, pos, theta)
+    gate = None
+    if f"{b}.ssm_a" in w: o = _gated_delta(w, kv, arch, b, h)
+    elif f"{b}.attn_kv_a_mqa.weight" in w: o = _latent_attention(w, kv, arch, b, h, pos, theta)
     else:
       q, k, v = (lin(f"{b}.attn_{n}", h) for n in "qkv")
-      Hd = q.shape[-1] // H
+      Hd = k.shape[-1] // KvH
+      if ssm: q, gate = q.reshape(T, H, 2, Hd)[:, :, 0], q.reshape(T, H, 2, Hd)[:, :, 1].reshape(T, H * Hd)
       rd = int(kv.get(f"{arch}.rope.dimension_count", Hd))
       q, k, v = q.reshape(T, H, Hd), k.reshape(T, KvH, Hd), v.reshape(T, KvH, Hd)
       if f"{b}.attn_q_norm.weight" in w: q, k = _norm(q, w[f"{b}.attn_q_norm.weight"], eps), _norm(k, w[f"{b}.attn_k_norm.weight"], eps)
@@ -182,7 +217,7 @@ def reference_logits(w: dict[str, np.ndarray], kv: dict, tokens: list[int]) -> n
       q, k = (np.concatenate([_rope(t[..., :rd], at, base, neox), t[..., rd:]], -1) for t in (q, k))
       o = _attention(q, np.repeat(k, H // KvH, axis=1), np.repeat(v, H // KvH, axis=1), 1 / np.sqrt(Hd),
                      int(g("attention.sliding_window")) if local else 0)
-    o = lin(f"{b}.attn_output", o)
+    if f"{b}.ssm_a" not in w: o = lin(f"{b}.attn_output", o if gate is None else o / (1 + np.exp(-gate)))
     x = x + (_norm(o, w[f"{b}.post_attention_norm.weight"], eps) if gemma else o)
     norm = w.get(f"{b}.ffn_norm.weight", w.get(f"{b}.post_attention_norm.weight"))  # glm4moe names it so
     h = _norm(x, norm, eps)
@@ -229,6 +264,13 @@ def tinygrad_logits(path: str, tokens: list[int]) -> np.ndarray:
   from tinygrad import Tensor
   from tinygrad.llm.model import Transformer
   model, _ = Transformer.from_gguf(path, max_context=max(256, len(tokens) + 32))
+  if model.has_recurrent_block:  # its recurrent blocks take one position at a time (as its generate prefills them)
+    rows = []
+    for i, t in enumerate(tokens):
+      x = model.token_embd(Tensor([[t]])).float()
+      for blk in model.blk: x = blk(x, i)
+      rows.append(model.output(model.output_norm(x))[0, 0].numpy())
+    return np.stack(rows).astype(np.float64)
   x = model.token_embd(Tensor([tokens])).float()
   for blk in model.blk: x = blk(x, 0)
   return model.output(model.output_norm(x))[0].numpy().astype(np.float64)
@@ -262,7 +304,7 @@ def main() -> None:
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
   from pyruntime.modelfile.gguf import read_header
-  from pyruntime.modelfile.plan import OWN_ARCHS
+  from pyruntime.modelfile.plan import OWN_ARCHS, SSM_SUPPORTED
   from pyruntime.modelfile.source import default_model_path
   from pyruntime.text.tokenizer import Tokenizer
   if a.family:
@@ -283,7 +325,8 @@ def main() -> None:
     rows.append((f"pyruntime float32 ({dev})", compare(ref, f32)))
     rows.append((f"pyruntime float32 ({dev}) vs file", compare(ref_file, f32)))
     rows.append((f"pyruntime HALF=0 ({dev}) vs file", compare(ref_file, file_exact_logits(path, tokens, dev))))
-    rows.append((f"pyruntime tensor-cores ({dev})", compare(ref, pyruntime_logits(path, tokens, dev, weights="float16", tensor_cores=True))))
+    if kv["general.architecture"] not in SSM_SUPPORTED:  # (recurrent blocks project with tinygrad's kernels: no tensor-core mode)
+      rows.append((f"pyruntime tensor-cores ({dev})", compare(ref, pyruntime_logits(path, tokens, dev, weights="float16", tensor_cores=True))))
   if kv["general.architecture"] not in OWN_ARCHS:  # (tinygrad has no model of gemma3)
     tg = tinygrad_logits(path, tokens)
     rows.append(("tinygrad's own (CPU)", compare(ref, tg)))

@@ -170,8 +170,10 @@ def test_gemma3_270m_answers_as_llama_cpp_does_where_its_choice_is_clear(gemma, 
   questions' greedy answers (the file has no chat template: a base model, prompted with the text itself) are
   llama.cpp's token for token wherever llama.cpp's own top-1 margin is clear, at least 8 of the 10 whole answers are
   its answers, and where an answer parts from llama.cpp's, the float64 arithmetic of the file's own values picks
-  pyruntime's token there (measured 2026-12-07: 8 of 10 equal; at both partings float64 sides with pyruntime, by 0.137
-  and 0.021, where llama.cpp's int8 arithmetic had the other token ahead by 0.037 and 0.18)."""
+  pyruntime's token there (measured 2026-12-07 on an AVX2 EPYC: 8 of 10 equal; at both partings float64 sides with
+  pyruntime, by 0.137 and 0.021, where llama.cpp's int8 arithmetic had the other token ahead by 0.037 and 0.18; on an
+  AVX-512 EPYC, whose llama.cpp build runs other int8 kernels, 7 of 10, float64 siding with pyruntime at all three
+  partings). The count is llama.cpp's arithmetic as much as ours; the partings' judge is float64."""
   same = 0
   with Launcher(gemma, stages=2, max_context=256, max_streams=1) as lm:
     for q in QUESTIONS:
@@ -186,7 +188,7 @@ def test_gemma3_270m_answers_as_llama_cpp_does_where_its_choice_is_clear(gemma, 
       assert lg[want[diverged]] - lg[d.token_ids[diverged]] < CLEAR, (q, diverged, lg[want[diverged]] - lg[d.token_ids[diverged]])
       exact = reference_logits(*file64, list(d.prompt_token_ids) + d.token_ids[:diverged])[-1]
       assert int(exact.argmax()) == d.token_ids[diverged], (q, diverged, "float64 of the file picks", int(exact.argmax()))
-  assert same >= 8, same
+  assert same >= 7, same  # (and every parting above is a near tie of llama.cpp's that float64 decides for pyruntime)
 
 
 def test_gemma3_270m_logits_are_closer_to_the_files_float64_than_llama_cpps(gemma, llama, file64):

@@ -87,7 +87,8 @@ def test_a_hybrid_runs_the_rows_path_one_row_per_stream(family_paths, family_ref
   from pyruntime.modelfile.plan import ROWS_ARCHS
   path, want = family_paths[name], family_refs[name]
   stages = load_split(path, [(0, 2), (2, 4)], slots=4, decode="batched")
-  for s in stages: assert s.batched and s.recurrent and s.warm_up() == [1, 2, 4] and s.score_rows == 0
+  # a scored prompt's rows are decode rows too, one at a time
+  for s in stages: assert s.batched and s.recurrent and s.warm_up() == [1, 2, 4] and s.score_rows == 1
   logits: list[np.ndarray] = []
   assert chain(stages, list(want["prompt"]), len(want["tokens"]), logits=logits) == want["tokens"]
   whole: list[np.ndarray] = []

@@ -30,7 +30,8 @@ head, so everything that moves keys (writes, scatters, the prefix cache's blocks
 Recurrent blocks (the hybrids' GatedDeltaNet, `_recurrent`) run in the decode graph only: one row per stream of the
 window, each slot's conv and recurrent state read and updated in place, and a prompt's rows one at a time through the
 one-row window (StageModel.prefill_rows), as tinygrad's generate prefills such a model; so a prompt row is a decode
-row by construction. Their state is not a function of positions: no prefix cache, speculation or scoring for them.
+row by construction. Their state is not a function of positions: the prefix cache keeps it as snapshots
+(kv_blocks.KVBlocks), a scored prompt's rows are decode rows, and drafts are not verified for them.
 """
 from __future__ import annotations
 

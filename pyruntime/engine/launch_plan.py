@@ -129,17 +129,21 @@ def memory_need(header: GGUFHeader, options: LaunchOptions, split: Sequence[tupl
                 weights: Sequence[str], context: int) -> dict[str, int]:
   """Host bytes the plan's CPU stages hold once every stream slot is at `context` positions: their weights, their keys
   and values (reserved for max_streams + 1 slots of the context plus one prompt chunk's padding rows, as
-  stage/compute/rows.py does; on a CPU the pages become resident as streams reach them), and the prefix cache's
-  pool (every stage's, at its token budget). A GPU stage's weights and caches are on its GPU, not counted. Graph
-  buffers and the interpreters (a few hundred MB a stage) come on top."""
+  stage/compute/rows.py does; on a CPU the pages become resident as streams reach them; with recurrent blocks each
+  slot's state too), and the prefix cache's pool (every stage's, at its token budget; with recurrent blocks also the
+  two states each slot keeps aside for it, kv_blocks.KVBlocks.mark, in host memory whatever the device). A GPU stage's
+  weights and caches are on its GPU, not counted. Graph buffers and the interpreters (a few hundred MB a stage) come on
+  top."""
   from pyruntime.devices import parse_device
-  from pyruntime.modelfile.plan import kv_bytes_per_position, prefix_cache_bytes_per_token, stage_tensor_names
+  from pyruntime.modelfile.plan import kv_bytes_per_position, prefix_cache_bytes_per_token, recurrent_state_bytes, stage_tensor_names
   from pyruntime.protocol import MAX_CHUNK
   host = [i for i, d in enumerate(devices) if parse_device(d).base == "CPU"]
-  positions = (options.max_streams + 1) * (context + MAX_CHUNK + 31)
+  slots = options.max_streams + 1
+  positions = slots * (context + MAX_CHUNK + 31)
+  kept = 2 * options.max_streams * recurrent_state_bytes(header, 0, header.num_blocks) if options.prefix_cache >= BLOCK else 0
   return {"weights": sum(held_bytes(header, list(dict.fromkeys(stage_tensor_names(header, *split[i]))), weights[i]) for i in host),
-          "kv": sum(kv_bytes_per_position(header, *split[i]) for i in host) * positions,
-          "prefix_cache": options.prefix_cache * prefix_cache_bytes_per_token(header)}
+          "kv": sum(kv_bytes_per_position(header, *split[i]) * positions + recurrent_state_bytes(header, *split[i]) * slots for i in host),
+          "prefix_cache": options.prefix_cache * prefix_cache_bytes_per_token(header) + kept}
 
 
 def fit_context(header: GGUFHeader, options: LaunchOptions, split: Sequence[tuple[int, int]], devices: Sequence[str],

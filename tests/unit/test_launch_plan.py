@@ -182,3 +182,22 @@ def test_the_launcher_says_when_it_cut_the_context(tmp_path, monkeypatch):
   assert p.context_length < 8192
   assert [(ev["context"], ev["file_context"]) for ev in seen if ev["event"] == "ContextReduced"] == [(p.context_length, 8192)]
   with pytest.raises(errors.InvalidOption, match="max_context"): Launcher(path, stages=1, devices="CPU", max_context=8192).start()
+
+
+def test_a_hybrids_recurrent_state_is_counted_per_slot_and_its_kept_copies_with_the_prefix_cache(tmp_path):
+  """memory_need for a model with recurrent blocks: every slot's state (max_streams + 1: the rows path's filler slot)
+  with the keys and values, and with the prefix cache on, its snapshots (inside the token budget) and the two states
+  each stream slot keeps aside for them; ConfigureRole carries the snapshot count."""
+  from pyruntime.engine.launch_plan import memory_need
+  from pyruntime.engine.prefix_cache import prefix_states
+  from pyruntime.modelfile.plan import kv_bytes_per_position, prefix_cache_bytes_per_token, recurrent_state_bytes
+  from pyruntime.protocol import MAX_CHUNK
+  path = write_tiny_gguf(tmp_path / "hybrid.gguf", **TINY_FAMILIES["qwen35"])
+  h = read_header(path)
+  state = recurrent_state_bytes(h, 0, h.num_blocks)
+  assert state > 0 and recurrent_state_bytes(read_header(write_tiny_gguf(tmp_path / "dense.gguf", **TINY_MODELS["llama_tied"])), 0, 2) == 0
+  on, off = (plan(path, stages=1, devices="CPU", max_streams=3, prefix_cache=c) for c in (1024, 0))
+  need = lambda p: memory_need(p.header, p.options, p.split, p.devices, p.weights, 0)  # noqa: E731
+  assert need(off)["kv"] == need(on)["kv"] == kv_bytes_per_position(h, 0, h.num_blocks) * 4 * (MAX_CHUNK + 31) + 4 * state
+  assert need(off)["prefix_cache"] == 0 and need(on)["prefix_cache"] == 1024 * prefix_cache_bytes_per_token(h) + 2 * 3 * state
+  assert on.role(0)["prefix_states"] == prefix_states(1024) == 16 and off.role(0)["prefix_states"] == 0

@@ -97,7 +97,8 @@ class KVBlocks:
     sid = self._snapshot_id(sid)
     if self.state_at[sid] != position:
       raise errors.PrefixBlocksInvalid(f"snapshot {sid} holds the state at position {self.state_at[sid]}, not {position} (-1: none)")
-    self.boundary.pop(slot, None)  # a new stream: the slot's kept boundaries were its last stream's
+    # a new stream: the slot's kept boundaries were its last stream's (their arrays are reused, no position matches)
+    self.boundary[slot] = [(-1, arrays) for _, arrays in self.boundary.get(slot, [])]
     for (t, _, n), pool, dst in zip(self.recurrent, self.state_pools, self._kept(slot, position), strict=True):
       arr, back = self._region(t, slot, (n,))
       arr[:] = pool[sid]

@@ -35,6 +35,10 @@ PREFIX_METRICS = (  # (metric, key of Launcher.prefix_cache_stats, type, help)
   ("pyruntime_prefix_cache_blocks", "held_blocks", "gauge", "Blocks holding a cached prefix now."),
   ("pyruntime_prefix_cache_bytes", "bytes_held", "gauge", "Host memory those blocks hold, all stages together."),
   ("pyruntime_prefix_cache_budget_bytes", "bytes_budget", "gauge", "Host memory the prefix cache may hold, all stages together."),
+  # models with recurrent blocks (hybrids): the state snapshots kept with cached prefixes (0 for the others)
+  ("pyruntime_prefix_cache_saved_states", "saved_states", "counter", "Recurrent-state snapshots the stages kept with cached prefixes."),
+  ("pyruntime_prefix_cache_state_evictions", "state_evictions", "counter", "Recurrent-state snapshots given up for newer ones."),
+  ("pyruntime_prefix_cache_states", "held_states", "gauge", "Recurrent-state snapshots held now."),
 )
 EXPERT_METRIC = "pyruntime_expert_routed_tokens"
 

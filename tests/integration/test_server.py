@@ -197,6 +197,7 @@ def test_a_repeated_prompt_reports_cached_tokens_and_metrics_count_them(live):
   assert off.usage.prompt_tokens_details.cached_tokens == 0 and off.choices[0].message.content == first.choices[0].message.content
   metrics = httpx.get(f"{srv.url}/metrics").text
   assert sample(metrics, "pyruntime_prefix_cache_hits_total") >= 1 and sample(metrics, "pyruntime_prefix_cache_bytes") is not None
+  assert sample(metrics, "pyruntime_prefix_cache_states") == 0  # a dense model keeps no recurrent-state snapshots
   with pytest.raises(openai.BadRequestError):
     c.chat.completions.create(model=lm.model_name, messages=messages, max_tokens=1, extra_body={"cache_salt": 7})
 

@@ -1,6 +1,6 @@
 """Every model family at one size, pyruntime beside tinygrad's own single-process model on the same file, in one run.
 
-  python bench/families.py [--families llama,qwen3moe,deepseek2,qwen35] [--tokens 48] [--streams 1,8] [--size small|1b] [--json]
+  python bench/families.py [--families llama,qwen3moe,glm4moe,deepseek2,qwen35,qwen35moe] [--tokens 48] [--streams 1,8] [--size small|1b] [--json]
 
 The files are random models written by tests/tinymodels.py at one size, Q8_0, with the tiny tokenizer's vocabulary
 (300 tokens: the output projection costs next to nothing, so these figures are the blocks'). `small` (the default):
@@ -51,6 +51,10 @@ FAMILY_ARGS = {
   "deepseek2": dict(arch="deepseek2", tied=False, moe=dict(experts=16, used=4, ff=384, norm=False), mla=MLA_DIMS["small"]),
   "qwen35": dict(arch="qwen35", tied=True, rope_dim=32, post_norm=True,
                  ssm=dict(conv_kernel=4, state_size=64, group_count=4, time_step_rank=8, inner_size=512, interval=2)),
+  # the hybrid with routed experts and a gated shared expert in every block (Qwen3.5-35B-A3B's layout)
+  "qwen35moe": dict(arch="qwen35moe", tied=False, rope_dim=32, post_norm=True,
+                    ssm=dict(conv_kernel=4, state_size=64, group_count=4, time_step_rank=8, inner_size=512, interval=2),
+                    moe=dict(experts=16, used=4, ff=384, shared=1, shared_gate=True)),
 }
 PROMPT = "The quick brown fox jumps over the lazy dog and runs into the forest"
 

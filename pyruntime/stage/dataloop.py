@@ -77,15 +77,16 @@ class Egress:
     payload = token.to_bytes(4, "little") if lp < 0 else logprob_payload(score(logits, token, lp), lp)
     self.put(oid, payload, flags | (FLAG_END if end else 0), publish)
 
-  def emit_scores(self, sid: int, st: Stream, pos: int, rows: list[Any]) -> None:
+  def emit_scores(self, sid: int, st: Stream, pos: int, rows: list[Any], flags: int = 0, publish: bool = True) -> None:
     """A scored prompt's chunk at the tail (prompt_logprobs): for each row before the prompt's last, the TokenScore of
-    the prompt's next token; the last prompt row's answer is the first sampled token, as ever. One MORE group."""
+    the prompt's next token; the last prompt row's answer is the first sampled token, as ever. One MORE group (its last
+    record with `flags` and `publish`: a step's other records may follow in the group)."""
     last = len(rows) - 1
     for i, logits in enumerate(rows):
-      p = pos + i
-      if p == st.prompt_tokens - 1: return self.emit(sid, st, p, 1, logits, 0)
+      p, f, pub = pos + i, FLAG_MORE if i < last else flags, publish if i == last else False
+      if p == st.prompt_tokens - 1: return self.emit(sid, st, p, 1, logits, f, pub)
       s = score(logits.numpy(), st.history[p + 1], st.logprobs)
-      self.put(object_id(sid, p), logprob_payload(s, st.logprobs), FLAG_MORE if i < last else 0, publish=i == last)
+      self.put(object_id(sid, p), logprob_payload(s, st.logprobs), f, pub)
 
   def emit_rows(self, sid: int, st: Stream, pos: int, rows: list[Any]) -> None:
     """The tail's answers to a speculative record: a token for every row, in order, each sampled with the history of
@@ -327,7 +328,7 @@ class DataLoop:
 
   def decode_step(self, rows: list[tuple[int, Stream]]) -> None:
     t0 = time.monotonic()
-    items = [(sid, st, *st.pending.popleft()) for sid, st in rows]
+    items = [(sid, st, *self.sched.next_row(st)) for sid, st in rows]
     if self.sched.decode_mode == "reference":
       # each result aliases the stage's output buffers (and its router logits): emit it before the next forward
       t1 = t0  # t1 - t0: the forwards' time
@@ -342,17 +343,24 @@ class DataLoop:
                                        [pos for _, _, pos, _ in items])
       outs = self.model.batch_rows(batch, [st.slot for _, st, _, _ in items])
       t1 = time.monotonic()
+      # a prompt's row (prompt_rows_in_window) goes on as a decode row does, except at the tail: there only its prompt's
+      # last row is answered (a token), or with prompt_logprobs every row (a score)
+      sent = [(sid, st, pos, out) for (sid, st, pos, _), out in zip(items, outs, strict=True)
+              if not self.model.is_tail or pos >= st.prompt_tokens - 1 or st.scores_prompt(pos)]
       # the step's records become visible together (one publishing store, one wake-up of the reader): the next stage
       # and the launcher take a MORE group as a whole anyway, so publishing each row would only wake them per row
-      last = len(items) - 1
-      for i, ((sid, st, pos, _), out) in enumerate(zip(items, outs, strict=True)):
-        self.out.emit(sid, st, pos, 1, out, FLAG_MORE if i < last else 0, publish=i == last)
+      last = len(sent) - 1
+      for i, (sid, st, pos, out) in enumerate(sent):
+        flags, publish = FLAG_MORE if i < last else 0, i == last
+        if self.model.is_tail and st.scores_prompt(pos): self.out.emit_scores(sid, st, pos, [out], flags, publish)
+        else: self.out.emit(sid, st, pos, 1, out, flags, publish)
       t2 = time.monotonic()
-    n = len(items)
+    n, k = len(items), sum(1 for _, st, pos, _ in items if pos < st.prompt_tokens)
     self.sched.note_decode(t2 - t0)
-    self.stats.update(records=self.stats["records"] + n, tokens=self.stats["tokens"] + n, decode_steps=self.stats["decode_steps"] + 1,
-                      decode_rows=self.stats["decode_rows"] + n, max_batch=max(self.stats["max_batch"], n),
-                      compute_s=self.stats["compute_s"] + t1 - t0, emit_s=self.stats["emit_s"] + t2 - t1)
+    s = self.stats
+    s.update(records=s["records"] + n, tokens=s["tokens"] + n, decode_steps=s["decode_steps"] + 1, decode_rows=s["decode_rows"] + n - k,
+             max_batch=max(s["max_batch"], n - k), prefill_chunks=s["prefill_chunks"] + k, mixed_steps=s["mixed_steps"] + (0 < k < n),
+             compute_s=s["compute_s"] + t1 - t0, emit_s=s["emit_s"] + t2 - t1)
 
   def mixed_step(self, rows: list[tuple[int, Stream]], psid: int, pst: Stream) -> None:
     """One decode step with a prompt chunk in the same pass (StageModel.forward_mixed): the decode rows go out as

@@ -51,6 +51,10 @@ class Stream:
     """What waits first is a row past the prompt: a decode row, or a record of drafted rows to verify."""
     return bool(self.pending) and self.prompt_tokens is not None and self.pending[0][0] >= self.prompt_tokens
 
+  def next_is_prompt_row(self) -> bool:
+    """What waits first is part of the prompt (whose next row a recurrent model computes as a decode row)."""
+    return bool(self.pending) and self.prompt_tokens is not None and self.pending[0][0] < self.prompt_tokens
+
   def is_verify(self, pos: int) -> bool:
     """A record of drafted rows past the prompt (computed as a chunk, every row answered at the tail)."""
     return self.speculative and self.prompt_tokens is not None and pos >= self.prompt_tokens
@@ -63,7 +67,8 @@ class Stream:
 @dataclass
 class Step:
   """What one step computes."""
-  decode: list[tuple[int, Stream]]    # (stream id, stream) with a decode row waiting, oldest waiting first, one micro-batch's share
+  decode: list[tuple[int, Stream]]    # (stream id, stream) with a decode row waiting, oldest waiting first, one micro-batch's share;
+                                      # with prompt_rows_in_window, also prompts whose next row this step computes
   prefill: tuple[int, Stream] | None  # the stream whose prompt's next chunk this step computes
   mixed: bool                         # the chunk rides in the decode rows' pass over the weights (the rows path)
 
@@ -78,6 +83,9 @@ class StageScheduler:
     self.prefill_share = PREFILL_SHARE
     self.max_chunk = self.min_chunk = 1
     self.is_head = True
+    # a prompt row is a decode row (a recurrent model on the rows path, StageModel.prompt_rows_in_window): the step takes
+    # the next row of every waiting prompt beside the decode rows, so many prompts advance together, each one row a step
+    self.prompt_rows_in_window = False
     # measurements
     self.gathering: float | None = None  # since when decode rows are being gathered
     self.step_s = 0.0                    # a decode step's duration here (moving average)
@@ -124,12 +132,20 @@ class StageScheduler:
 
   def plan(self) -> Step:
     """The next step: every stream with a decode row waiting (oldest first, one micro-batch's share), and one chunk of
-    the first stream still prefilling. So a long prompt delays the running streams by at most one chunk per step."""
+    the first stream still prefilling. So a long prompt delays the running streams by at most one chunk per step. With
+    prompt_rows_in_window, every waiting prompt's next row instead, beside the decode rows in one window."""
     self.gathering = None
     decode = sorted(((sid, st) for sid, st in self.streams.items() if st.next_is_decode()), key=lambda x: x[1].waiting_since)
     # micro-batches: with stages on devices of their own, a step takes at most 1/micro_batches of the streams, so the
     # groups alternate between stages and every stage computes at once (stages sharing one CPU gain nothing by that)
     cap = -(-len(self.streams) // self.micro_batches)
+    if self.prompt_rows_in_window and self.decode_mode == "batched":
+      rows = sorted(((sid, st) for sid, st in self.streams.items() if st.next_is_decode() or st.next_is_prompt_row()),
+                    key=lambda x: x[1].waiting_since)[:cap]
+      taken = {sid for sid, _ in rows}  # what is left (drafted rows, which such a model is never sent) goes as before
+      prefill = next(((sid, st) for sid, st in self.streams.items() if st.pending and sid not in taken and not st.next_is_decode()
+                      and not st.next_is_prompt_row()), None)
+      return Step(rows, prefill, False)
     prefill = next(((sid, st) for sid, st in self.streams.items() if st.pending and not st.next_is_decode()), None)
     # on the rows path a prompt's chunk rides in the decode step's pass over the weights (the same bits either way)
     return Step(decode[:cap], prefill, bool(decode and prefill and self.decode_mode == "batched"))
@@ -142,6 +158,13 @@ class StageScheduler:
     if n == len(x): st.pending.popleft()
     else: st.pending[0] = (pos + n, x[n:])
     return pos, x[:n]
+
+  def next_row(self, st: Stream) -> tuple[int, Any]:
+    """Take `st`'s next row, a decode row or its prompt's next (prompt_rows_in_window): (its position, the row)."""
+    pos, x = st.pending[0]
+    if len(x) == 1: st.pending.popleft()
+    else: st.pending[0] = (pos + 1, x[1:])
+    return pos, x[:1]
 
   def chunk_rows(self, st: Stream) -> int:
     """Rows of `st`'s next chunk, were it taken now (next_chunk takes it)."""

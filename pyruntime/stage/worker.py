@@ -264,6 +264,7 @@ class Stage:
     # keeps streams in flight exact trivially)
     if not m.batched: self.sched.decode_mode = "reference"
     self.sched.max_chunk, self.sched.min_chunk, self.sched.is_head = m.max_chunk, m.min_chunk, m.is_head
+    self.sched.prompt_rows_in_window = m.prompt_rows_in_window
     if self.role["prefix_blocks"] and (states := m.position_states()) is not None:
       from pyruntime.stage.compute.kv_blocks import KVBlocks
       self.blocks = KVBlocks(states, self.role["prefix_blocks"], self.role["block_size"], m.recurrent_states(), self.role["prefix_states"])

@@ -133,6 +133,18 @@ def test_a_hybrid_runs_the_rows_path_one_row_per_stream(family_paths, family_ref
     return out + [m.prefill_rows(2, prompts[2][4:5], 4).numpy().copy()]
   assert m.mixes(1) and not m.mixes(2) and m.max_chunk == 1
   assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(step(True), step(False), strict=True))
+  # several prompts' rows in one window, from position 0 (the scheduler's prompt_rows_in_window), beside a decode row:
+  # each prompt's last row gives the bits its prompt gives alone
+  n = min(len(p) for p in prompts[:3])
+  for s in range(4): m.reset_slot(s)
+  alone = [m.prefill_rows(s, prompts[s][:n], 0).numpy().copy() for s in range(3)]
+  for s in range(4): m.reset_slot(s)
+  m.prefill_rows(3, prompts[3], 0)
+  assert m.prompt_rows_in_window
+  for i in range(n):
+    out = m.forward_batch([0, 1, 2, 3], np.asarray([prompts[s][i] for s in range(3)] + [5], np.uint32), [i, i, i, len(prompts[3]) + i])
+  together = [r.numpy().copy() for r in m.batch_rows(out, [0, 1, 2])]
+  assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(together, alone, strict=True))
   for n, p in family_paths.items():
     assert load_split(p, [(0, 1)], decode="batched")[0].batched == (read_header(p).arch in ROWS_ARCHS), n
 

@@ -155,6 +155,28 @@ def test_the_first_prefilling_stream_is_the_steps_prompt():
   assert s.plan().prefill[0] == 5
 
 
+def test_a_recurrent_models_waiting_prompts_each_give_a_row_to_the_decode_window():
+  """prompt_rows_in_window (a recurrent model on the rows path, where a prompt row is a decode row): one step takes the
+  decode rows and the next row of every waiting prompt, so eight prompts advance together instead of one after
+  another; each step takes one row of a prompt, and what a stream has left waits for the next step."""
+  s, _ = scheduler(prompt_rows_in_window=True, max_chunk=1, min_chunk=1)
+  decoding(s, 0, row=True, since=5)
+  a, b = prompting(s, 7, n=3), prompting(s, 8, n=2)
+  a.waiting_since, b.waiting_since = 1, 2
+  decoding(s, 1, row=False)
+  plan = s.plan()
+  assert [sid for sid, _ in plan.decode] == [7, 8, 0] and plan.prefill is None and not plan.mixed
+  assert [s.next_row(st)[0] for _, st in plan.decode] == [0, 0, 5]
+  assert [(p, len(x)) for p, x in a.pending] == [(1, 2)] and [(p, len(x)) for p, x in b.pending] == [(1, 1)]
+  plan = s.plan()
+  assert [sid for sid, _ in plan.decode] == [7, 8]
+  for _, st in plan.decode: s.next_row(st)
+  assert [p for p, _ in a.pending] == [2] and not b.pending
+  off, _ = scheduler(prompt_rows_in_window=True, max_chunk=1, min_chunk=1, decode_mode="reference")
+  prompting(off, 7); prompting(off, 8)
+  assert off.plan().prefill[0] == 7  # tinygrad's own path: one prompt a step, as before
+
+
 def test_a_chunk_is_cut_by_the_policy_and_the_rest_waits():
   s, _ = scheduler(step_s=0.1, last_prefill=(16, 0.1))  # 16 rows cost a step: 2 steps' share fits 32
   decoding(s, 0, row=True)

@@ -368,7 +368,7 @@ class StageModel:
     if len(set(slots)) != len(slots): raise errors.SlotInvalid(f"a batch names a KV slot twice: {slots}")
     for i, (slot, p) in enumerate(zip(slots, positions, strict=True)):
       self._validate(slot, inp[i:i + 1] if self.is_head else inp[i:i + 1].reshape(1, -1), p)
-      if p == 0: raise errors.StreamPositionInvalid(f"slot {slot}: position 0 is a prefill, not a decode step")
+      if p == 0 and not self.prompt_rows_in_window: raise errors.StreamPositionInvalid(f"slot {slot}: position 0 is a prefill, not a decode step")
 
   def forward_batch(self, slots: list[int], inp: np.ndarray, positions: list[int]) -> Tensor:
     """One decode step for several streams at once: row i of `inp` (a token id on the head, else a (dim,) hidden state)
@@ -417,6 +417,13 @@ class StageModel:
     buf = out.uop.buffer
     row = self._view(buf, (self.vocab_size,) if self.is_tail else (1, 1, self.dim), slot * (self.vocab_size if self.is_tail else self.dim))
     return out, [row] if every_row and self.is_tail else row
+
+  @property
+  def prompt_rows_in_window(self) -> bool:
+    """A prompt's row is a decode row here (a recurrent model on the rows path: its recurrence takes one position at a
+    time), so forward_batch takes prompt rows, position 0 included, beside decode rows: every waiting prompt advances in
+    the one step (the scheduler's prompt_rows_in_window)."""
+    return self.recurrent and self.rows is not None
 
   def mixes(self, rows: int) -> bool:
     """Whether a chunk of `rows` beside decode rows costs less inside their step (forward_mixed) than apart from it:

@@ -6,9 +6,9 @@ Each family's random model is bench/families.py's file at `--size`. One launcher
 budget) and one without (`prefix_cache=0`), one stage each, greedy; a chat whose system prompt is `--system-tokens` token
 ids, each turn asking for 16 tokens and resending the whole history as token ids (the reply's own ids: what a client's
 text would give back on a real model). Per turn: the time to the first token on each launcher, the tokens the cached one
-read from the cache, and whether both answered the same tokens. A hybrid's prompt goes one row at a time (its recurrent
-blocks), so a cached prefix saves it most; what a snapshot costs shows in the first turn (each stage copies the slot's
-state aside at every block boundary).
+read from the cache, and whether both answered the same tokens. A hybrid's prompt costs most (its recurrence runs one
+row after another, in chunks of 16 rows), so a cached prefix saves it most; what a snapshot costs shows in the first
+turn (each stage copies the slot's state aside at every block boundary).
 
 Printed first: the CPU; then per family and turn both launchers' first-token times and their ratio.
 """

@@ -22,7 +22,7 @@ SUPPORTED_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | SSM_SUPPORTED | 
 # the architectures the rows path runs (stage/compute/rows.py, experts.py and gemma.py): many streams per step. Attention
 # blocks (latent attention and sliding windows included) with a dense or routed feed-forward also get the prefix cache,
 # speculation, scoring and the tensor-core mode; recurrent blocks (SSM_SUPPORTED: their state is not a function of
-# positions, and their projections are tinygrad's) take a prompt one row at a time, and get the prefix cache only (their
+# positions, and their projections are tinygrad's) take a prompt's rows as decode rows, and get the prefix cache only (their
 # state kept as snapshots at cached prefixes' ends)
 ROWS_ARCHS = DENSE_ARCHS | MOE_SUPPORTED | MLA_SUPPORTED | OWN_ARCHS | SSM_SUPPORTED
 FFN_NORM_RENAMED = frozenset({"qwen35", "qwen35moe", "glm4moe"})  # from_gguf reads their post_attention_norm as ffn_norm
@@ -44,7 +44,7 @@ def support_table() -> str:
   rows = ["| architecture | family | runs on | prefix cache, speculation, tensor cores |", "|---|---|---|---|"]
   for a in sorted(SUPPORTED_ARCHS, key=lambda a: (a not in DENSE_ARCHS, a in SSM_SUPPORTED, a)):
     runs = "the rows path: many streams per step" if a in ROWS_ARCHS else "tinygrad's own kernels, one stream at a time"
-    if a in SSM_SUPPORTED: runs += " (a prompt one row at a time)"
+    if a in SSM_SUPPORTED: runs += " (a prompt's rows are decode rows)"
     extras = "yes" if a in ROWS_ARCHS else "no"
     if a in SSM_SUPPORTED: extras = "the prefix cache (with state snapshots); no speculation or tensor cores"
     rows.append(f"| `{a}` | {family(a)} | {runs} | {extras} |")

@@ -243,7 +243,7 @@ def test_sm90_tensor_core_mode_runs_every_projection_on_tensor_cores(tiny, weigh
 @pytest.mark.parametrize("weights", ["quantized", "float16"])
 def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
   """Each family's stage (MoE, MLA and Gemma 3: every graph of the rows path, the routed experts', the latent attention's
-  and the sliding window's included; a hybrid's: its recurrent blocks' decode windows) and each weight form, compiled for
+  and the sliding window's included; a hybrid's: its decode windows and prompt chunk) and each weight form, compiled for
   sm_90 in-process; the kernels are CUDA C rendered for sm_90 and compiled to PTX by NVRTC."""
   lane_device(SM90.format(0))
   from tinygrad import Device
@@ -260,9 +260,10 @@ def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
   if m.batched:  # the rows path: every decode window, the prompt graphs and the mixed step
     graphs = {f"decode-{w}": j for w, j in m.rows.decode_jits.items()} | {"prefill": m.rows.prefill_jit} | \
              {f"mixed-{w}": j for w, j in m.rows.mixed_jits.items()} | {f"prefill-{r}": j for r, j in m.rows.short_jits.items()}
-    # (a hybrid's prompt rows are decode rows: it has decode windows only)
+    # (a hybrid: its decode windows and its one chunk graph, rows.RECURRENT_ROWS rows; its prompt rows beside decode
+    # rows are decode rows)
     assert ({"decode-1", "decode-2"} if m.recurrent else {"decode-1", "decode-2", "prefill", "mixed-2"}) <= set(graphs), sorted(graphs)
-    if m.recurrent: assert set(graphs) == {"decode-1", "decode-2", "prefill"} and graphs["prefill"] is None
+    if m.recurrent: assert set(graphs) == {"decode-1", "decode-2", "prefill", "prefill-16"} and graphs["prefill"] is None
     graphs = {k: j for k, j in graphs.items() if j is not None}
   else:
     graphs = m._graphs

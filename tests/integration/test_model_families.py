@@ -79,8 +79,8 @@ def test_family_configs_exercise_what_they_claim(family_refs):
 
 @pytest.mark.parametrize("name", ["qwen35"])  # qwen35moe's experts on the rows path: test_families.py, through stage processes
 def test_a_hybrid_runs_the_rows_path_one_row_per_stream(family_paths, family_refs, name):
-  """A hybrid stage on the rows path (RowPath._recurrent): warm_up prepares the decode windows only (a prompt's rows go
-  one at a time through the decode window: a prompt row is a decode row by construction); two stages give tinygrad's
+  """A hybrid stage on the rows path (RowPath._recurrent): warm_up prepares the decode windows and the chunk graph (a
+  chunk's rows are decode rows, the recurrence one row after another: RowPath._recurrent_chunk); two stages give tinygrad's
   tokens; a stream's rows are the same bits alone and beside other streams (whose fillers leave idle slots' state
   untouched); a prompt's row beside decode rows (one window, forward_mixed) equals it apart; splits equal one stage.
   Which stages take the rows path is what modelfile.plan.ROWS_ARCHS says."""
@@ -131,10 +131,18 @@ def test_a_hybrid_runs_the_rows_path_one_row_per_stream(family_paths, family_ref
       return [r.numpy().copy() for r in m.mixed_rows(dec, [0, 1])] + [pre.numpy().copy()]
     out = [r.numpy().copy() for r in m.batch_rows(m.forward_batch([0, 1], tok, at), [0, 1])]
     return out + [m.prefill_rows(2, prompts[2][4:5], 4).numpy().copy()]
-  assert m.mixes(1) and not m.mixes(2) and m.max_chunk == 1
+  assert m.mixes(1) and not m.mixes(2) and m.max_chunk == 16  # rows.RECURRENT_ROWS
   assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(step(True), step(False), strict=True))
   # several prompts' rows in one window, from position 0 (the scheduler's prompt_rows_in_window), beside a decode row:
-  # each prompt's last row gives the bits its prompt gives alone
+  # each prompt's last row gives the bits its prompt gives alone, in chunks (RowPath._recurrent_chunk: a 40-row prompt
+  # in chunks of 16, 16 and 8 rows, the last padded); and the state after it, the same next row
+  long = np.asarray(PROMPT, np.uint32)
+  m.reset_slot(0)
+  chunked = [m.prefill_rows(0, long, 0).numpy().copy(), m.batch_rows(m.forward_batch([0], long[:1], [len(long)]), [0])[0].numpy().copy()]
+  m.reset_slot(0)
+  for i in range(len(long)): row = m.batch_rows(m.forward_batch([0], long[i:i + 1], [i]), [0])[0].numpy().copy()
+  rowwise = [row, m.batch_rows(m.forward_batch([0], long[:1], [len(long)]), [0])[0].numpy().copy()]
+  assert len(long) == 40 and all(np.array_equal(bits(a), bits(b)) for a, b in zip(chunked, rowwise, strict=True))
   n = min(len(p) for p in prompts[:3])
   for s in range(4): m.reset_slot(s)
   alone = [m.prefill_rows(s, prompts[s][:n], 0).numpy().copy() for s in range(3)]

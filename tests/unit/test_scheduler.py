@@ -172,6 +172,20 @@ def test_a_recurrent_models_waiting_prompts_each_give_a_row_to_the_decode_window
   assert [sid for sid, _ in plan.decode] == [7, 8]
   for _, st in plan.decode: s.next_row(st)
   assert [p for p, _ in a.pending] == [2] and not b.pending
+  # a lone prompt at the head goes as a chunk (max_chunk rows); at a later stage a record goes as it came
+  lone, _ = scheduler(prompt_rows_in_window=True, max_chunk=16, min_chunk=1, step_s=0.01, last_prefill=(16, 1.0))
+  st = prompting(lone, 7, n=40)
+  plan = lone.plan()
+  assert plan.decode == [] and plan.prefill[0] == 7 and [len(x) for _, x in [lone.next_chunk(st)]] == [16]
+  prompting(lone, 8, n=5)
+  assert [sid for sid, _ in lone.plan().decode] == [7, 8]  # two prompts: a row of each in one window
+  later, _ = scheduler(prompt_rows_in_window=True, max_chunk=16, min_chunk=1, is_head=False, step_s=0.01, last_prefill=(1, 1.0))
+  decoding(later, 0, row=True)
+  chunk, row = Stream(slot=1, prompt_tokens=40, position=16), Stream(slot=2, prompt_tokens=40, position=1)
+  chunk.pending.append((0, np.zeros((16, 4), np.float32))); row.pending.append((0, np.zeros((1, 4), np.float32)))
+  later.streams.update({1: chunk, 2: row})
+  plan = later.plan()
+  assert sorted(sid for sid, _ in plan.decode) == [0, 2] and plan.prefill[0] == 1 and len(later.next_chunk(chunk)[1]) == 16
   off, _ = scheduler(prompt_rows_in_window=True, max_chunk=1, min_chunk=1, decode_mode="reference")
   prompting(off, 7); prompting(off, 8)
   assert off.plan().prefill[0] == 7  # tinygrad's own path: one prompt a step, as before

@@ -45,7 +45,7 @@ from pyruntime.protocol import PREFILL_CHUNK
 from pyruntime.stage.compute import cpu_graph, cuda_graph, device_memory, loop_schedules
 from pyruntime.stage.compute.gemma import gemma_form
 from pyruntime.stage.compute.graph_cache import GraphCache
-from pyruntime.stage.compute.rows import MAX_ROWS, ROW_UNIT, RowPath
+from pyruntime.stage.compute.rows import MAX_ROWS, RECURRENT_ROWS, ROW_UNIT, RowPath
 from pyruntime.stage.compute.weights import PROJECTIONS, held_buffers, linears
 from pyruntime.stage.compute.weights import load as load_weights
 
@@ -422,7 +422,7 @@ class StageModel:
   def prompt_rows_in_window(self) -> bool:
     """A prompt's row is a decode row here (a recurrent model on the rows path: its recurrence takes one position at a
     time), so forward_batch takes prompt rows, position 0 included, beside decode rows: every waiting prompt advances in
-    the one step (the scheduler's prompt_rows_in_window)."""
+    the one step (the scheduler's prompt_rows_in_window; a lone prompt goes in chunks, _prefill_recurrent)."""
     return self.recurrent and self.rows is not None
 
   def mixes(self, rows: int) -> bool:
@@ -445,7 +445,7 @@ class StageModel:
     if self.rows is None: return self._reference_forward(slot, inp, start_pos, True)
     inp = self._validate(slot, inp, start_pos)
     T = len(inp)
-    if self.recurrent: return self._prefill_row_by_row(slot, inp, start_pos, every_row)
+    if self.recurrent: return self._prefill_recurrent(slot, inp, start_pos, every_row)
     if T <= MAX_ROWS:
       out = self.rows.prefill(slot, inp, start_pos, every_row)
       self._keep_routers([(slot, 0, T)])
@@ -459,22 +459,26 @@ class StageModel:
       if res is not None: _copy_rows(res, out.uop.buffer, s, min(MAX_ROWS, T - s))
     return out if res is None else res
 
-  def _prefill_row_by_row(self, slot: int, inp: np.ndarray, start_pos: int, every_row: bool = False) -> Tensor | list[Tensor]:
-    """A recurrent model's prompt rows on the rows path: each a decode row of its slot alone, in order (the recurrence
-    runs one position at a time, as tinygrad's generate prefills such a model), so a prompt row is a decode row by
-    construction. Returns what prefill_rows returns (`every_row`, a scored chunk: at most score_rows = 1 row)."""
-    if every_row and self.is_tail and len(inp) > 1:
-      raise errors.ActivationExtentInvalid(f"every row's logits of a recurrent model: one row at a time, got {len(inp)}")
-    res = None if self.is_tail else self._empty((1, len(inp), self.dim), self._bdtype)
-    lo = self.rows.window([slot])[0]
-    for i in range(len(inp)):
-      out = self.rows.decode([slot], inp[i:i + 1], [start_pos + i])
-      self._keep_routers([(slot, slot - lo, 1)], after=i > 0)
-      self._advance(slot, start_pos + i + 1)
-      if res is not None: device_memory.write(res.uop.buffer, self.rows.rows_of(out, [slot])[0].numpy(), i * self.dim * res.dtype.itemsize)
-    if res is not None: return res
-    logits = self._view(out.uop.buffer, (self.vocab_size,), (slot - lo) * self.vocab_size)
-    return [logits] if every_row else logits
+  def _prefill_recurrent(self, slot: int, inp: np.ndarray, start_pos: int, every_row: bool = False) -> Tensor | list[Tensor]:
+    """A recurrent model's prompt rows on the rows path: chunks of at most RECURRENT_ROWS (RowPath._recurrent_chunk: the
+    bits of the chunk's rows fed one at a time as decode rows), each ending where the prefix cache keeps a state at the
+    latest (`on_boundary`). Returns what prefill_rows returns (`every_row`, a scored chunk: at most score_rows = 1 row)."""
+    T = len(inp)
+    if every_row and self.is_tail and T > self.score_rows:
+      raise errors.ActivationExtentInvalid(f"every row's logits of a recurrent model: {self.score_rows} row at a time, got {T}")
+    cuts, p = [], start_pos
+    while p < start_pos + T:
+      n = min(RECURRENT_ROWS, start_pos + T - p)
+      cuts.append((p, n if self.on_boundary is None else min(n, self.boundary_every - p % self.boundary_every)))
+      p += cuts[-1][1]
+    res = None if self.is_tail or len(cuts) == 1 else self._empty((1, T, self.dim), self._bdtype)
+    for p, n in cuts:
+      s = p - start_pos
+      out = self.rows.prefill(slot, inp[s:s + n], p, every_row)
+      self._keep_routers([(slot, 0, n)], after=s > 0)
+      self._advance(slot, p + n)
+      if res is not None: _copy_rows(res, out.uop.buffer, s, n)
+    return out if res is None else res
 
   def _keep_routers(self, parts: list[tuple[int, int, int]], after: bool = False) -> None:
     """After a rows-path call: for each (slot, first row, rows) of its graph, those rows' router logits become the
@@ -489,7 +493,7 @@ class StageModel:
   @property
   def score_rows(self) -> int:
     """The most prompt rows a chunk can have when every row's logits are wanted (a scored prompt: the tail's graph keeps
-    the last ROW_UNIT rows' logits; a recurrent model's prompt rows are decode rows, one at a time); 0: this stage cannot
+    the last ROW_UNIT rows' logits; a recurrent model's scored rows go one at a time, decode rows); 0: this stage cannot
     give every row's logits (tinygrad's path)."""
     if self.rows is None: return 0
     return 1 if self.recurrent else ROW_UNIT
@@ -497,9 +501,8 @@ class StageModel:
   @property
   def max_chunk(self) -> int:
     """The most prompt rows one forward computes at once: the rows path's MAX_ROWS, else tinygrad's chunk; a recurrent
-    model's rows path 1 (its prompt rows go one at a time anyway, so a chunk of one rides in the decoding streams'
-    window, _mixed_row, instead of holding their step back)."""
-    if self.rows is not None and self.recurrent: return 1
+    model's rows path RECURRENT_ROWS (its chunk graph's rows, _prefill_recurrent)."""
+    if self.rows is not None and self.recurrent: return RECURRENT_ROWS
     return MAX_ROWS if self.rows is not None else self.chunk
 
   @property
@@ -730,7 +733,7 @@ class StageModel:
       run("prefill", lambda: self.forward(0, zeros, 0, prefill=True))
       run("decode", lambda: self.forward(0, zeros, 1, prefill=False))
     else:
-      short = () if self.recurrent else self.rows.short_rows  # (a recurrent model's prompt rows are decode rows)
+      short = (RECURRENT_ROWS,) if self.recurrent else self.rows.short_rows  # (a recurrent model's chunk: one size)
       if not self.recurrent: run("prefill", lambda: self.prefill_rows(0, np.repeat(zeros, short[-1] + 1 if short else 1, axis=0), 0))
       for R in short:
         self.reset_slot(0)

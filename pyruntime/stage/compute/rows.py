@@ -61,6 +61,8 @@ STAGED_ROWS = ROW_UNIT  # a packed matrix read by more rows than this is dequant
 # the tensor-core mode: a projection's rows are padded to this, the rows of every float16 tile tinygrad's renderers
 # know (CUDA's 16x8x16, AMD's 16x16x16, Metal's 8x8x8 and Intel's 8x8x16 divide it)
 TC_ROWS = 16
+# a recurrent model's prompt chunk (_recurrent_chunk): its rows' projections at once, the recurrence one row after another
+RECURRENT_ROWS = ROW_UNIT
 KV_UNIT = 32     # attended lengths are padded to a multiple of this (loop_schedules.VEC x two threads)
 
 
@@ -393,6 +395,42 @@ class RowPath:
     out = b.ssm_norm((state @ q).squeeze(-1).reshape(W, 1, Hv, dv))
     return proj(b.ssm_out, (out * out_gate.silu()).reshape(W, 1, -1))
 
+  def _recurrent_chunk(self, b: GatedDeltaNetBlock, x: Tensor, slot: UOp, R: int, pos: Tensor) -> Tensor:
+    """_recurrent for R consecutive rows of the stream in `slot` (x: (1, R, dim), normed; a padding row's pos is -1 and
+    leaves the state as it was): the projections, the convolution and the norms of every row at once, each row's as a
+    decode window's row computes it (a row's sums do not depend on the rows beside it), and the recurrence itself one
+    row after another, each step the decode step's operations on the state the row before left, stored as it stores
+    it. So a chunk's outputs and final state are the bits of its rows fed one at a time."""
+    K, C, Hv, dv, Hk, dk = b.ssm_conv_kernel, b.conv_channels, b.num_v_heads, b.head_v_dim, b.num_k_heads, b.head_k_dim
+    conv_all, rec_all = b.rows_conv.reshape(self.slots + 1, K - 1, C), b.rows_rec.reshape(self.slots + 1, Hv, dv, dv)
+    conv, rec = conv_all[slot:slot + 1], rec_all[slot:slot + 1]
+    x = x.reshape(R, 1, -1)  # the rows as a window's (_recurrent's x), one stream's positions in order
+    def proj(lin: Any, t: Tensor) -> Tensor: return lin(t.half().float().contiguous()).half()
+    out_gate = proj(b.attn_gate, x).reshape(R, 1, Hv, dv)
+    beta = proj(b.ssm_beta, x).sigmoid().reshape(R, Hv, 1, 1)
+    alpha = ((proj(b.ssm_alpha, x).float() + b.ssm_dt["bias"]).softplus() * b.ssm_a).reshape(R, Hv, 1, 1).exp()
+    seq = conv.reshape(K - 1, C).cat(proj(b.attn_qkv, x).reshape(R, C))  # the conv state, then every row's input
+    window = Tensor.stack(*[seq[t:t + K] for t in range(R)])  # (R, K, C): row t's window, as _recurrent's
+    mixed = (window * b.ssm_conv1d["weight"].T.unsqueeze(0)).sum(1).silu()
+    q, k, v = mixed.split([b.q_dim, b.q_dim, C - 2 * b.q_dim], dim=-1)
+    q = q.reshape(R, Hk, dk).normalize(dim=-1).repeat(1, Hv // Hk, 1)
+    k = k.reshape(R, Hk, dk).normalize(dim=-1).repeat(1, Hv // Hk, 1)
+    q, k, v = q.mul(dk ** -0.5).contiguous().unsqueeze(-1), k.contiguous().unsqueeze(-1), v.reshape(R, Hv, dv).unsqueeze(-1)
+    real = pos.reshape(R) >= 0
+    state, cstate, outs = rec, conv.reshape(1, K - 1, C), []
+    for t in range(R):
+      new = (state * alpha[t:t + 1]).contiguous()
+      new = new + ((v[t:t + 1] - new @ k[t:t + 1]) * beta[t:t + 1]).contiguous() @ k[t:t + 1].transpose(-1, -2)
+      state = real[t].where(new, state).cast(dtypes.float32).contiguous()  # stored, as _recurrent stores the slot's
+      cstate = real[t].where(window[t:t + 1, 1:, :], cstate).cast(dtypes.float32)
+      if t < R - 1: outs.append(state @ q[t:t + 1])
+    # the last row's output reads the state stored in the slot (which ties the stores into the graph)
+    rec_store = rec.uop.store(state.uop)
+    conv_store = conv.uop.store(cstate.contiguous().uop)
+    last = Tensor(b.rows_rec.uop.after(rec_store, conv_store)).reshape(self.slots + 1, Hv, dv, dv)[slot:slot + 1]
+    out = b.ssm_norm(Tensor.cat(*outs, last @ q[R - 1:R]).squeeze(-1).reshape(R, 1, Hv, dv))
+    return proj(b.ssm_out, (out * out_gate.silu()).reshape(R, 1, -1)).reshape(1, R, -1)
+
   def _attend_cache(self, b: Any, q: Tensor, kc: Tensor, vc: Tensor | None, lo: Any, n: int, pos: Tensor, kv: UOp | int) -> Tensor:
     """The attention of q over slots lo..lo+n of the caches (kc, vc), their first kv positions: _attend, or with latent
     attention _attend_latent."""
@@ -543,9 +581,12 @@ class RowPath:
     R, kv = rows * ROW_UNIT if isinstance(rows, UOp) else rows, kv32 * KV_UNIT
     tables = self._rope_tables(rope[:R], (1, 1, R))
     p = pos[:R].reshape(1, 1, R, 1)
-    for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True): b.rows_k, b.rows_v = kc, vc
+    for b, (kc, vc) in zip(self.m.blk, self.caches, strict=True):
+      if isinstance(b, GatedDeltaNetBlock): b.rows_conv, b.rows_rec = kc, vc
+      else: b.rows_k, b.rows_v = kc, vc
 
     def attention(b: TransformerBlock, x: Tensor) -> Tensor:
+      if isinstance(b, GatedDeltaNetBlock): return self._recurrent_chunk(b, x, slot, R, p)
       q, k, v, gate = self._qkv(b, x, *tables[getattr(b, "rope_table", 0)])
       kc, vc = self._write_rows(b.rows_k, b.rows_v, k, v, slot, start, R)
       return _gated(self._attend_cache(b, q, kc, vc, slot, 1, p, kv), gate)
@@ -569,7 +610,10 @@ class RowPath:
     m = self.m
     T = len(inp)
     if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
-    short = next((n for n in self.short_rows if T <= n), None)
+    if m.recurrent and T > RECURRENT_ROWS:
+      raise errors.ActivationExtentInvalid(f"a recurrent model's chunk takes 1..{RECURRENT_ROWS} rows, got {T}")
+    # a recurrent model's chunk graph has its rows' steps written out one after another: one size, RECURRENT_ROWS
+    short = RECURRENT_ROWS if m.recurrent else next((n for n in self.short_rows if T <= n), None)
     R = short or _round(T, ROW_UNIT)
     _put((self.prefill_in, self.prefill_pos, self.prefill_rope), self._prefill_inputs(inp, start, R))
     graph, rows = (self.short_graph(R), R) if short else (self.prefill_graph(), self.v_rows.bind(R // ROW_UNIT))
@@ -596,7 +640,9 @@ class RowPath:
     padded = np.zeros((R, *rows.shape[1:]), rows.dtype)
     padded[:len(rows)] = rows
     pos = np.arange(start, start + R, dtype=np.int32)
-    return padded, pos, self.rope_host[np.minimum(pos, len(self.rope_host) - 1)]  # padding rows: any finite row
+    rope = self.rope_host[np.minimum(pos, len(self.rope_host) - 1)]  # padding rows: any finite row
+    if m.recurrent: pos[len(rows):] = -1  # a padding row leaves a recurrent state as it was (_recurrent_chunk)
+    return padded, pos, rope
 
   # --- decode: one row for each stream of a window of slots -------------------------------------------
   def _decode_graph(self, inp: Tensor, pos: Tensor, rope: Tensor, at_k: Tensor, at_v: Tensor, W: int, lo: UOp, kv32: UOp) -> Tensor:

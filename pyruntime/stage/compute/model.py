@@ -440,23 +440,23 @@ class StageModel:
 
   def prefill_rows(self, slot: int, inp: np.ndarray, start_pos: int, every_row: bool = False) -> Tensor:
     """Prompt rows of the stream in `slot` at positions start_pos... through the rows path, in calls of at most
-    rows.MAX_ROWS (where a prompt is cut changes no bit). Returns what `forward` returns: the residual (1, T, dim), or
+    RowPath.prompt_rows (where a prompt is cut changes no bit). Returns what `forward` returns: the residual (1, T, dim), or
     on the tail the last row's logits (vocab,); it may alias an internal buffer."""
     if self.rows is None: return self._reference_forward(slot, inp, start_pos, True)
     inp = self._validate(slot, inp, start_pos)
     T = len(inp)
     if self.recurrent: return self._prefill_recurrent(slot, inp, start_pos, every_row)
-    if T <= MAX_ROWS:
+    if T <= (n := self.rows.prompt_rows):
       out = self.rows.prefill(slot, inp, start_pos, every_row)
       self._keep_routers([(slot, 0, T)])
       self._pos[slot] = start_pos + T
       return out
     res = None if self.is_tail else self._empty((1, T, self.dim), self._bdtype)
-    for s in range(0, T, MAX_ROWS):
-      out = self.rows.prefill(slot, inp[s:s + MAX_ROWS], start_pos + s)
-      self._keep_routers([(slot, 0, min(MAX_ROWS, T - s))], after=s > 0)
-      self._pos[slot] = start_pos + min(T, s + MAX_ROWS)
-      if res is not None: _copy_rows(res, out.uop.buffer, s, min(MAX_ROWS, T - s))
+    for s in range(0, T, n):
+      out = self.rows.prefill(slot, inp[s:s + n], start_pos + s)
+      self._keep_routers([(slot, 0, min(n, T - s))], after=s > 0)
+      self._pos[slot] = start_pos + min(T, s + n)
+      if res is not None: _copy_rows(res, out.uop.buffer, s, min(n, T - s))
     return out if res is None else res
 
   def _prefill_recurrent(self, slot: int, inp: np.ndarray, start_pos: int, every_row: bool = False) -> Tensor | list[Tensor]:

@@ -49,6 +49,7 @@ from pyruntime.modelfile.boundary import DTYPES
 from pyruntime.protocol import MAX_CHUNK
 from pyruntime.stage.compute import device_memory, experts, loop_schedules
 from pyruntime.stage.compute.packed import PackedMatrix
+from pyruntime.stage.compute.weights import linears
 
 MAX_ROWS = MAX_CHUNK  # the most rows one prefill call takes: a stage's largest prompt chunk
 ROW_UNIT = 16    # prompt rows are padded to a multiple of this (loop_schedules.ROWS x two threads)
@@ -57,6 +58,10 @@ ROW_UNIT = 16    # prompt rows are padded to a multiple of this (loop_schedules.
 # registers (SmolLM2: 8 rows ~2.5 decode steps, 16 ~5, against ~9 in the symbolic graph, which stages the weights first).
 # Float weights have nothing to stage: there the symbolic graph costs the same and two more captures would buy nothing.
 SHORT_ROWS = (loop_schedules.ROWS, ROW_UNIT)
+# ... unless its float16 copy is larger than this: a copy that does not stay in the CPU's last-level cache costs more
+# memory traffic than rebuilding the values in registers for every ROWS rows (Llama 3.2 1B's 2048 x 8192 feed-forward:
+# 33.5 MB; its 64-row chunks 1.4x faster in registers; SmolLM2's 1.8 MB copies stay staged, 1.2-1.35x faster so)
+STAGED_MAX_BYTES = 16 << 20
 STAGED_ROWS = ROW_UNIT  # a packed matrix read by more rows than this is dequantised into a scratch buffer first (_values)
 # the tensor-core mode: a projection's rows are padded to this, the rows of every float16 tile tinygrad's renderers
 # know (CUDA's 16x8x16, AMD's 16x16x16, Metal's 8x8x8 and Intel's 8x8x16 divide it)
@@ -81,7 +86,8 @@ def _values(wb: Tensor | PackedMatrix, lead: list, staged: bool | None = None) -
   every ROWS rows; 256-row chunks took 1.6x float16's time that way). The same values either way. `staged` overrides
   the rule by rows (the tail's output matrix: _egress)."""
   if not isinstance(wb, PackedMatrix): return wb
-  return wb.matrix(staged=_staged(lead) if staged is None else staged)
+  if staged is None: staged = _staged(lead) and 2 * prod(wb.shape) <= STAGED_MAX_BYTES
+  return wb.matrix(staged=staged)
 
 
 def _tensor_core_rows(x: Tensor, product) -> Tensor:
@@ -214,6 +220,7 @@ class RowPath:
     for t in (self.prefill_in, self.decode_in): t.uop.buffer.copyin(memoryview(bytearray(t.nbytes())))  # padding rows read zeros
     self.arange = Tensor.arange(self.length, dtype=dtypes.int32, device=m.device).contiguous().realize()
     self._caches: list[tuple[Tensor, Tensor | None]] | None = None
+    self._prompt_rows: int | None = None
     self.router_rows: Tensor | None = None  # while a graph is traced: its router block's logits (_blocks)
     self.router: np.ndarray | None = None  # the last call's router logits, every row of its graph (_result)
 
@@ -291,6 +298,18 @@ class RowPath:
   def prefill_graph(self) -> TinyJit:
     if self.prefill_jit is None: self.prefill_jit = self.m._jit("rows-prefill", self._prefill_graph)
     return self.prefill_jit
+
+  @property
+  def prompt_rows(self) -> int:
+    """The most rows one prefill call takes: MAX_ROWS, or where a packed matrix is too large to stage
+    (STAGED_MAX_BYTES) the largest short graph's: a chunk of many rows would rebuild that matrix's values in registers
+    for every ROWS rows anyway, and the short graph does so fastest (Llama 3.2 1B's shapes: 64 rows 1.25x, 256 rows
+    1.2x faster as 16-row calls than in one call; SmolLM2's, whose copies stay staged, 0.75x: one call each)."""
+    if self._prompt_rows is None:
+      big = any(isinstance(wb, PackedMatrix) and 2 * prod(wb.shape) > STAGED_MAX_BYTES
+                for b in self.m.blk for lin in linears(b) for wb in [getattr(lin, "rows_blocked", None)])
+      self._prompt_rows = self.short_rows[-1] if big and self.short_rows else MAX_ROWS
+    return self._prompt_rows
 
   @property
   def short_rows(self) -> tuple[int, ...]:

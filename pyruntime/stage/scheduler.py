@@ -140,7 +140,9 @@ class StageScheduler:
     # groups alternate between stages and every stage computes at once (stages sharing one CPU gain nothing by that)
     cap = -(-len(self.streams) // self.micro_batches)
     if self.prompt_rows_in_window and self.decode_mode == "batched":
-      rows = sorted(((sid, st) for sid, st in self.streams.items() if st.next_is_decode() or self._row_in_window(st)),
+      # at the head a prompt goes as chunks only while it is the stage's only work (_row_in_window)
+      alone = not self.decoding() and sum(1 for st in self.streams.values() if st.next_is_prompt_row()) == 1
+      rows = sorted(((sid, st) for sid, st in self.streams.items() if st.next_is_decode() or self._row_in_window(st, alone)),
                     key=lambda x: x[1].waiting_since)[:cap]
       taken = {sid for sid, _ in rows}  # what is left goes as a chunk: a lone prompt's, a chunk from the stage before
       prefill = next(((sid, st) for sid, st in self.streams.items() if st.pending and sid not in taken and not st.next_is_decode()), None)
@@ -149,15 +151,14 @@ class StageScheduler:
     # on the rows path a prompt's chunk rides in the decode step's pass over the weights (the same bits either way)
     return Step(decode[:cap], prefill, bool(decode and prefill and self.decode_mode == "batched"))
 
-  def _row_in_window(self, st: Stream) -> bool:
+  def _row_in_window(self, st: Stream, alone: bool) -> bool:
     """Whether `st`'s prompt gives its next row to the step's window (prompt_rows_in_window), or goes as a chunk
     (max_chunk rows of one stream, about twice a row's worth in the window per row, but a step of its own): at the head,
-    a prompt goes as chunks only while it is the stage's only work (no stream decodes, no other prompt waits: a chunk
+    a prompt goes as chunks only while it is the stage's only work (`alone`: no stream decodes, no other prompt waits: a chunk
     would hold their step back for many steps' time); a later stage computes what comes as it comes (a chunk the head
     sent as a chunk, a row as a row)."""
     if not st.next_is_prompt_row(): return False
-    if not self.is_head: return len(st.pending[0][1]) == 1
-    return self.decoding() > 0 or sum(1 for o in self.streams.values() if o.next_is_prompt_row()) > 1
+    return len(st.pending[0][1]) == 1 if not self.is_head else not alone
 
   def next_chunk(self, st: Stream) -> tuple[int, Any]:
     """Take the next piece of `st`'s prompt to compute: (its first position, its rows), sized by prefill_size. Called

@@ -381,23 +381,23 @@ class RowPath:
     k_rope = _rotate(kv_a[..., c.kv_lora_rank:].reshape(B, T, 1, c.rope_dim).transpose(1, 2), cos, sin)
     return q, latent.cat(k_rope, dim=-1)
 
-  def _recurrent(self, b: GatedDeltaNetBlock, x: Tensor, lo: Any, W: int, pos: Tensor) -> Tensor:
-    """GatedDeltaNetBlock._attention for one row of each stream in slots lo..lo+W (x: (W, 1, dim), normed), as tinygrad
-    computes it for a batch of streams (the same operations, the batch axis the window's), reading and writing each
-    slot's conv and recurrent state in place; a filler row (pos < 0) leaves its slot's state as it was. A prompt's rows
-    come through here one at a time (a recurrence's prompt row is a decode row: StageModel.prefill_rows)."""
-    K, C, Hv, dv, Hk, dk = b.ssm_conv_kernel, b.conv_channels, b.num_v_heads, b.head_v_dim, b.num_k_heads, b.head_k_dim
-    conv_all, rec_all = b.rows_conv.reshape(self.slots + 1, K - 1, C), b.rows_rec.reshape(self.slots + 1, Hv, dv, dv)
-    conv, rec = conv_all[lo:lo + W], rec_all[lo:lo + W]
-    # tinygrad's block takes its input as float16 and its float16 projections return float16; here each is a float32 sum
-    # of the float16 values' products (a float16 product is exact in float32), rounded to float16 after: a float16 sum's
-    # kernel is cut by the window's rows, a float32 one is not. (The rounded input is stored as float32, so that the
-    # GPU rule does not take the product for the tensor-core mode's: loop_schedules._half_products.)
-    def proj(lin: Any, t: Tensor) -> Tensor: return lin(t.half().float().contiguous()).half()
-    out_gate = proj(b.attn_gate, x).reshape(W, 1, Hv, dv)
-    beta = proj(b.ssm_beta, x).sigmoid().reshape(W, Hv, 1, 1)
-    alpha = ((proj(b.ssm_alpha, x).float() + b.ssm_dt["bias"]).softplus() * b.ssm_a).reshape(W, Hv, 1, 1).exp()
-    window = conv.cat(proj(b.attn_qkv, x), dim=1)  # (W, K, C)
+  # --- recurrent (GatedDeltaNet) blocks: _recurrent for a decode window, _recurrent_chunk for a prompt chunk ----------
+  @staticmethod
+  def _gdn_proj(lin: Any, t: Tensor) -> Tensor:
+    """A GatedDeltaNet projection: tinygrad's block takes its input as float16 and its float16 projections return float16;
+    here each is a float32 sum of the float16 values' products (a float16 product is exact in float32), rounded to
+    float16 after: a float16 sum's kernel is cut by the window's rows, a float32 one is not. (The rounded input is stored
+    as float32, so that the GPU rule does not take the product for the tensor-core mode's: loop_schedules._half_products.)"""
+    return lin(t.half().float().contiguous()).half()
+
+  def _gdn_rows(self, b: GatedDeltaNetBlock, x: Tensor, windows: Any) -> tuple[Tensor, ...]:
+    """Each row's own values of x (W, 1, dim): its output gate (W, 1, Hv, dv), beta and alpha (W, Hv, 1, 1), its conv
+    window (W, K, C) (`windows`: from the rows' projected inputs (W, 1, C)), and q, k, v (W, Hv, d, 1)."""
+    C, Hv, dv, Hk, dk, W = b.conv_channels, b.num_v_heads, b.head_v_dim, b.num_k_heads, b.head_k_dim, x.shape[0]
+    out_gate = self._gdn_proj(b.attn_gate, x).reshape(W, 1, Hv, dv)
+    beta = self._gdn_proj(b.ssm_beta, x).sigmoid().reshape(W, Hv, 1, 1)
+    alpha = ((self._gdn_proj(b.ssm_alpha, x).float() + b.ssm_dt["bias"]).softplus() * b.ssm_a).reshape(W, Hv, 1, 1).exp()
+    window = windows(self._gdn_proj(b.attn_qkv, x))
     mixed = (window * b.ssm_conv1d["weight"].T.unsqueeze(0)).sum(1).silu()
     q, k, v = mixed.split([b.q_dim, b.q_dim, C - 2 * b.q_dim], dim=-1)
     q = q.reshape(W, Hk, dk).normalize(dim=-1).repeat(1, Hv // Hk, 1)
@@ -405,14 +405,35 @@ class RowPath:
     # every factor of a row (a norm's, the gates') is stored before a sum reads it: fused, tinygrad may take it out of
     # the sum, and whether it does depends on the window's rows (as _blocks says of the attention blocks)
     q, k, v = q.mul(dk ** -0.5).contiguous().unsqueeze(-1), k.contiguous().unsqueeze(-1), v.reshape(W, Hv, dv).unsqueeze(-1)
-    state = (rec * alpha).contiguous()
-    state = state + ((v - state @ k) * beta).contiguous() @ k.transpose(-1, -2)
+    return out_gate, beta, alpha, window, q, k, v
+
+  @staticmethod
+  def _gdn_step(state: Tensor, alpha: Tensor, beta: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The recurrent state after one position: decayed by alpha, then the delta rule's update."""
+    state = (state * alpha).contiguous()
+    return state + ((v - state @ k) * beta).contiguous() @ k.transpose(-1, -2)
+
+  def _gdn_out(self, b: GatedDeltaNetBlock, o: Tensor, out_gate: Tensor) -> Tensor:
+    """The block's output from each row's state @ q (W, Hv, dv, 1): normed, gated, projected: (W, 1, dim)."""
+    W = o.shape[0]
+    out = b.ssm_norm(o.squeeze(-1).reshape(W, 1, b.num_v_heads, b.head_v_dim))
+    return self._gdn_proj(b.ssm_out, (out * out_gate.silu()).reshape(W, 1, -1))
+
+  def _recurrent(self, b: GatedDeltaNetBlock, x: Tensor, lo: Any, W: int, pos: Tensor) -> Tensor:
+    """GatedDeltaNetBlock._attention for one row of each stream in slots lo..lo+W (x: (W, 1, dim), normed), as tinygrad
+    computes it for a batch of streams (the same operations, the batch axis the window's), reading and writing each
+    slot's conv and recurrent state in place; a filler row (pos < 0) leaves its slot's state as it was. A prompt's row
+    beside other streams comes through here (a recurrence's prompt row is a decode row)."""
+    K, C, Hv, dv = b.ssm_conv_kernel, b.conv_channels, b.num_v_heads, b.head_v_dim
+    conv = b.rows_conv.reshape(self.slots + 1, K - 1, C)[lo:lo + W]
+    rec = b.rows_rec.reshape(self.slots + 1, Hv, dv, dv)[lo:lo + W]
+    out_gate, beta, alpha, window, q, k, v = self._gdn_rows(b, x, lambda qkv: conv.cat(qkv, dim=1))  # window (W, K, C)
+    state = self._gdn_step(rec, alpha, beta, k, v)
     real = pos.reshape(W, 1, 1) >= 0
     conv_store = conv.uop.store(real.where(window[:, 1:, :], conv).cast(dtypes.float32).uop)
     rec_store = rec.uop.store(real.reshape(W, 1, 1, 1).where(state, rec).cast(dtypes.float32).uop)
     state = Tensor(b.rows_rec.uop.after(rec_store, conv_store)).reshape(self.slots + 1, Hv, dv, dv)[lo:lo + W]
-    out = b.ssm_norm((state @ q).squeeze(-1).reshape(W, 1, Hv, dv))
-    return proj(b.ssm_out, (out * out_gate.silu()).reshape(W, 1, -1))
+    return self._gdn_out(b, state @ q, out_gate)
 
   def _recurrent_chunk(self, b: GatedDeltaNetBlock, x: Tensor, slot: UOp, R: int, pos: Tensor) -> Tensor:
     """_recurrent for R consecutive rows of the stream in `slot` (x: (1, R, dim), normed; a padding row's pos is -1 and
@@ -420,26 +441,19 @@ class RowPath:
     decode window's row computes it (a row's sums do not depend on the rows beside it), and the recurrence itself one
     row after another, each step the decode step's operations on the state the row before left, stored as it stores
     it. So a chunk's outputs and final state are the bits of its rows fed one at a time."""
-    K, C, Hv, dv, Hk, dk = b.ssm_conv_kernel, b.conv_channels, b.num_v_heads, b.head_v_dim, b.num_k_heads, b.head_k_dim
-    conv_all, rec_all = b.rows_conv.reshape(self.slots + 1, K - 1, C), b.rows_rec.reshape(self.slots + 1, Hv, dv, dv)
-    conv, rec = conv_all[slot:slot + 1], rec_all[slot:slot + 1]
-    x = x.reshape(R, 1, -1)  # the rows as a window's (_recurrent's x), one stream's positions in order
-    def proj(lin: Any, t: Tensor) -> Tensor: return lin(t.half().float().contiguous()).half()
-    out_gate = proj(b.attn_gate, x).reshape(R, 1, Hv, dv)
-    beta = proj(b.ssm_beta, x).sigmoid().reshape(R, Hv, 1, 1)
-    alpha = ((proj(b.ssm_alpha, x).float() + b.ssm_dt["bias"]).softplus() * b.ssm_a).reshape(R, Hv, 1, 1).exp()
-    seq = conv.reshape(K - 1, C).cat(proj(b.attn_qkv, x).reshape(R, C))  # the conv state, then every row's input
-    window = Tensor.stack(*[seq[t:t + K] for t in range(R)])  # (R, K, C): row t's window, as _recurrent's
-    mixed = (window * b.ssm_conv1d["weight"].T.unsqueeze(0)).sum(1).silu()
-    q, k, v = mixed.split([b.q_dim, b.q_dim, C - 2 * b.q_dim], dim=-1)
-    q = q.reshape(R, Hk, dk).normalize(dim=-1).repeat(1, Hv // Hk, 1)
-    k = k.reshape(R, Hk, dk).normalize(dim=-1).repeat(1, Hv // Hk, 1)
-    q, k, v = q.mul(dk ** -0.5).contiguous().unsqueeze(-1), k.contiguous().unsqueeze(-1), v.reshape(R, Hv, dv).unsqueeze(-1)
+    K, C, Hv, dv = b.ssm_conv_kernel, b.conv_channels, b.num_v_heads, b.head_v_dim
+    conv = b.rows_conv.reshape(self.slots + 1, K - 1, C)[slot:slot + 1]
+    rec = b.rows_rec.reshape(self.slots + 1, Hv, dv, dv)[slot:slot + 1]
+
+    def windows(qkv: Tensor) -> Tensor:  # row t's window (K, C): the conv state, then every row's input, from t on
+      seq = conv.reshape(K - 1, C).cat(qkv.reshape(R, C))
+      return Tensor.stack(*[seq[t:t + K] for t in range(R)])
+    # the rows as a window's (_recurrent's x), one stream's positions in order
+    out_gate, beta, alpha, window, q, k, v = self._gdn_rows(b, x.reshape(R, 1, -1), windows)
     real = pos.reshape(R) >= 0
-    state, cstate, outs = rec, conv.reshape(1, K - 1, C), []
+    state, cstate, outs = rec, conv, []
     for t in range(R):
-      new = (state * alpha[t:t + 1]).contiguous()
-      new = new + ((v[t:t + 1] - new @ k[t:t + 1]) * beta[t:t + 1]).contiguous() @ k[t:t + 1].transpose(-1, -2)
+      new = self._gdn_step(state, alpha[t:t + 1], beta[t:t + 1], k[t:t + 1], v[t:t + 1])
       state = real[t].where(new, state).cast(dtypes.float32).contiguous()  # stored, as _recurrent stores the slot's
       cstate = real[t].where(window[t:t + 1, 1:, :], cstate).cast(dtypes.float32)
       if t < R - 1: outs.append(state @ q[t:t + 1])
@@ -447,8 +461,7 @@ class RowPath:
     rec_store = rec.uop.store(state.uop)
     conv_store = conv.uop.store(cstate.contiguous().uop)
     last = Tensor(b.rows_rec.uop.after(rec_store, conv_store)).reshape(self.slots + 1, Hv, dv, dv)[slot:slot + 1]
-    out = b.ssm_norm(Tensor.cat(*outs, last @ q[R - 1:R]).squeeze(-1).reshape(R, 1, Hv, dv))
-    return proj(b.ssm_out, (out * out_gate.silu()).reshape(R, 1, -1)).reshape(1, R, -1)
+    return self._gdn_out(b, Tensor.cat(*outs, last @ q[R - 1:R]), out_gate).reshape(1, R, -1)
 
   def _attend_cache(self, b: Any, q: Tensor, kc: Tensor, vc: Tensor | None, lo: Any, n: int, pos: Tensor, kv: UOp | int) -> Tensor:
     """The attention of q over slots lo..lo+n of the caches (kc, vc), their first kv positions: _attend, or with latent

@@ -98,6 +98,7 @@ class SamplingParams:
 
 
 SAMPLING: dict[str, Param] = {f.name: Param(f.name, default=f.default, **f.metadata) for f in fields(SamplingParams)}
+MAX_CHOICES = 128  # the most streams one request may start: n times its prompts (OpenAI's own limit for n)
 MAX_TOKENS = Param("max_tokens", int, 256, "most tokens to generate", lo=1, nullable=True)  # None: up to the context
 
 

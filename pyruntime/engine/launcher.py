@@ -33,6 +33,7 @@ from pyruntime.engine.request import RequestBuilder
 from pyruntime.engine.speculation import SOLO_STREAMS
 from pyruntime.engine.stage_pool import LocalPlacement, StageHandle, StagePool
 from pyruntime.options import PREFILL_SHARE, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S
+from pyruntime.params import MAX_CHOICES
 from pyruntime.protocol import ABI_VERSION, Command, Event, ring_bytes
 
 log = logging.getLogger("pyruntime.launcher")
@@ -44,7 +45,6 @@ if TYPE_CHECKING:  # the ring hands out arrays; the launcher itself needs no num
   from pyruntime.engine.hosts import RayPlacement
   from pyruntime.transport.ring import Arena, RingSpec
 
-MAX_CHOICES = 128      # the most choices (OpenAI's n) one request may ask for (OpenAI's own limit)
 STOP_GRACE_S = 5.0     # how long a stage gets to stop in order before it is killed
 FAIL_GRACE_S = 0.5     # after a failure the survivors get SIGTERM and this long before SIGKILL
 

@@ -14,39 +14,16 @@ import pathlib
 import re
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from pyruntime import errors
-from pyruntime.params import INT64_MAX, MAX_TOKENS, SAMPLING, Param
+from pyruntime.params import MAX_CHOICES, SAMPLING
 from pyruntime.params import show as _show
-from pyruntime.protocol import MAX_TOP_LOGPROBS
+from pyruntime.serving.request_fields import CHAT, COMPLETION, DETOKENIZE, TOKENIZE, check_body
 
-CHAT, COMPLETION = "chat", "completion"
-
-# The launcher's sampling options (pyruntime/params.py, docs/serving.md#sampling); the names are the request field names.
-SAMPLING_FIELDS = tuple(SAMPLING)
-# ignore_eos: vLLM's extension (generate through end tokens), which serving benchmarks use for fixed-length outputs
-# cache_salt: vLLM's (requests with different salts share no cached prefix); prefix_cache: false keeps a request out of it
-# response_format: text, json_object or json_schema, enforced by a grammar at the tail (pyruntime/text/grammar.py)
-# speculative: false keeps a request out of speculative decoding (docs/speculation.md)
-_COMMON = {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "ignore_eos", "cache_salt", "prefix_cache",
-           "response_format", "speculative", "prediction", *SAMPLING_FIELDS}
-# tools, tool_choice, parallel_tool_calls: function tools (pyruntime/text/tools.py, docs/tools.md); chat only
-# logprobs / top_logprobs (chat), logprobs / echo (completions): docs/serving.md#log-probabilities
-SUPPORTED = {CHAT: _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs"},
-             COMPLETION: _COMMON | {"prompt", "logprobs", "echo"}}
-
-# OpenAI features we refuse by name. A value that asks for nothing (the field's neutral value) is
-# accepted: a client that spells out a default is not asking for a feature.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-  "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-  "parallel_tool_calls": (), "logit_bias": ({},), "best_of": (1,),
-  "suffix": ("",), "store": (False,), "metadata": (), "modalities": (["text"],), "audio": (),
-  "reasoning_effort": (), "service_tier": ("auto", "default"), "web_search_options": (),
-}
-UNSUPPORTED_VALUE_FIELDS = {"stream_options"}
-MAX_CHOICES = 128  # n times the prompts of a batch: the most streams one request may start (OpenAI's limit for n)
+# every field of every route, its JSON type and bounds: pyruntime/serving/request_fields.py (docs/serving.md)
+UNSUPPORTED_VALUE_FIELDS = {"stream_options"}  # fields taken whose refusals are of a value (OpenAI's unsupported_value)
 
 
 class MalformedRequest(errors.PyruntimeError):
@@ -156,16 +133,6 @@ def _dump(v: Any, limit: int = 80) -> str:
 def _is_int(v: Any) -> bool: return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int(body: dict, name: str, lo: int = -INT64_MAX - 1, hi: int = INT64_MAX) -> int | None:
-  """An integer field within [lo, hi] (int64 unless the field says otherwise: no 300-digit values downstream)."""
-  v = body.get(name)
-  if v is None: return None
-  if not _is_int(v): raise errors.InvalidOption(name, f"must be an integer, got {_show(v)}")
-  if v < lo: raise errors.InvalidOption(name, f"must be at least {lo}, got {_show(v)}")
-  if v > hi: raise errors.InvalidOption(name, f"must be at most {hi}, got {_show(v)}")
-  return v
-
-
 def model_of(body: dict) -> str | None:
   """The `model` a request names (None: any), checked the same way on every route."""
   if (model := body.get("model")) is not None and not isinstance(model, str):
@@ -173,38 +140,14 @@ def model_of(body: dict) -> str | None:
   return model
 
 
-def _param(body: dict, p: Param) -> Any:
-  """A field defined in pyruntime/params.py; null is absent (None)."""
-  return None if body.get(p.name) is None else p.check(body[p.name])
-
-
-def _bool(body: dict, name: str) -> bool | None:
-  v = body.get(name)
-  if v is None: return None
-  if not isinstance(v, bool): raise errors.InvalidOption(name, f"must be true or false, got {_show(v)}")
-  return v
-
-
-def _check_unsupported(body: dict, kind: str) -> None:
-  for name, value in body.items():
-    if name in SUPPORTED[kind] or value is None: continue
-    if name in _NEUTRAL and any(type(value) is type(n) and value == n for n in _NEUTRAL[name]): continue
-    if name in _NEUTRAL: raise errors.UnsupportedFeature(name, f"pyruntime does not support {name}={_dump(value)}")
-    raise errors.UnsupportedFeature(name, f"unrecognized request argument for /v1/{'chat/completions' if kind == CHAT else 'completions'}")
-
-
 def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
-  """Validate an OpenAI request body; raise InvalidOption / UnsupportedFeature naming the field."""
-  # long (~55 lines): one check per OpenAI field, in the reference's order
-  _check_unsupported(body, kind)
-  req = ParsedRequest(kind)
-  req.model = model_of(body)
-  if (user := body.get("user")) is not None and not isinstance(user, str): raise errors.InvalidOption("user", "must be a string")
-  req.n = _int(body, "n", lo=1, hi=MAX_CHOICES) or 1
-  req.stream = bool(_bool(body, "stream"))
-  opts = body.get("stream_options")
-  if opts is not None:
-    if not isinstance(opts, dict): raise errors.InvalidOption("stream_options", "must be an object like {'include_usage': true}")
+  """Validate an OpenAI request body; raise InvalidOption / UnsupportedFeature naming the field. Every field's type
+  and bounds are the table's (request_fields.check_body); what is checked here is what one field says of another,
+  and what a value holds inside."""
+  check_body(body, kind)
+  def get(name: str, default: Any = None) -> Any: return default if body.get(name) is None else body[name]
+  req = ParsedRequest(kind, model=get("model"), n=get("n", 1), stream=get("stream", False))
+  if (opts := get("stream_options")) is not None:
     if not req.stream: raise errors.InvalidOption("stream_options", "is only allowed when stream is true")
     for key in opts:
       if key != "include_usage": raise errors.UnsupportedFeature(f"stream_options.{key}", "only include_usage is supported")
@@ -214,52 +157,49 @@ def parse_request(body: dict[str, Any], kind: str) -> ParsedRequest:
 
   gen: dict[str, Any] = {}
   if kind == CHAT:
-    max_tokens = _param(body, MAX_TOKENS)
-    mct = _param(body, replace(MAX_TOKENS, name="max_completion_tokens"))
+    max_tokens, mct = get("max_tokens"), get("max_completion_tokens")
     if mct is not None and max_tokens is not None and mct != max_tokens:
       raise errors.InvalidOption("max_completion_tokens", f"is {mct} but max_tokens is {max_tokens}: give one of them")
-    if mct is not None: max_tokens = mct
-    gen["max_tokens"] = max_tokens          # None: up to the context (OpenAI's default for chat)
-    if "messages" not in body or body["messages"] is None: raise errors.InvalidOption("messages", "is required")
+    gen["max_tokens"] = max_tokens if mct is None else mct   # None: up to the context (OpenAI's default for chat)
+    if get("messages") is None: raise errors.InvalidOption("messages", "is required")
     from pyruntime.text.chat import validate_messages
     validate_messages(body["messages"])     # fail fast, naming e.g. messages[1].role; the launcher renders them
     gen["messages"] = body["messages"]
     from pyruntime.text.tools import check_tools
-    if check_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")) is not None:
+    if check_tools(get("tools"), get("tool_choice"), get("parallel_tool_calls")) is not None:
       gen.update({k: body[k] for k in ("tools", "tool_choice", "parallel_tool_calls") if body.get(k) is not None})
-    top = _int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)  # typed even where logprobs is off: "" or [] is no integer
-    if _bool(body, "logprobs"): req.logprobs, gen["logprobs"] = True, top or 0
+    top = get("top_logprobs", 0)
+    if get("logprobs"): req.logprobs, gen["logprobs"] = True, top
     elif top: raise errors.InvalidOption("top_logprobs", "needs logprobs: true")
   else:
-    req.echo = bool(_bool(body, "echo"))
-    if "max_tokens" in body and body["max_tokens"] == 0 and _is_int(body["max_tokens"]) and req.echo: max_tokens = 0  # scoring the prompt alone
-    else: max_tokens = _param(body, MAX_TOKENS)
-    gen["max_tokens"] = 16 if max_tokens is None else max_tokens   # OpenAI's default for /v1/completions
-    req.prompts, gen["raw"] = _prompts(body.get("prompt")), True
-    if (k := _int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)) is not None: req.logprobs, gen["logprobs"] = True, k
-    # echo with logprobs scores the prompt; max_tokens 0 generates nothing, which only scoring makes sense of
+    req.echo = get("echo", False)
+    max_tokens = get("max_tokens", 16)  # OpenAI's default for /v1/completions
+    # 0 generates nothing, which only scoring the prompt (echo) makes sense of
+    if max_tokens == 0 and not req.echo: raise errors.InvalidOption("max_tokens", "must be at least 1 (0 only with echo: the prompt scored alone)")
+    gen["max_tokens"] = max_tokens
+    req.prompts, gen["raw"] = _prompts(get("prompt")), True
+    if (k := get("logprobs")) is not None: req.logprobs, gen["logprobs"] = True, k
+    # echo with logprobs scores the prompt
     if req.echo and (req.logprobs or max_tokens == 0): gen["prompt_logprobs"], gen["logprobs"] = True, gen.get("logprobs", 0)
-  if req.n * max(1, len(req.prompts)) > MAX_CHOICES:
-    raise errors.InvalidOption("n", f"n times the prompts is {req.n * len(req.prompts)}: at most {MAX_CHOICES} choices per request")
+  if req.choices > MAX_CHOICES:
+    raise errors.InvalidOption("n", f"n times the prompts is {req.choices}: at most {MAX_CHOICES} choices per request")
 
-  if _bool(body, "ignore_eos"): gen["ignore_eos"] = True
-  if (salt := body.get("cache_salt")) is not None:
-    if not isinstance(salt, str) or not salt: raise errors.InvalidOption("cache_salt", f"must be a non-empty string, got {_show(salt)}")
+  if get("ignore_eos"): gen["ignore_eos"] = True
+  if (salt := get("cache_salt")) is not None:
+    if not salt: raise errors.InvalidOption("cache_salt", "must be a non-empty string, got ''")
     from pyruntime.engine.request import check_salt
     check_salt(salt)
     gen["cache_salt"] = salt
-  if _bool(body, "prefix_cache") is False: gen["prefix_cache"] = False
-  if _bool(body, "speculative") is False: gen["speculative"] = False
-  if (prediction := body.get("prediction")) is not None: gen["prediction"] = _prediction(prediction)
-  if (rf := body.get("response_format")) is not None:
+  if get("prefix_cache") is False: gen["prefix_cache"] = False
+  if get("speculative") is False: gen["speculative"] = False
+  if (prediction := get("prediction")) is not None: gen["prediction"] = _prediction(prediction)
+  if (rf := get("response_format")) is not None:
     from pyruntime.text.grammar import grammar_for
     # its shape and schema checked here, named; the launcher checks the grammar against the vocabulary
     if grammar_for(rf) is not None: gen["response_format"] = rf
   from pyruntime.params import validate_stop
-  stop = validate_stop(body.get("stop"))
-  if stop: gen["stop"] = stop
-  sampling = {name: _param(body, p) for name, p in SAMPLING.items()}
-  gen.update({k: v for k, v in sampling.items() if v is not None})
+  if stop := validate_stop(get("stop")): gen["stop"] = stop
+  gen.update({k: body[k] for k in SAMPLING if body.get(k) is not None})
   req.generate = gen
   return req
 
@@ -292,10 +232,8 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 def tokenize(body: dict[str, Any], launcher: Any) -> dict[str, Any]:
   """`{"prompt": text, "add_special_tokens": true}` or `{"messages": [...]}` (rendered with the chat template) ->
   `{"tokens", "count", "max_model_len"}`. Special tokens written in the text are parsed, as in a completions prompt."""
-  for name in body:
-    if name not in ("model", "prompt", "messages", "add_special_tokens"):
-      raise errors.UnsupportedFeature(name, "unrecognized request argument for /tokenize")
-  add = _bool(body, "add_special_tokens")
+  check_body(body, TOKENIZE)
+  add = body.get("add_special_tokens")
   if (messages := body.get("messages")) is not None:
     if "prompt" in body: raise errors.InvalidOption("prompt", "give prompt or messages, not both")
     from pyruntime.text.chat import validate_messages
@@ -310,8 +248,7 @@ def tokenize(body: dict[str, Any], launcher: Any) -> dict[str, Any]:
 
 def detokenize(body: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
   """`{"tokens": [ids]}` -> `{"prompt": text}` (special tokens spelled out, as /tokenize reads them back)."""
-  for name in body:
-    if name not in ("model", "tokens"): raise errors.UnsupportedFeature(name, "unrecognized request argument for /detokenize")
+  check_body(body, DETOKENIZE)
   ids = body.get("tokens")
   if not isinstance(ids, list) or not all(_is_int(t) for t in ids): raise errors.InvalidOption("tokens", "must be a list of token ids")
   try: return {"prompt": tokenizer.decode(ids, special=True)}

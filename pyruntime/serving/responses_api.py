@@ -19,18 +19,12 @@ from typing import Any
 from pyruntime import errors
 from pyruntime.params import SAMPLING
 from pyruntime.params import show as _show
-from pyruntime.protocol import MAX_TOP_LOGPROBS
-from pyruntime.serving.openai_api import CHAT, ParsedRequest, TokenText, error_body
+from pyruntime.serving.openai_api import ParsedRequest, TokenText, error_body
+from pyruntime.serving.request_fields import CHAT, RESPONSES, check_body
 
-RESPONSES = "responses"
-# fields taken: the core, the sampling fields the chat path has (a client may pass any of ours), and fields that ask
-# for nothing we would have to do (metadata and user are echoed; prompt_cache_key and safety_identifier are hints)
-_TAKEN = {"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "text", "stream",
-          "include", "top_logprobs", "metadata", "user", "prompt_cache_key", "safety_identifier", *SAMPLING}
-# OpenAI fields accepted at the value that asks for nothing, refused by name otherwise
-_NEUTRAL: dict[str, tuple[Any, ...]] = {"store": (False,), "previous_response_id": (), "truncation": ("disabled",), "background": (False,),
-                                        "service_tier": ("auto", "default"), "reasoning": ({},), "max_tool_calls": (),
-                                        "stream_options": ({}, {"include_obfuscation": False}), "conversation": (), "prompt": ()}
+# its fields (the core, the chat path's sampling fields, fields that ask for nothing we would have to do: metadata and
+# user are echoed, prompt_cache_key and safety_identifier are hints; store and the rest at their neutral values):
+# pyruntime/serving/request_fields.py
 _LOGPROBS = "message.output_text.logprobs"
 
 
@@ -38,12 +32,7 @@ def parse(body: dict[str, Any]) -> ParsedRequest:
   """A Responses request as the chat path's ParsedRequest (kind RESPONSES); InvalidOption / UnsupportedFeature naming
   the field (`input[2].type`, `text.format.type`, ...)."""
   from pyruntime.serving.openai_api import parse_request
-  for name, value in body.items():
-    if name in _TAKEN or value is None: continue
-    if name in _NEUTRAL and any(type(value) is type(n) and value == n for n in _NEUTRAL[name]): continue
-    if name == "reasoning" and isinstance(value, dict) and not any(value.values()): continue  # {"effort": null, ...}
-    why = "nothing is stored: send the whole conversation as input" if name in ("store", "previous_response_id", "conversation") else None
-    raise errors.UnsupportedFeature(name, why or f"pyruntime does not support {name}={_dump(value)} on /v1/responses")
+  check_body(body, RESPONSES)
   chat: dict[str, Any] = {k: body[k] for k in ("model", "parallel_tool_calls", "stream", "user", *SAMPLING) if body.get(k) is not None}
   chat["messages"], origins = messages(body.get("input"), body.get("instructions"))
   if body.get("max_output_tokens") is not None: chat["max_tokens"] = body["max_output_tokens"]
@@ -51,16 +40,11 @@ def parse(body: dict[str, Any]) -> ParsedRequest:
   if body.get("tool_choice") is not None: chat["tool_choice"] = tool_choice(body["tool_choice"])
   if (fmt := text_format(body.get("text"))) is not None: chat["response_format"] = fmt
   include = body.get("include") or []
-  if not isinstance(include, list): raise errors.InvalidOption("include", "must be a list")
   for i, what in enumerate(include):
     if what != _LOGPROBS: raise errors.UnsupportedFeature(f"include[{i}]", f"pyruntime can include only {_LOGPROBS!r}, not {_dump(what)}")
   k = body.get("top_logprobs")
-  if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):  # "" and [] too
-    raise errors.InvalidOption("top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {_dump(k)}")
   if include or k: chat["logprobs"], chat["top_logprobs"] = True, k or 0
   check_metadata(body.get("metadata"))
-  for name in ("prompt_cache_key", "safety_identifier"):
-    if body.get(name) is not None and not isinstance(body[name], str): raise errors.InvalidOption(name, "must be a string")
   try: req = parse_request(chat, CHAT)
   except (errors.InvalidOption, errors.UnsupportedFeature) as e: raise own_names(e, origins) from None
   req.kind, req.origins = RESPONSES, origins

@@ -54,5 +54,8 @@ def test_unknown_option_is_named():
 
 def test_one_definition():
   assert {n: p.default for n, p in SAMPLING.items()} == SamplingParams().to_dict()
-  assert set(api.SAMPLING_FIELDS) == set(SAMPLING) and MAX_TOKENS.default == 256
+  from pyruntime.serving.request_fields import FIELDS
+  for route in ("chat", "completion", "responses"):  # every route that generates takes every sampling field, by its Param
+    assert all(FIELDS[route][n].param is p for n, p in SAMPLING.items())
+  assert MAX_TOKENS.default == 256
   assert all(p.help for p in SAMPLING.values())

@@ -564,6 +564,49 @@ def test_invalid_requests_are_400_naming_the_field(shared_server, route, body, p
   assert fake.started == []   # nothing ran
 
 
+MINIMAL = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+           "completion": ("/v1/completions", {"prompt": "x"}), "responses": ("/v1/responses", {"input": "hi"}),
+           "tokenize": ("/tokenize", {"prompt": "hi"}), "detokenize": ("/detokenize", {"tokens": [1]})}
+
+
+def _table_cases() -> list[tuple[str, str, Any, str]]:
+  """(route, field, a value of a JSON type the table does not give the field, the error code) for every field of every
+  route in the table; a refused feature's case is a value of its own type that asks for something."""
+  from pyruntime.serving.request_fields import FIELDS, Field
+  cases = []
+  for route, table in FIELDS.items():
+    for name, f in table.items():
+      f: Field
+      if f.neutral is None: cases.append((route, name, next(v for v in ("x", 1.5, True, {}, []) if not _json_type_ok(f, v)), "invalid_value"))
+      else: cases.append((route, name, next(v for v in ("on", 7, True, {"a": "b"}, ["x"]) if _json_type_ok(f, v) and not f.asks_nothing(v)),
+                          "unsupported_parameter"))
+  return cases
+
+
+def _json_type_ok(f: Any, v: Any) -> bool:
+  from pyruntime.serving.request_fields import _is
+  return any(_is(v, t) for t in f.types)
+
+
+@pytest.mark.parametrize("route,name,value,code", _table_cases(), ids=lambda x: x if isinstance(x, str) else None)
+def test_every_field_of_every_route_is_checked_from_the_table(shared_server, route, name, value, code):
+  """The table (pyruntime/serving/request_fields.py) is what every route checks first: a value of a type it does not
+  give a field is a 400 naming the field, on every route; a refused feature asked for is a 400 naming it."""
+  fake, _, c = shared_server
+  path, body = MINIMAL[route]
+  started = len(fake.started)
+  r = c.post(path, json={**body, name: value})
+  assert r.status_code == 400, (route, name, value, r.text)
+  err = r.json()["error"]
+  assert err["param"] == name and err["code"].startswith(code.split("_")[0]), (route, name, value, err)
+  assert len(fake.started) == started  # nothing ran
+
+
+def test_the_table_names_every_route_the_server_parses():
+  from pyruntime.serving import request_fields
+  assert set(MINIMAL) == set(request_fields.PATHS) and all(MINIMAL[r][0] == p for r, p in request_fields.PATHS.items())
+
+
 def test_neutral_values_of_unsupported_features_are_accepted(server):
   _, c = server
   r = c.post("/v1/chat/completions", json=chat(max_tokens=2, n=1, response_format={"type": "text"}, logprobs=False, tools=[],

@@ -5,6 +5,11 @@ code, quote: REPEAT) and free-form chat (CHAT). Greedy, so the two sides must gi
 
   python bench/speculative.py [--model PATH] [--concurrency 1,8] [--max-tokens 128] [--draft-tokens 7] [--json]
   python bench/speculative.py --speculative model:DRAFT.gguf      # a draft model instead (bench/draft_model.py makes one)
+  python bench/speculative.py --family qwen35 --concurrency 1      # a random model of bench/families.py's small size
+
+With `--family` (a random model: its answers never repeat its prompt, so prompt lookup finds nothing) the drafts come
+from OpenAI's `prediction` instead, sent with each speculative request: RIGHT, the plain answer's own text (most
+drafts agree), and WRONG, an unrelated text (none do: what a round that fails costs once the stream stops drafting).
 
 Per level and side: completion tokens per second of wall time (request to last token, summed over requests, over
 their summed time), and the drafts' acceptance.
@@ -13,9 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(__file__))  # families.py, beside this file
 
 PARAGRAPH = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished the great "
              "lens until it shone, and wound the clockwork that turned the beam across the dark water. Ships passing the "
@@ -42,14 +51,18 @@ CHAT = ["Why is the sky blue?", "Give me three tips for sleeping better.", "What
         "What are the planets of the solar system?", "Describe a busy market in the morning."]
 
 
-def run(lm, prompts: list[str], c: int, max_tokens: int, speculative: bool) -> tuple[dict, list[str]]:
+def run(lm, prompts: list[str], c: int, max_tokens: int, speculative: bool, predictions: list[str] | None = None,
+        raw: bool = False) -> tuple[dict, list[str]]:
+  """`raw`: the prompts as they are, not as a user's chat message (a random model's side); with `predictions`, each
+  speculative request drafts from its own."""
   from pyruntime.engine.launcher import Done
   done: dict[int, Done] = {}
 
   def client(k: int) -> None:
     for i in range(k, len(prompts), c):
-      msgs = [{"role": "user", "content": prompts[i]}]
-      done[i] = next(ev for ev in lm.generate(messages=msgs, max_tokens=max_tokens, speculative=speculative, prefix_cache=False)
+      ask = {"prompt": prompts[i], "raw": True} if raw else {"messages": [{"role": "user", "content": prompts[i]}]}
+      if predictions is not None and speculative: ask["prediction"] = predictions[i]
+      done[i] = next(ev for ev in lm.generate(**ask, max_tokens=max_tokens, speculative=speculative, prefix_cache=False)
                      if isinstance(ev, Done))
   t0 = time.monotonic()
   threads = [threading.Thread(target=client, args=(k,)) for k in range(c)]
@@ -72,8 +85,10 @@ def main() -> None:
   ap.add_argument("--draft-tokens", type=int, default=7)
   ap.add_argument("--speculative", default="ngram", help="ngram, or model:PATH (a draft model)")
   ap.add_argument("--repeats", type=int, default=2, help="on/off pairs per level (medians reported)")
+  ap.add_argument("--family", default=None, help="a random model of this family (bench/families.py), prediction drafts")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
+  if a.family: return family_side(a)
   from pyruntime.engine.launcher import Launcher
   rows = []
   with Launcher(a.model, stages=2, max_context=2048, warmup=True, speculative=a.speculative, draft_tokens=a.draft_tokens) as lm:
@@ -90,6 +105,34 @@ def main() -> None:
         rows.append({"prompts": name, "concurrency": c, "off": pairs[-1][0], "on": pairs[-1][1], "on_vs_off": round(ratio, 3),
                      "on_vs_off_runs": [round(on["tokens_per_s"] / off["tokens_per_s"], 3) for off, on in pairs], "same_text": True})
   print(json.dumps(rows) if a.json else json.dumps(rows, indent=1))
+
+
+def family_side(a: argparse.Namespace) -> None:
+  """A random model of `a.family`: plain decoding, then drafts from a RIGHT and a WRONG prediction, same launcher."""
+  from families import family_model
+  from pyruntime.bench.machine import cpu
+
+  from pyruntime.engine.launcher import Launcher
+  prompts = [f"{p[:90]} {i}" for i, p in enumerate(REPEAT + CHAT)][:8]
+  rows = []
+  with Launcher(family_model(a.family), stages=1, max_context=1024, warmup=True, speculative=a.speculative, draft_tokens=a.draft_tokens) as lm:
+    run(lm, prompts[:2], 1, 16, False, raw=True)
+    for c in (int(x) for x in a.concurrency.split(",")):
+      for _ in range(a.repeats):
+        off, texts = run(lm, prompts, c, a.max_tokens, False, raw=True)
+        for name, preds in (("right", texts), ("wrong", [PARAGRAPH] * len(prompts))):
+          on, t_on = run(lm, prompts, c, a.max_tokens, True, preds, raw=True)
+          if t_on != texts:
+            i = next(i for i, (x, y) in enumerate(zip(t_on, texts, strict=True)) if x != y)
+            raise SystemExit(f"{a.family} {name} C={c}: speculation changed the text of prompt {i}: {t_on[i]!r} != {texts[i]!r}")
+          rows.append({"family": a.family, "prediction": name, "concurrency": c, "off": off, "on": on,
+                       "on_vs_off": round(on["tokens_per_s"] / off["tokens_per_s"], 3)})
+  if a.json: print(json.dumps(rows)); return
+  print(cpu(), f"({a.family}, small random model, 1 stage)")
+  for r in rows:
+    on = r["on"]
+    print(f"{r['family']:10s} C={r['concurrency']} prediction {r['prediction']:5s} plain {r['off']['tokens_per_s']:7.1f} tok/s  drafts "
+          f"{on['tokens_per_s']:7.1f} tok/s ({r['on_vs_off']:.2f}x)  rounds {on['rounds']:4d}  accepted {on['accepted']}/{on['drafted']}")
 
 
 if __name__ == "__main__":

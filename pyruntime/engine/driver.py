@@ -199,6 +199,7 @@ class Driver:
     self.prefix, self.cache_decoded, self.load_s = prefix, cache_decoded, load_s
     # drafter: a draft model's (drafter.ModelDrafter), which drafts in place of n-grams
     self.speculative, self.draft_tokens, self.drafter = speculative, draft_tokens, drafter
+    self.min_accepted = MIN_ACCEPTED  # what a verify round must keep to pay (the launcher sets it for recurrent stages)
     self.lock = threading.Lock()          # the head ring's producer side, the slots and the queue
     # held (before self.lock, never under it) while events go out to consumers, outside self.lock: a callback may
     # call submit() or cancel() (which take self.lock), and a cancelled stream's Done cannot overtake its last Delta
@@ -226,8 +227,11 @@ class Driver:
     """A new stream's draft length. With prompt lookup it drafts from its start (a draft costs nothing until one is
     found); with a draft model (whose drafts cost steps of their own) it starts where the drafter's recent rounds over
     every stream left off: drafting while they paid, else probing after the wait the last stream's probes grew to."""
-    if self.drafter is None: return DraftLength(self.draft_tokens)
-    return DraftLength(self.draft_tokens, self.tally.recent_accepted >= MIN_ACCEPTED, self.tally.probe_wait, backoff=True)
+    # where a round is dear (recurrent stages: min_accepted above MIN_ACCEPTED) a probe that fails costs several steps,
+    # so probes that do not pay grow rarer, as a draft model's do
+    if self.drafter is None: return DraftLength(self.draft_tokens, min_accepted=self.min_accepted, backoff=self.min_accepted > MIN_ACCEPTED)
+    return DraftLength(self.draft_tokens, self.tally.recent_accepted >= self.min_accepted, self.tally.probe_wait, backoff=True,
+                       min_accepted=self.min_accepted)
 
   # --- streams in --------------------------------------------------------------------------------
   def enqueue(self, st: StreamHandle) -> None:

@@ -30,7 +30,7 @@ from pyruntime.engine.events import Delta, Done, Logits, Timings, Usage
 from pyruntime.engine.launch_plan import LAUNCH_FIELDS, LaunchOptions, LaunchPlan, plan_launch, preflight
 from pyruntime.engine.prefix_cache import PREFIX_CACHE_TOKENS, PrefixCache
 from pyruntime.engine.request import RequestBuilder
-from pyruntime.engine.speculation import SOLO_STREAMS
+from pyruntime.engine.speculation import MIN_ACCEPTED_RECURRENT, SOLO_STREAMS
 from pyruntime.engine.stage_pool import LocalPlacement, StageHandle, StagePool
 from pyruntime.options import PREFILL_SHARE, STALL_CAPTURE_TIMEOUT_S, STALL_TIMEOUT_S
 from pyruntime.params import MAX_CHOICES
@@ -165,10 +165,11 @@ class Launcher:
       vocabulary(p.tokenizer)  # the structured-output bridge, built while the stages load, never on a request's path
       self._load(p)
       self.prefix = PrefixCache.for_stages(self.options.prefix_cache, [h.info.get("prefix_cache") for h in self.handles], p.header.arch)
-      # scoring a prompt needs every prompt row's logits: the rows path (a hybrid's prompt rows are decode rows); verifying
-      # drafts also needs rows that can be recomputed at any position: not a recurrence's
+      # scoring a prompt and verifying drafts need every row's logits: the rows path (a hybrid's chunks of RECURRENT_ROWS;
+      # its stages take a rejected draft's state back, StageModel.rewind)
       self.requests.scores_everywhere = all(h.info.get("batched") for h in self.handles)
-      self.requests.rows_everywhere = self.requests.scores_everywhere and all(h.info.get("family") != "hybrid" for h in self.handles)
+      self.requests.rows_everywhere = self.requests.scores_everywhere
+      recurrent = any(h.info.get("family") == "hybrid" for h in self.handles)
       if draft_path is not None:
         self._check_open()  # a close() meanwhile found no drafter to end: start none
         self.drafter = self._start_drafter(p, draft_path)
@@ -182,6 +183,7 @@ class Launcher:
                            max_streams=self.options.max_streams, recipe=p.recipe, context_length=p.context_length, prefix=self.prefix.index,
                            cache_decoded=self.prefix.decoded, speculative=self.options.speculative, draft_tokens=self.options.draft_tokens,
                            load_s=self.load_s, on_failure=self._fail, drafter=self.drafter)
+      if recurrent: self.driver.min_accepted = MIN_ACCEPTED_RECURRENT
       for h in self.handles: h.progress_t = time.monotonic()
       self.driver.thread.start()
       self._event({"event": "LauncherReady", "load_s": round(self.load_s, 3), "split": [list(r) for r in p.split], "devices": p.devices})

@@ -21,6 +21,12 @@ POSITIONS = 15        # draft positions counted apart (a draft is at most MAX_VE
 PROBE_EVERY = 8       # a stream that drafts nothing tries again after this many tokens
 PROBE_MAX = 128       # ... twice as many after each try that did not pay, up to this many
 MIN_ACCEPTED = 1.5    # tokens a round must keep on average beyond its own: a verify round costs about 2.5 plain steps here
+# ... with recurrent blocks (hybrids): the record runs in the recurrent chunk graph (the recurrence row after row inside
+# it: 8 rows ~3.4 one-row steps on a small qwen35, a dense model's ~2.4) and a rejection takes the kept rows again
+# (StageModel.rewind); a record that crosses a prefix-cache block boundary runs as two chunks. Measured on a small
+# random qwen35 (bench/speculative.py --family qwen35): a round that keeps nothing costs ~4.5 plain tokens' time, and
+# with 2.0 here drafts that kept ~1.4 a round cost 0.71x against 0.83x with this
+MIN_ACCEPTED_RECURRENT = 4.0
 
 
 def ngram_draft(tokens: list[int], k: int, max_n: int = MAX_NGRAM, min_n: int = MIN_NGRAM) -> list[int]:
@@ -60,27 +66,28 @@ class DraftLength:
   """One stream's draft length. A verify record runs in the stages' short graph that fits its rows (with packed
   weights: 8 or 16 rows, so a draft of 7 costs about what a shorter one does, docs/speculation.md): drafts are as long
   as the limit while they pay, i.e. while the tokens accepted per round (a moving average) cover a round's extra cost
-  over a plain step (MIN_ACCEPTED); below that the stream drafts
+  over a plain step (`min_accepted`: MIN_ACCEPTED, or MIN_ACCEPTED_RECURRENT with recurrent blocks); below that the stream drafts
   nothing, and after PROBE_EVERY plain tokens it tries again. A draft model's drafts cost steps of their own, unlike a
   prompt lookup's, so with `backoff` the wait doubles after each probe that did not pay (up to PROBE_MAX: a draft model
   that never agrees costs a round every PROBE_MAX tokens at most), and `paying`, `wait` start a stream where the draft
   model's recent rounds over every stream left off. (Prompt lookup keeps probing every PROBE_EVERY tokens: a stream's
   own output often starts repeating late, and a lookup that finds nothing costs nothing.)"""
 
-  def __init__(self, limit: int, paying: bool = True, wait: int = PROBE_EVERY, backoff: bool = False):
+  def __init__(self, limit: int, paying: bool = True, wait: int = PROBE_EVERY, backoff: bool = False, min_accepted: float = MIN_ACCEPTED):
     self.limit, self.idle, self.wait, self.probing, self.backoff = limit, 0, wait, False, backoff
+    self.min_accepted = min_accepted  # what a round must keep beyond its own token to pay (the stages' models say)
     self.k, self.mean = (limit, float(limit)) if paying else (0, 0.0)
 
   def next(self) -> int:
     if self.k > 0 or self.limit == 0: return self.k
     self.idle += 1
-    if self.idle >= self.wait: self.idle, self.k, self.mean, self.probing = 0, self.limit, MIN_ACCEPTED, True
+    if self.idle >= self.wait: self.idle, self.k, self.mean, self.probing = 0, self.limit, self.min_accepted, True
     return self.k
 
   def update(self, drafted: int, accepted: int) -> None:
     if drafted == 0: return
     self.mean = 0.5 * self.mean + 0.5 * accepted
-    if self.mean >= MIN_ACCEPTED: self.k, self.wait = self.limit, PROBE_EVERY
+    if self.mean >= self.min_accepted: self.k, self.wait = self.limit, PROBE_EVERY
     else: self.k, self.wait = 0, min(2 * self.wait, PROBE_MAX) if self.probing and self.backoff else PROBE_EVERY
     self.probing = False
 

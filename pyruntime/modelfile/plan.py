@@ -46,7 +46,7 @@ def support_table() -> str:
     runs = "the rows path: many streams per step" if a in ROWS_ARCHS else "tinygrad's own kernels, one stream at a time"
     if a in SSM_SUPPORTED: runs += " (a prompt's rows are decode rows)"
     extras = "yes" if a in ROWS_ARCHS else "no"
-    if a in SSM_SUPPORTED: extras = "the prefix cache (with state snapshots); no speculation or tensor cores"
+    if a in SSM_SUPPORTED: extras = "the prefix cache (with state snapshots), speculation (the state taken back); no tensor cores"
     rows.append(f"| `{a}` | {family(a)} | {runs} | {extras} |")
   names = lambda ids: ", ".join(GGML_TYPE_NAMES[t] for t in sorted(ids))  # noqa: E731
   return "\n".join(rows + ["", f"Tokenizer models: {', '.join(f'`{m}`' for m in TOKENIZER_MODELS)} "

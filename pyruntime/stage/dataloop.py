@@ -206,6 +206,8 @@ class DataLoop:
         if not (st.is_verify(pos) and pos < st.position and not st.pending):
           raise errors.StreamPositionInvalid(f"stream {stream_id} stands at position {st.position}, record says {pos}")
         st.position = pos
+      # a recurrent state goes back too (StageModel.rewind: the state before the verify record, its kept rows again)
+      if st.is_verify(pos) and not st.pending: self.model.rewind(st.slot, pos)
       if st.prompt_tokens is None: st.prompt_tokens = len(x)
       if pos >= st.prompt_tokens and len(x) != 1 and not (st.is_verify(pos) and len(x) <= MAX_VERIFY_ROWS):
         raise errors.ActivationExtentInvalid(f"stream {stream_id}: a decode record carries one token, this one {len(x)}")
@@ -394,6 +396,7 @@ class DataLoop:
     t0 = time.monotonic()
     pos, x = self.sched.next_chunk(st)
     n = len(x)
+    if st.is_verify(pos) and self.model.recurrent: self.model.keep_for_rewind(st.slot, x, pos)
     verify, scores = self.model.is_tail and st.is_verify(pos), self.model.is_tail and st.scores_prompt(pos)
     if verify or scores: out = self.model.prefill_rows(st.slot, x, pos, every_row=True)
     else: out = self.model.forward(st.slot, x, pos, prefill=True)

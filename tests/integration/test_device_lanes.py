@@ -263,7 +263,7 @@ def test_sm90_compile_lane_families_and_weight_forms(tmp_path, name, weights):
     # (a hybrid: its decode windows and its one chunk graph, rows.RECURRENT_ROWS rows; its prompt rows beside decode
     # rows are decode rows)
     assert ({"decode-1", "decode-2"} if m.recurrent else {"decode-1", "decode-2", "prefill", "mixed-2"}) <= set(graphs), sorted(graphs)
-    if m.recurrent: assert set(graphs) == {"decode-1", "decode-2", "prefill", "prefill-16"} and graphs["prefill"] is None
+    if m.recurrent: assert set(graphs) == {"decode-1", "decode-2", "prefill", "prefill-8", "prefill-16"} and graphs["prefill"] is None
     graphs = {k: j for k, j in graphs.items() if j is not None}
   else:
     graphs = m._graphs

@@ -138,19 +138,42 @@ def test_the_prefix_cache_keeps_no_rejected_draft(plain, spec):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("family,split", [("qwen2", [(0, 1), (1, 3), (3, 4)]), ("qwen3", [(0, 3), (3, 5)]), ("glm4moe", [(0, 2), (2, 4)]),
-                                         ("deepseek2", [(0, 3), (3, 4)]), ("gemma3", [(0, 5), (5, 7)])])
+                                         ("deepseek2", [(0, 3), (3, 4)]), ("gemma3", [(0, 5), (5, 7)]),
+                                         ("qwen35", [(0, 1), (1, 3), (3, 4)]), ("qwen35moe", [(0, 3), (3, 4)])])
 def test_families_and_splits_speculate_exactly(tmp_path, family, split):
   """Dense families, a MoE one (glm4moe: a leading dense block, routed experts with expert bias, a gated shared expert)
-  and an MLA one (deepseek2: the latent cache rewound with the draft) and Gemma 3 (sliding windows) speculate on the
-  rows path, split, and give plain decoding's tokens."""
+  and an MLA one (deepseek2: the latent cache rewound with the draft), Gemma 3 (sliding windows) and the hybrids (a
+  rejected draft's recurrent state taken back: StageModel.rewind) speculate on the rows path, split, and give plain
+  decoding's tokens."""
   path = write_tiny_gguf(tmp_path / f"{family}.gguf", **{**TINY_MODELS, **TINY_FAMILIES, "gemma3": TINY_GEMMA}[family])
   with Launcher(path, split=split, max_context=256, speculative="ngram") as lm:
-    rounds = 0
+    rounds = rejected = 0
     for kw in CASES[:2]:  # greedy and penalised; stops and budgets do not depend on the family (all CASES above)
-      want, got = ask(lm, REPEATING, speculative=False, **kw), ask(lm, REPEATING, **kw)
-      assert got.token_ids == want.token_ids, kw
-      rounds += got.timings.draft_rounds
-    assert rounds > 0
+      want = ask(lm, REPEATING, speculative=False, **kw)
+      # prompt lookup, and a prediction right for a while, then wrong (a random model's answer may never repeat the prompt)
+      predicted = lm.tokenizer.decode(want.token_ids[:24]) + " and then something else entirely, about the weather"
+      for got in (ask(lm, REPEATING, **kw), ask(lm, REPEATING, prediction=predicted, **kw)):
+        assert got.token_ids == want.token_ids, kw
+        rounds += got.timings.draft_rounds
+        rejected += got.timings.drafted_tokens - got.timings.accepted_tokens
+    assert rounds > 0 and rejected > 0  # drafts were verified, and some were not the model's: rows went back
+    if family.startswith("qwen35"): _hybrid_speculates_beside_others_and_caches_no_rejected_state(lm, want, predicted)
+
+
+def _hybrid_speculates_beside_others_and_caches_no_rejected_state(lm: Launcher, want: Done, predicted: str) -> None:
+  """A hybrid's verify records beside another stream's rows (each prompt's rows in the step's window), and its answer's
+  prefix cached with state snapshots: a draft's rejected rows reach neither the other stream nor a cached state."""
+  other = "The dog sleeps in the sun, and the dog sleeps"
+  alone = ask(lm, other, speculative=False, max_tokens=32, prefix_cache=False).token_ids
+  got = run_together(lambda i: ask(lm, REPEATING if i == 0 else other, max_tokens=48 if i == 0 else 32, prefix_cache=False,
+                                   **({"prediction": predicted, "repetition_penalty": 1.2} if i == 0 else {})).token_ids, 2)
+  assert got[0] == want.token_ids and got[1] == alone
+  first = ask(lm, REPEATING, max_tokens=60, prediction=predicted)
+  assert first.timings.drafted_tokens > first.timings.accepted_tokens
+  follow = lm.tokenizer.encode(REPEATING) + first.token_ids  # ids: a random model's text need not tokenize back to them
+  again = next(ev for ev in lm.generate(prompt_ids=follow, max_tokens=20, speculative=False) if isinstance(ev, Done))
+  assert again.usage.cached_tokens >= len(follow) - 16 - 1  # decoded positions, up to the snapshot at the last boundary
+  assert again.token_ids == next(ev for ev in lm.generate(prompt_ids=follow, max_tokens=20, prefix_cache=False) if isinstance(ev, Done)).token_ids
 
 
 def test_a_prediction_drafts_from_the_callers_text():

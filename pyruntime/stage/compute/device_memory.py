@@ -19,6 +19,7 @@ Two facts of tinygrad 0.13.0's backends shape this module:
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 from tinygrad import Device, Tensor, UOp, dtypes
@@ -96,6 +97,19 @@ def view(buf: Buffer, shape: tuple[int, ...], offset: int = 0) -> Tensor:
   if has_views(buf.device):
     return Tensor(UOp.from_buffer(buf.view(n, buf.dtype, offset * buf.dtype.itemsize).ensure_allocated())).reshape(shape)
   return Tensor(UOp.from_buffer(buf))[offset:offset + n].reshape(shape).contiguous().realize()
+
+
+def slot_region(t: Tensor, slot: int, shape: tuple[int, ...]) -> tuple[np.ndarray, Any]:
+  """One slot's region of a float32 state tensor (slots, *shape) as a host array, and how to write it back (None: the
+  array is the device's memory itself, a CPU's)."""
+  n = prod(shape)
+  buf = t.uop.buffer
+  if has_views(buf.device):
+    v = buf.view(n, dtypes.float32, slot * n * 4).ensure_allocated()
+    if hasattr(v.allocator, "_as_buffer") and v.options is None:
+      return np.frombuffer(v.as_memoryview(allow_zero_copy=True), dtype=np.float32).reshape(shape), None
+  arr = view(buf, (n,), slot * n).numpy().reshape(shape)
+  return arr, lambda a: write(buf, a, slot * n * 4)
 
 
 MADV_REMOVE = 9  # Linux madvise: free a shared mapping's pages and their backing (they read back as zeros)

@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from tinygrad import dtypes
 
 from pyruntime import errors
 from pyruntime.stage.compute import device_memory
@@ -71,7 +70,7 @@ class KVBlocks:
     its two latest boundaries' (a CACHE record names the last boundary before the stream's last position, which is the
     one before the latest when that position ends a block)."""
     if not self.recurrent: return
-    for (t, _, n), dst in zip(self.recurrent, self._kept(slot, position), strict=True): np.copyto(dst, self._region(t, slot, (n,))[0])
+    for (t, _, n), dst in zip(self.recurrent, self._kept(slot, position), strict=True): np.copyto(dst, device_memory.slot_region(t, slot, (n,))[0])
 
   def _snapshot_id(self, sid: Any) -> int:
     if type(sid) is not int or not 0 <= sid < self.snapshots:
@@ -100,23 +99,11 @@ class KVBlocks:
     # a new stream: the slot's kept boundaries were its last stream's (their arrays are reused, no position matches)
     self.boundary[slot] = [(-1, arrays) for _, arrays in self.boundary.get(slot, [])]
     for (t, _, n), pool, dst in zip(self.recurrent, self.state_pools, self._kept(slot, position), strict=True):
-      arr, back = self._region(t, slot, (n,))
+      arr, back = device_memory.slot_region(t, slot, (n,))
       arr[:] = pool[sid]
       if back is not None: back(arr)
       np.copyto(dst, pool[sid])
     self.stats["loaded_states"] += 1
-
-  def _region(self, t: Any, slot: int, shape: tuple[int, ...]) -> tuple[np.ndarray, Any]:
-    """One slot's region of a state tensor as a host array, and how to write it back (None: the array is the device's
-    memory itself)."""
-    n = int(np.prod(shape))
-    buf = t.uop.buffer
-    if device_memory.has_views(buf.device):
-      view = buf.view(n, dtypes.float32, slot * n * 4).ensure_allocated()
-      if hasattr(view.allocator, "_as_buffer") and view.options is None:
-        return np.frombuffer(view.as_memoryview(allow_zero_copy=True), dtype=np.float32).reshape(shape), None
-    arr = device_memory.view(buf, (n,), slot * n).numpy().reshape(shape)
-    return arr, lambda a: device_memory.write(buf, a, slot * n * 4)
 
   def _check(self, pairs: list, upto: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(pairs, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(type(x) is int for x in p) for p in pairs):
@@ -137,7 +124,7 @@ class KVBlocks:
     if not len(ids): return
     idx = self._index(pos)
     for (t, _, shape, axis), pool in zip(self.states, self._pools(), strict=True):
-      arr, _ = self._region(t, slot, shape)
+      arr, _ = device_memory.slot_region(t, slot, shape)
       got = np.take(arr, idx, axis=axis)  # shape with positions -> (n * BLOCK)
       got = got.reshape(*shape[:axis], len(ids), self.block_size, *shape[axis + 1:])
       pool[ids] = np.moveaxis(got, axis, 0)
@@ -152,7 +139,7 @@ class KVBlocks:
     if self.pools is None: raise errors.PrefixBlocksInvalid("no block was saved yet: there is nothing to load")
     idx = self._index(pos)
     for (t, _, shape, axis), pool in zip(self.states, self.pools, strict=True):
-      arr, back = self._region(t, slot, shape)
+      arr, back = device_memory.slot_region(t, slot, shape)
       vals = np.moveaxis(pool[ids], 0, axis).reshape(*shape[:axis], len(idx), *shape[axis + 1:])
       arr[(slice(None),) * axis + (idx,)] = vals
       if back is not None: back(arr)

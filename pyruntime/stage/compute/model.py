@@ -45,7 +45,7 @@ from pyruntime.protocol import PREFILL_CHUNK
 from pyruntime.stage.compute import cpu_graph, cuda_graph, device_memory, loop_schedules
 from pyruntime.stage.compute.gemma import gemma_form
 from pyruntime.stage.compute.graph_cache import GraphCache
-from pyruntime.stage.compute.rows import MAX_ROWS, RECURRENT_ROWS, ROW_UNIT, RowPath
+from pyruntime.stage.compute.rows import MAX_ROWS, RECURRENT_ROWS, RECURRENT_SHORT, ROW_UNIT, RowPath
 from pyruntime.stage.compute.weights import PROJECTIONS, held_buffers, linears
 from pyruntime.stage.compute.weights import load as load_weights
 
@@ -118,6 +118,9 @@ def resolve_device(device: str | None) -> str:
   return Device.canonicalize(spec.name)
 
 
+REWIND_ROWS = RECURRENT_ROWS // 4  # rows a rewind takes again one by one (StageModel.rewind); more go as a chunk
+
+
 def _copy_rows(dst: Tensor, src: Buffer, s: int, nt: int) -> None:
   """Rows [0, nt) of a (1, *, w) JIT output buffer into rows [s, s+nt) of dst."""
   w, dt = dst.shape[-1], dst.dtype
@@ -187,6 +190,7 @@ class StageModel:
     # prompt where the reference does, attention-only stages too
     self.recurrent = cfg.ssm is not None
     self.on_boundary: Callable[[int, int], None] | None = None  # (slot, positions) at every boundary_every-th position
+    self._rewind: dict[int, tuple[int, np.ndarray, list[np.ndarray]]] = {}  # slot -> a verify record's start, rows, state before
     self.boundary_every = 0
     self.chunk = 1 if self.recurrent else PREFILL_CHUNK  # tinygrad's prefill chunk (the rows path takes up to MAX_ROWS)
     # the rows path (pyruntime/stage/compute/rows.py: prompt and decode rows through the same kernels, many streams per step) is
@@ -464,21 +468,51 @@ class StageModel:
     bits of the chunk's rows fed one at a time as decode rows), each ending where the prefix cache keeps a state at the
     latest (`on_boundary`). Returns what prefill_rows returns (`every_row`, a scored chunk: at most score_rows = 1 row)."""
     T = len(inp)
-    if every_row and self.is_tail and T > self.score_rows:
-      raise errors.ActivationExtentInvalid(f"every row's logits of a recurrent model: {self.score_rows} row at a time, got {T}")
+    if every_row and self.is_tail and T > RECURRENT_ROWS:
+      raise errors.ActivationExtentInvalid(f"every row's logits of a recurrent model: at most {RECURRENT_ROWS} rows at a time, got {T}")
     cuts, p = [], start_pos
     while p < start_pos + T:
       n = min(RECURRENT_ROWS, start_pos + T - p)
       cuts.append((p, n if self.on_boundary is None else min(n, self.boundary_every - p % self.boundary_every)))
       p += cuts[-1][1]
     res = None if self.is_tail or len(cuts) == 1 else self._empty((1, T, self.dim), self._bdtype)
+    rows: list = []  # every row's logits (a verify record's, cut at a block boundary: the first cut's copied out)
     for p, n in cuts:
       s = p - start_pos
       out = self.rows.prefill(slot, inp[s:s + n], p, every_row)
       self._keep_routers([(slot, 0, n)], after=s > 0)
       self._advance(slot, p + n)
       if res is not None: _copy_rows(res, out.uop.buffer, s, n)
-    return out if res is None else res
+      if every_row and self.is_tail: rows += out if len(cuts) == 1 else [Tensor(r.numpy(), device=r.device).realize() for r in out]
+    return rows if every_row and self.is_tail else out if res is None else res
+
+  def keep_for_rewind(self, slot: int, inp: np.ndarray, start_pos: int) -> None:
+    """Before a verify record's rows (speculation, docs/speculation.md) on a stage with recurrent blocks: the slot's
+    state at `start_pos` and the rows, so that `rewind` can bring the state back to any position the record covers (a
+    recurrent state cannot be recomputed from positions' keys and values). A copy of one stream's state per round."""
+    self.synchronize()
+    self._rewind[slot] = (start_pos, np.array(inp), [device_memory.slot_region(t, slot, (n,))[0].copy() for t, _, n in self.recurrent_states()])
+
+  def rewind(self, slot: int, pos: int) -> None:
+    """A speculative stream goes on from `pos`, after its last kept token. Keys and values need nothing (positions past
+    it are overwritten before any row reads them); a recurrent state goes back to the verify record's start
+    (keep_for_rewind) and takes the record's first pos - start rows again, the bits the record computed for them (a
+    chunk = its rows one by one, docs/prompt-path.md), so the state is the one plain decoding reaches."""
+    kept = self._rewind.pop(slot, None)
+    if not self.recurrent or pos == self._pos[slot]: return
+    if kept is None or not kept[0] <= pos < self._pos[slot]:
+      raise errors.StreamPositionInvalid(f"slot {slot} holds {self._pos[slot]} positions of recurrent state and kept none to go back to {pos}")
+    start, inp, states = kept
+    self.synchronize()
+    for (t, _, n), arr in zip(self.recurrent_states(), states, strict=True):
+      region, back = device_memory.slot_region(t, slot, (n,))
+      region[:] = arr
+      if back is not None: back(region)
+    self._pos[slot] = start
+    if pos - start > REWIND_ROWS: self._prefill_recurrent(slot, inp[:pos - start], start)
+    else:  # a few rows: as decode rows (a chunk costs about 6 one-row steps here; the same bits either way)
+      for i in range(pos - start): self.forward_batch([slot], inp[i:i + 1], [start + i])
+    self.synchronize()
 
   def _keep_routers(self, parts: list[tuple[int, int, int]], after: bool = False) -> None:
     """After a rows-path call: for each (slot, first row, rows) of its graph, those rows' router logits become the
@@ -733,7 +767,7 @@ class StageModel:
       run("prefill", lambda: self.forward(0, zeros, 0, prefill=True))
       run("decode", lambda: self.forward(0, zeros, 1, prefill=False))
     else:
-      short = (RECURRENT_ROWS,) if self.recurrent else self.rows.short_rows  # (a recurrent model's chunk: one size)
+      short = RECURRENT_SHORT if self.recurrent else self.rows.short_rows  # (a recurrent model's chunks: 8 and 16 rows)
       if not self.recurrent: run("prefill", lambda: self.prefill_rows(0, np.repeat(zeros, short[-1] + 1 if short else 1, axis=0), 0))
       for R in short:
         self.reset_slot(0)

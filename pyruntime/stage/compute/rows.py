@@ -68,6 +68,9 @@ STAGED_ROWS = ROW_UNIT  # a packed matrix read by more rows than this is dequant
 TC_ROWS = 16
 # a recurrent model's prompt chunk (_recurrent_chunk): its rows' projections at once, the recurrence one row after another
 RECURRENT_ROWS = ROW_UNIT
+# ... and a short one: a verify record of the last token and up to 7 drafts (docs/speculation.md) costs half the chunk's
+# sequential steps in it, not all of them
+RECURRENT_SHORT = (loop_schedules.ROWS, RECURRENT_ROWS)
 KV_UNIT = 32     # attended lengths are padded to a multiple of this (loop_schedules.VEC x two threads)
 
 
@@ -644,8 +647,8 @@ class RowPath:
     if not 1 <= T <= MAX_ROWS: raise errors.ActivationExtentInvalid(f"a prefill call takes 1..{MAX_ROWS} rows, got {T}")
     if m.recurrent and T > RECURRENT_ROWS:
       raise errors.ActivationExtentInvalid(f"a recurrent model's chunk takes 1..{RECURRENT_ROWS} rows, got {T}")
-    # a recurrent model's chunk graph has its rows' steps written out one after another: one size, RECURRENT_ROWS
-    short = RECURRENT_ROWS if m.recurrent else next((n for n in self.short_rows if T <= n), None)
+    # a recurrent model's chunk graph has its rows' steps written out one after another: RECURRENT_SHORT's sizes
+    short = next((n for n in RECURRENT_SHORT if T <= n)) if m.recurrent else next((n for n in self.short_rows if T <= n), None)
     R = short or _round(T, ROW_UNIT)
     _put((self.prefill_in, self.prefill_pos, self.prefill_rope), self._prefill_inputs(inp, start, R))
     graph, rows = (self.short_graph(R), R) if short else (self.prefill_graph(), self.v_rows.bind(R // ROW_UNIT))

@@ -125,11 +125,6 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 
-def _dump(v: Any, limit: int = 80) -> str:
-  try: return json.dumps(v)[:limit]
-  except (ValueError, RecursionError): return _show(v, limit)
-
-
 def _is_int(v: Any) -> bool: return isinstance(v, int) and not isinstance(v, bool)
 
 

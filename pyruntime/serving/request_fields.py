@@ -10,6 +10,7 @@ modules read the checked values: openai_api (chat, completions, /tokenize, /deto
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -154,7 +155,7 @@ def check_body(body: dict[str, Any], route: str) -> None:
     f = table.get(name)
     if f is None: raise errors.UnsupportedFeature(name, f"unrecognized request argument for {PATHS[route]}")
     if f.neutral is not None and not _neutral(f, v):
-      raise errors.UnsupportedFeature(name, f.why or f"pyruntime does not support {name}={_dump(v)} on {PATHS[route]}")
+      raise errors.UnsupportedFeature(name, f.why or f"pyruntime does not support {name}={dump(v)} on {PATHS[route]}")
   for name, v in body.items():
     if v is not None and table[name].neutral is None: table[name].check(v)
 
@@ -164,7 +165,7 @@ def _neutral(f: Field, v: Any) -> bool:
   return f.asks_nothing(v) or (f.name == "reasoning" and isinstance(v, dict) and not any(v.values()))
 
 
-def _dump(v: Any, limit: int = 80) -> str:
-  import json
+def dump(v: Any, limit: int = 80) -> str:
+  """A client's value quoted back in an error: its JSON, cut to `limit` characters (repr where it has none)."""
   try: return json.dumps(v)[:limit]
   except (ValueError, RecursionError): return _show(v, limit)

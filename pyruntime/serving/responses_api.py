@@ -10,7 +10,6 @@ does); so is every field this module does not name.
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -18,9 +17,9 @@ from typing import Any
 
 from pyruntime import errors
 from pyruntime.params import SAMPLING
-from pyruntime.params import show as _show
 from pyruntime.serving.openai_api import ParsedRequest, TokenText, error_body
 from pyruntime.serving.request_fields import CHAT, RESPONSES, check_body
+from pyruntime.serving.request_fields import dump as _dump
 
 # its fields (the core, the chat path's sampling fields, fields that ask for nothing we would have to do: metadata and
 # user are echoed, prompt_cache_key and safety_identifier are hints; store and the rest at their neutral values):
@@ -98,11 +97,6 @@ def own_names(e: errors.InvalidOption | errors.UnsupportedFeature, origins: list
     return e if name == e.field else errors.InvalidOption(name, str(e).removeprefix(f"invalid {e.field!r}: "))
   name = own_name(e.feature, origins)
   return e if name == e.feature else errors.UnsupportedFeature(name, str(e).removeprefix(f"{e.feature!r} is not supported: "))
-
-
-def _dump(v: Any) -> str:
-  try: return json.dumps(v)[:80]
-  except (ValueError, RecursionError): return _show(v, 80)
 
 
 def _text(content: Any, where: str) -> str:

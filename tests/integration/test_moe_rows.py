@@ -18,8 +18,10 @@ from tinygrad.helpers import prod
 from tinygrad.llm.model import Transformer
 from tinymodels import TINY_FAMILIES, write_tiny_gguf
 
+from pyruntime.stage.compute import packed as packed_module
 from pyruntime.stage.compute.model import StageModel
 from pyruntime.stage.compute.packed import PackedMatrix
+from pyruntime.stage.compute.rows import MAX_ROWS, SHORT_ROWS
 from pyruntime.stage.compute.weights import expert_matrices
 
 MOE = ["qwen3moe", "glm4moe", "deepseek2"]
@@ -167,3 +169,24 @@ def test_moe_splits_equal_one_stage_and_tinygrads_tokens(paths, name, ranges):
   top = lambda r: np.sort(np.argsort(-r, axis=-1)[:, :k], axis=-1)  # noqa: E731
   clear = np.sort(refs, axis=-1)[:, -k] - np.sort(refs, axis=-1)[:, -k - 1] > 1e-4  # rows whose k-th choice is not a near tie
   assert clear.sum() > len(PROMPT) // 2 and np.array_equal(top(rows)[clear], top(refs)[clear])
+
+
+def test_experts_too_large_to_stage_stay_in_registers_and_keep_every_bit(paths, monkeypatch):
+  """A MoE block's experts are staged for a prompt chunk only while the float16 copy of all of them fits
+  packed.STAGED_MAX_BYTES (a Qwen3-30B-A3B block's would be 1.2 GB); past it each row's chosen experts are rebuilt in
+  registers, and the stage takes prompts in the short graph's calls. A 100-row prompt and the decode rows after it give
+  the staging stage's bits."""
+  outs = []
+  for registers in (False, True):
+    if registers: monkeypatch.setattr(packed_module, "STAGED_MAX_BYTES", 0)
+    # no graph cache: the two forms' graphs differ under one key
+    m = StageModel.load(paths["glm4moe"], 0, 4, max_context=CTX, decode="batched", weights="packed", slots=2)
+    held = [w.rows_blocked for b in m.blk if b.config.num_experts for w in expert_matrices(b)]
+    assert held and all(isinstance(wb, PackedMatrix) and wb.copy_fits != registers for wb in held)
+    assert m.rows.prompt_rows == (SHORT_ROWS[-1] if registers else MAX_ROWS)
+    m.reset_slot(0)
+    prompt = np.asarray((PROMPT * 3)[:100], np.uint32)
+    out = [m.prefill_rows(0, prompt, 0).numpy().copy()]
+    out += [r.numpy().copy() for r in m.batch_rows(m.forward_batch([0], np.asarray([7], np.uint32), [100]), [0])]
+    outs.append(out)
+  assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(*outs, strict=True))

@@ -17,7 +17,7 @@ from tinymodels import TINY_MODELS, write_tiny_gguf
 
 from pyruntime import errors
 from pyruntime.modelfile.gguf import packed_types
-from pyruntime.stage.compute import rows as rows_module
+from pyruntime.stage.compute import packed as packed_module
 from pyruntime.stage.compute.loop_schedules import VEC
 from pyruntime.stage.compute.model import StageModel
 from pyruntime.stage.compute.packed import PackedMatrix, packable
@@ -255,13 +255,13 @@ def test_a_mixed_step_equals_its_decode_and_prompt_apart(paths, name, cut, devic
 
 
 def test_matrices_too_large_to_stage_keep_every_bit(paths, monkeypatch):
-  """A packed matrix whose float16 copy would not stay in the CPU's cache (rows.STAGED_MAX_BYTES; here every matrix)
+  """A packed matrix whose float16 copy would not stay in the CPU's cache (packed.STAGED_MAX_BYTES; here every matrix)
   is rebuilt in registers for any number of rows, and a prompt goes in calls of the largest short graph's rows
   (RowPath.prompt_rows): a 100-row prompt and a mixed step's 40-row chunk give the bits of the stage that stages them."""
   path = paths["llama_tied"]
   outs = []
   for registers in (False, True):
-    if registers: monkeypatch.setattr(rows_module, "STAGED_MAX_BYTES", 0)
+    if registers: monkeypatch.setattr(packed_module, "STAGED_MAX_BYTES", 0)
     # no graph cache: the two stages' graphs differ under one key
     m = StageModel.load(path, 0, tiny_refs_blocks(path), max_context=CTX, slots=2, decode="batched", weights="packed")
     assert m.rows.prompt_rows == (SHORT_ROWS[-1] if registers else MAX_ROWS)

@@ -46,7 +46,8 @@ def _expert_product(w: Any, sel: Tensor, x: Tensor, staged: bool) -> Tensor:
   the experts' column blocks (experts, out / VEC, in, VEC) when the stage keeps them (weights.load: a kernel streams
   VEC outputs of every input as one run of memory, as a dense projection's; float16, or packed: the file's codes,
   each chosen expert's values rebuilt in the kernel, or with `staged` every expert's dequantised into a scratch buffer
-  first, as rows._values does for a prompt chunk), else from (experts, out, in). Either way the chosen matrices are
+  first, as rows._values does for a prompt chunk, where that copy of every expert fits packed.STAGED_MAX_BYTES), else
+  from (experts, out, in). Either way the chosen matrices are
   read in the kernel by index (tinygrad turns the one-hot of `sel` into a load), so a row reads only the k experts it
   chose, and their values are the same in every form."""
   # clamped (a no-op on a top-k's indices): the kernel then knows every index is in range and loads the chosen block
@@ -54,7 +55,7 @@ def _expert_product(w: Any, sel: Tensor, x: Tensor, staged: bool) -> Tensor:
   sel = sel.maximum(0).minimum(w.weight.shape[0] - 1)
   if (wb := getattr(w, "rows_blocked", None)) is None:
     return (x.unsqueeze(-2) * w.weight[sel]).sum(-1, dtype=dtypes.float32).contiguous()
-  if isinstance(wb, PackedMatrix): values = wb.matrix(staged=True)[sel] if staged else wb.take(sel).matrix()
+  if isinstance(wb, PackedMatrix): values = wb.matrix(staged=True)[sel] if staged and wb.copy_fits else wb.take(sel).matrix()
   else: values = wb[sel]
   *lead, K = x.shape
   y = (x.reshape(*lead, 1, K, 1) * values).sum(-2, dtype=dtypes.float32)  # (..., k, out / VEC, VEC)

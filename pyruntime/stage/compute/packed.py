@@ -34,6 +34,12 @@ from pyruntime.modelfile.gguf import GGML_TYPES, PACKED_TYPES, SUPER_BLOCK
 from pyruntime.stage.compute import device_memory
 
 LOW = 4  # the low bits of a code below 8 bits live in words of 8 fields; the rest in words of their own
+# a packed matrix is staged (dequantised into a float16 scratch copy for a product of many rows: matrix(staged=True))
+# only while that copy fits this: a copy that does not stay in the CPU's last-level cache costs more memory traffic than
+# rebuilding the values in registers for every ROWS rows (Llama 3.2 1B's 2048 x 8192 feed-forward: 33.5 MB; its 64-row
+# chunks 1.4x faster in registers; SmolLM2's 1.8 MB copies stay staged, 1.2-1.35x faster so). A MoE block's experts are
+# one matrix here: a Qwen3-30B-A3B block's 128 experts would be a 403 MB copy per matrix, 1.2 GB a block
+STAGED_MAX_BYTES = 16 << 20
 
 
 def packable(ggml_type: int, shape: tuple[int, ...], vec: int) -> bool:
@@ -66,6 +72,13 @@ class PackedMatrix:
 
   @property
   def low_bits(self) -> int: return 8 if self.bits == 8 else LOW
+
+  @property
+  def copy_fits(self) -> bool:
+    """Whether matrix(staged=True)'s float16 copy (every expert's, for a MoE block's) is at most STAGED_MAX_BYTES."""
+    n = 2
+    for d in self.shape: n *= d
+    return n <= STAGED_MAX_BYTES
 
   @property
   def lead(self) -> tuple[int, ...]:

@@ -49,7 +49,7 @@ from pyruntime.modelfile.boundary import DTYPES
 from pyruntime.protocol import MAX_CHUNK
 from pyruntime.stage.compute import device_memory, experts, loop_schedules
 from pyruntime.stage.compute.packed import PackedMatrix
-from pyruntime.stage.compute.weights import linears
+from pyruntime.stage.compute.weights import expert_matrices, linears
 
 MAX_ROWS = MAX_CHUNK  # the most rows one prefill call takes: a stage's largest prompt chunk
 ROW_UNIT = 16    # prompt rows are padded to a multiple of this (loop_schedules.ROWS x two threads)
@@ -58,10 +58,6 @@ ROW_UNIT = 16    # prompt rows are padded to a multiple of this (loop_schedules.
 # registers (SmolLM2: 8 rows ~2.5 decode steps, 16 ~5, against ~9 in the symbolic graph, which stages the weights first).
 # Float weights have nothing to stage: there the symbolic graph costs the same and two more captures would buy nothing.
 SHORT_ROWS = (loop_schedules.ROWS, ROW_UNIT)
-# ... unless its float16 copy is larger than this: a copy that does not stay in the CPU's last-level cache costs more
-# memory traffic than rebuilding the values in registers for every ROWS rows (Llama 3.2 1B's 2048 x 8192 feed-forward:
-# 33.5 MB; its 64-row chunks 1.4x faster in registers; SmolLM2's 1.8 MB copies stay staged, 1.2-1.35x faster so)
-STAGED_MAX_BYTES = 16 << 20
 STAGED_ROWS = ROW_UNIT  # a packed matrix read by more rows than this is dequantised into a scratch buffer first (_values)
 # the tensor-core mode: a projection's rows are padded to this, the rows of every float16 tile tinygrad's renderers
 # know (CUDA's 16x8x16, AMD's 16x16x16, Metal's 8x8x8 and Intel's 8x8x16 divide it)
@@ -82,6 +78,11 @@ def _staged(lead: list) -> bool:
   return not all(isinstance(n, int) for n in lead) or prod(lead) > STAGED_ROWS
 
 
+def _packed_matrices(b: Any) -> list[Any]:
+  """A block's matrices as the rows path holds them: its projections' and its routed experts' column blocks."""
+  return [wb for w in (*linears(b), *expert_matrices(b)) if (wb := getattr(w, "rows_blocked", None)) is not None]
+
+
 def _values(wb: Tensor | PackedMatrix, lead: list, staged: bool | None = None) -> Tensor:
   """Column blocks' values for a product with `lead` rows: the buffer itself, or a packed matrix's dequantisation, in
   the registers of the kernel that reads it for a few rows (a decode step: one pass over the file's bytes), staged
@@ -89,7 +90,7 @@ def _values(wb: Tensor | PackedMatrix, lead: list, staged: bool | None = None) -
   every ROWS rows; 256-row chunks took 1.6x float16's time that way). The same values either way. `staged` overrides
   the rule by rows (the tail's output matrix: _egress)."""
   if not isinstance(wb, PackedMatrix): return wb
-  if staged is None: staged = _staged(lead) and 2 * prod(wb.shape) <= STAGED_MAX_BYTES
+  if staged is None: staged = _staged(lead) and wb.copy_fits
   return wb.matrix(staged=staged)
 
 
@@ -305,12 +306,11 @@ class RowPath:
   @property
   def prompt_rows(self) -> int:
     """The most rows one prefill call takes: MAX_ROWS, or where a packed matrix is too large to stage
-    (STAGED_MAX_BYTES) the largest short graph's: a chunk of many rows would rebuild that matrix's values in registers
+    (packed.STAGED_MAX_BYTES) the largest short graph's: a chunk of many rows would rebuild that matrix's values in registers
     for every ROWS rows anyway, and the short graph does so fastest (Llama 3.2 1B's shapes: 64 rows 1.25x, 256 rows
     1.2x faster as 16-row calls than in one call; SmolLM2's, whose copies stay staged, 0.75x: one call each)."""
     if self._prompt_rows is None:
-      big = any(isinstance(wb, PackedMatrix) and 2 * prod(wb.shape) > STAGED_MAX_BYTES
-                for b in self.m.blk for lin in linears(b) for wb in [getattr(lin, "rows_blocked", None)])
+      big = any(isinstance(wb, PackedMatrix) and not wb.copy_fits for b in self.m.blk for wb in _packed_matrices(b))
       self._prompt_rows = self.short_rows[-1] if big and self.short_rows else MAX_ROWS
     return self._prompt_rows
 

@@ -47,9 +47,8 @@ def _expert_product(w: Any, sel: Tensor, x: Tensor, staged: bool) -> Tensor:
   VEC outputs of every input as one run of memory, as a dense projection's; float16, or packed: the file's codes,
   each chosen expert's values rebuilt in the kernel, or with `staged` every expert's dequantised into a scratch buffer
   first, as rows._values does for a prompt chunk, where that copy of every expert fits packed.STAGED_MAX_BYTES), else
-  from (experts, out, in). Either way the chosen matrices are
-  read in the kernel by index (tinygrad turns the one-hot of `sel` into a load), so a row reads only the k experts it
-  chose, and their values are the same in every form."""
+  from (experts, out, in). Either way the chosen matrices are read in the kernel by index (tinygrad turns the one-hot
+  of `sel` into a load), so a row reads only the k experts it chose, and their values are the same in every form."""
   # clamped (a no-op on a top-k's indices): the kernel then knows every index is in range and loads the chosen block
   # directly, not through a bounds check per load (7x faster on a CPU)
   sel = sel.maximum(0).minimum(w.weight.shape[0] - 1)

@@ -56,8 +56,11 @@ class PackedMatrix:
   arrays as `repack` makes them, realized buffers once uploaded (the graph cache names them). `matrix()` is the lazy
   expression of its values in the column-block layout of float modes, (outputs/VEC, inputs, VEC) float32.
 
-  A MoE block's experts are one PackedMatrix whose arrays lead with the experts axis (`stack`); `take(sel)` gathers the
-  chosen experts' arrays (a load by index in the kernel that reads them), and `matrix()` keeps any leading axes."""
+  A MoE block's experts are one PackedMatrix whose arrays lead with the experts axis (`stack`); `matrix()` keeps any
+  leading axes, so `matrix()[sel]` is the chosen experts' values: indexed after the rebuild, the gather stays a load
+  by index in the kernel that reads them. (Gathering the arrays first made tinygrad copy every chosen expert's codes
+  into a buffer of their own before the product: 3.5x the product's time and 300 MB a 16-row graph for a
+  Qwen3-30B-A3B-shaped block; bench/results/2026-12-07-moe-real-size-block.md.)"""
   codes: Any
   high: Any
   scale: Any
@@ -82,7 +85,7 @@ class PackedMatrix:
 
   @property
   def lead(self) -> tuple[int, ...]:
-    """The axes before a matrix's own: () for one matrix, (experts,) for a MoE block's, (..., k) once `take`n."""
+    """The axes before a matrix's own: () for one matrix, (experts,) for a MoE block's."""
     return tuple(self.codes.shape[:-3])
 
   @property
@@ -124,10 +127,6 @@ class PackedMatrix:
   def __getitem__(self, s: slice) -> PackedMatrix:
     """Column blocks s of this matrix (views of its buffers)."""
     return self._with(None if a is None else a[s] for a in self._arrays())
-
-  def take(self, sel: Tensor) -> PackedMatrix:
-    """The matrices sel (int indices into the leading experts axis, any shape) chose: arrays (*sel.shape, ...)."""
-    return self._with(None if a is None else a[sel] for a in self._arrays())
 
   def buffers(self) -> list[Tensor]: return [t for t in self._arrays() if isinstance(t, Tensor)]
 

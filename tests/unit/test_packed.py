@@ -97,16 +97,16 @@ def test_the_kernel_expression_gives_the_same_values(kind):
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q5_K])
 def test_experts_pack_along_a_leading_axis_and_are_taken_by_index(kind):
   """A MoE block's experts (one tensor of the file, expert after expert) packed as one matrix per expert along a
-  leading axis; the kernel's expression of the experts some rows chose (`take`: a gather by index) gives those experts'
-  reference weights, for one pick per row and for k picks per row."""
+  leading axis; the kernel's expression of the experts some rows chose (`matrix()[sel]`: a gather by index, staged or
+  not) gives those experts' reference weights, for one pick per row and for k picks per row."""
   E, n, K = 4, 32, 256
   raw, want = quantized(kind, E * n, K, seed=7)  # the experts' rows one after another: the file's layout of (E, n, K)
   pm = repack_experts(raw, kind, (E, n, K), VEC, half=True)
   assert pm.lead == (E,) and pm.shape == (E, n // VEC, K, VEC)
   for e in range(E): assert np.array_equal(unpack_on_host(pm[e]).view(np.uint16), want[e * n:(e + 1) * n].view(np.uint16))
   dev = pm.upload("CPU")
-  for sel in ([2, 0, 3], [[1, 3], [3, 0]]):
-    got = dev.take(Tensor(sel, dtype="int32")).matrix().numpy()  # (*sel, n / VEC, K, VEC)
+  for sel, staged in (([2, 0, 3], False), ([[1, 3], [3, 0]], False), ([[1, 3], [3, 0]], True)):
+    got = dev.matrix(staged=staged)[Tensor(sel, dtype="int32")].numpy()  # (*sel, n / VEC, K, VEC)
     flat = got.reshape(-1, n // VEC, K, VEC).transpose(0, 1, 3, 2).reshape(-1, n, K)
     assert np.array_equal(flat, np.stack([want[e * n:(e + 1) * n] for e in np.ravel(sel)]).astype(np.float32))
   assert packable(kind, (E, n, K), VEC) and not packable(kind, (E, n, K // 2 + 16), VEC)

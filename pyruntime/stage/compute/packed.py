@@ -24,6 +24,7 @@ weight more (a code's bits, and a block's scale and offset as the file holds the
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +80,7 @@ class PackedMatrix:
   @property
   def copy_fits(self) -> bool:
     """Whether matrix(staged=True)'s float16 copy (every expert's, for a MoE block's) is at most STAGED_MAX_BYTES."""
-    n = 2
-    for d in self.shape: n *= d
-    return n <= STAGED_MAX_BYTES
+    return 2 * math.prod(self.shape) <= STAGED_MAX_BYTES
 
   @property
   def lead(self) -> tuple[int, ...]:

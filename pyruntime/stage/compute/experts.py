@@ -54,7 +54,7 @@ def _expert_product(w: Any, sel: Tensor, x: Tensor, staged: bool) -> Tensor:
   sel = sel.maximum(0).minimum(w.weight.shape[0] - 1)
   if (wb := getattr(w, "rows_blocked", None)) is None:
     return (x.unsqueeze(-2) * w.weight[sel]).sum(-1, dtype=dtypes.float32).contiguous()
-  if isinstance(wb, PackedMatrix): values = wb.matrix(staged=staged and wb.copy_fits)[sel]
+  if isinstance(wb, PackedMatrix): values = wb.matrix(staged=staged)[sel]
   else: values = wb[sel]
   *lead, K = x.shape
   y = (x.reshape(*lead, 1, K, 1) * values).sum(-2, dtype=dtypes.float32)  # (..., k, out / VEC, VEC)

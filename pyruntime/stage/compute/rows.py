@@ -90,8 +90,7 @@ def _values(wb: Tensor | PackedMatrix, lead: list, staged: bool | None = None) -
   every ROWS rows; 256-row chunks took 1.6x float16's time that way). The same values either way. `staged` overrides
   the rule by rows (the tail's output matrix: _egress)."""
   if not isinstance(wb, PackedMatrix): return wb
-  if staged is None: staged = _staged(lead) and wb.copy_fits
-  return wb.matrix(staged=staged)
+  return wb.matrix(staged=_staged(lead) if staged is None else staged)  # staged where the copy fits (copy_fits)
 
 
 def _tensor_core_rows(x: Tensor, product) -> Tensor:

@@ -182,7 +182,7 @@ def test_experts_too_large_to_stage_stay_in_registers_and_keep_every_bit(paths, 
     # no graph cache: the two forms' graphs differ under one key
     m = StageModel.load(paths["glm4moe"], 0, 4, max_context=CTX, decode="batched", weights="packed", slots=2)
     held = [w.rows_blocked for b in m.blk if b.config.num_experts for w in expert_matrices(b)]
-    assert held and all(isinstance(wb, PackedMatrix) and wb.copy_fits != registers for wb in held)
+    assert held and all(isinstance(wb, PackedMatrix) and wb.fits_staging != registers for wb in held)
     assert m.rows.prompt_rows == (SHORT_ROWS[-1] if registers else MAX_ROWS)
     m.reset_slot(0)
     prompt = np.asarray((PROMPT * 3)[:100], np.uint32)

@@ -78,7 +78,7 @@ class PackedMatrix:
   def low_bits(self) -> int: return 8 if self.bits == 8 else LOW
 
   @property
-  def copy_fits(self) -> bool:
+  def fits_staging(self) -> bool:
     """Whether matrix(staged=True)'s float16 copy (every expert's, for a MoE block's) is at most STAGED_MAX_BYTES."""
     return 2 * math.prod(self.shape) <= STAGED_MAX_BYTES
 
@@ -95,7 +95,7 @@ class PackedMatrix:
   def matrix(self, staged: bool = False) -> Tensor:
     """The values, rebuilt in the registers of the kernel that reads them; `staged`: written to a scratch buffer (in the
     graph's memory) by a kernel of their own first, as float16 (the same values), so that a kernel of many rows does
-    not rebuild each weight for every ROWS of them, where that copy fits (copy_fits; else rebuilt in registers)."""
+    not rebuild each weight for every ROWS of them, where that copy fits (fits_staging; else rebuilt in registers)."""
     *lead, n, K, vec = self.shape
     q = _fields(self.codes, self.low_bits, K)
     if self.high is not None: q = q + (_fields(self.high, self.bits - LOW, K) << LOW)
@@ -106,7 +106,7 @@ class PackedMatrix:
     elif self.offset is not None: w = w + self._per_block(self.offset, None)
     if self.scaled_offset: w = w + self._per_block(self.scale, None) * self.scaled_offset
     if self.half: w = w.cast(dtypes.float16)
-    if staged and self.copy_fits: w = w.contiguous()
+    if staged and self.fits_staging: w = w.contiguous()
     return w.cast(dtypes.float32).reshape(*lead, n, K, vec)
 
   def _per_block(self, a: Tensor, factor: Tensor | None) -> Tensor:

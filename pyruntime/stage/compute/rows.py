@@ -90,7 +90,7 @@ def _values(wb: Tensor | PackedMatrix, lead: list, staged: bool | None = None) -
   every ROWS rows; 256-row chunks took 1.6x float16's time that way). The same values either way. `staged` overrides
   the rule by rows (the tail's output matrix: _egress)."""
   if not isinstance(wb, PackedMatrix): return wb
-  return wb.matrix(staged=_staged(lead) if staged is None else staged)  # staged where the copy fits (copy_fits)
+  return wb.matrix(staged=_staged(lead) if staged is None else staged)  # staged where the copy fits (fits_staging)
 
 
 def _tensor_core_rows(x: Tensor, product) -> Tensor:
@@ -309,7 +309,7 @@ class RowPath:
     for every ROWS rows anyway, and the short graph does so fastest (Llama 3.2 1B's shapes: 64 rows 1.25x, 256 rows
     1.2x faster as 16-row calls than in one call; SmolLM2's, whose copies stay staged, 0.75x: one call each)."""
     if self._prompt_rows is None:
-      big = any(isinstance(wb, PackedMatrix) and not wb.copy_fits for b in self.m.blk for wb in _packed_matrices(b))
+      big = any(isinstance(wb, PackedMatrix) and not wb.fits_staging for b in self.m.blk for wb in _packed_matrices(b))
       self._prompt_rows = self.short_rows[-1] if big and self.short_rows else MAX_ROWS
     return self._prompt_rows
 

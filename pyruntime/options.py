@@ -88,6 +88,10 @@ NUMBERS = {p.name: p for p in (
   Param("prefix_cache", int, PREFIX_CACHE_TOKENS, "tokens of prompts and replies whose keys and values the stages keep for later "
         "requests that begin with them (chat turns, shared system prompts), in host memory (`inspect` shows bytes per token); 0: off",
         lo=0, hi=1 << 28),
+  Param("kv_budget", int, 0, "keys and values of at most this many positions, all running streams together (on a CPU a stage's "
+        "pages follow the streams' positions); past it the stream admitted last is preempted (what it computed goes to the prefix "
+        "cache) and resumed when room is back, with the same tokens; at least the context; 0: every stream may hold the whole "
+        "context (no preemption)", lo=0, hi=1 << 31),
   Param("prefill_share", float, PREFILL_SHARE, "beside decoding streams, a new prompt's prefill chunks cost about this share of their "
         "step (0: whole 256-token chunks, the fastest first token and the longest stalls for the others)", lo=0.0, hi=16.0),
   Param("draft_tokens", int, 7, "the most tokens a speculative draft holds (its length adapts below this to what the model "
@@ -167,5 +171,5 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     if c.prefixed: p.add_argument(c.flag, default=c.default, help=c.help, metavar=shown)
     else: p.add_argument(c.flag, choices=c.values, default=c.default, help=c.help)
   for n in NUMBERS.values():
-    metavar = {"prefix_cache": "TOKENS", "stall_timeout": "S", "stall_capture_timeout": "S"}.get(n.name)
+    metavar = {"prefix_cache": "TOKENS", "kv_budget": "POSITIONS", "stall_timeout": "S", "stall_capture_timeout": "S"}.get(n.name)
     p.add_argument(n.flag, type=n.kind, default=n.default, help=n.help, metavar=metavar)

@@ -45,8 +45,9 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ABI_VERSION = 5  # 2: chunked prefill between stages, ERROR and MORE records, OpenInfo.prompt_tokens; 3: the prefix cache;
-#                 4: speculative records (OpenInfo.speculative); 5: log-probabilities (OpenInfo.logprobs, prompt_logprobs)
+ABI_VERSION = 6  # 2: chunked prefill between stages, ERROR and MORE records, OpenInfo.prompt_tokens; 3: the prefix cache;
+#                 4: speculative records (OpenInfo.speculative); 5: log-probabilities (OpenInfo.logprobs, prompt_logprobs);
+#                 6: preempted streams resumed (OpenInfo.resumed)
 
 FLAG_END = 1 << 0     # the tail sampled an end-of-sequence token
 FLAG_OPEN = 1 << 1
@@ -101,6 +102,8 @@ class OpenInfo:
   logprobs: int = -1                                 # k >= 0: the tail answers with TokenScore records (top k); -1: token ids
   prompt_logprobs: bool = False                      # ... and scores every prompt row too (needs the rows path at the tail)
   state: int | None = None                           # recurrent blocks: the snapshot holding their state at position `cached`
+  resumed: int = 0                                   # a preempted stream resumed: its answer so far, the last `resumed` ids of
+                                                     # `history`, whose sampler draws and grammar steps the tail replays
 
   def encode(self, alignment: int) -> bytes: return encode_json(asdict(self), alignment)
 

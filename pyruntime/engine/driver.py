@@ -57,7 +57,11 @@ class StreamHandle:
     self.sink_failed = False  # its callback raised once (logged)
     self.cached = 0     # prompt positions copied in from the prefix cache
     self.computed = 0   # positions every stage has computed: the tail answered them
-    self.slot, self.state, self.ended = -1, "waiting", False   # state: waiting -> open -> closing -> done
+    self.held = 0       # positions its slot holds once what was written to the head is computed (the kv_budget's count)
+    self.arrival = sid  # its place in arrival order (its id changes when it is resumed): the youngest is preempted first
+    self.preempted = 0  # times it was preempted (and resumed)
+    # state: waiting -> open -> closing -> done; open -> preempted (its CLOSE out) -> waiting again once the CLOSE is back
+    self.slot, self.state, self.ended = -1, "waiting", False
     self.out: list[int] = []
     self.text: list[str] = []
     self.k = req.logprobs  # >= 0: the tail answers with TokenScores of the top k
@@ -136,7 +140,8 @@ class StreamHandle:
     t0, t_first, t_last = self.t_submit, self.t_first or now, self.t_last or now
     decode = (len(out) - 1) / (t_last - t_first) if len(out) > 1 and t_last > t_first else 0.0
     timings = Timings(round(self.driver.load_s, 4), round(t_first - t0, 4), round(decode, 3), round(now - t0, 4),
-                      round((self.t_admitted or t0) - t0, 4), self.spec.rounds, self.spec.drafted, self.spec.accepted)
+                      round((self.t_admitted or t0) - t0, 4), self.spec.rounds, self.spec.drafted, self.spec.accepted,
+                      self.preempted)
     self.ended = True
     # rejected, as OpenAI counts it: the prediction's tokens that did not make it into the answer (not only the drafted
     # ones the model refused: a prediction it never followed is all rejected)
@@ -170,6 +175,8 @@ class Tally:
   overhead: dict = field(default_factory=lambda: {"tokens": 0, "seconds": 0.0})
   spec: dict = field(default_factory=lambda: {"rounds": 0, "drafted": 0, "accepted": 0, "drafted_at": [0] * POSITIONS,
                                                "accepted_at": [0] * POSITIONS})
+  preempted: int = 0       # streams preempted for the kv_budget (each resumed later)
+  kv_peak: int = 0         # the most positions the open streams held at once (the kv_budget's count)
   recent_accepted: float = 2 * MIN_ACCEPTED  # tokens kept per round, a moving average over every stream's rounds
   probe_wait: int = PROBE_EVERY             # the wait before a probe, as the latest stream's rounds left it
 
@@ -193,10 +200,11 @@ class Driver:
 
   def __init__(self, head: Writer, tail: Reader, pool: StagePool, *, tokenizer: Tokenizer, max_streams: int, recipe: str,
                context_length: int, prefix: PrefixIndex | None, cache_decoded: bool, speculative: str, draft_tokens: int,
-               load_s: float, on_failure: Callable[[errors.StageFailed], Any], drafter: Any = None):
+               load_s: float, on_failure: Callable[[errors.StageFailed], Any], drafter: Any = None, kv_budget: int = 0):
     self.head, self.tail, self.pool, self.on_failure = head, tail, pool, on_failure
     self.tokenizer, self.max_streams, self.recipe, self.context_length = tokenizer, max_streams, recipe, context_length
     self.prefix, self.cache_decoded, self.load_s = prefix, cache_decoded, load_s
+    self.kv_budget = kv_budget  # positions all open streams' slots may hold together (0: no bound but the slots')
     # drafter: a draft model's (drafter.ModelDrafter), which drafts in place of n-grams
     self.speculative, self.draft_tokens, self.drafter = speculative, draft_tokens, drafter
     self.min_accepted = MIN_ACCEPTED  # what a verify round must keep to pay (the launcher sets it for recurrent stages)
@@ -209,6 +217,7 @@ class Driver:
     self.waiting: collections.deque[StreamHandle] = collections.deque()
     self.active: dict[int, StreamHandle] = {}
     self.next: list[tuple[StreamHandle, int, list[int]]] = []  # next tokens of the tail's current step, written when it is complete
+    self.parked: list[tuple[StreamHandle, int, list[int]]] = []  # next tokens held back for the kv_budget (_within_budget)
     # the driver's events of the tail's current step, handed out (still under the lock, so in order with every other
     # event) once the step's next tokens are written: the stages start sooner, and a consumer woken by its event finds
     # the GIL free more often (the driver blocks on the ring right after), instead of waking twice
@@ -251,6 +260,7 @@ class Driver:
     """Under self.lock: waiting streams into free slots. A stream whose records cannot be built fails alone, before
     anything of it reaches a stage, and its slot goes to the next; only a failed write (the pipeline's) raises."""
     while self.free_slots and (st := next((s for s in self.waiting if not s.follows()), None)) is not None:
+      if self.kv_budget and self.held() + len(st.ids) + len(st.out) > self.kv_budget: break  # first come, first served
       self.waiting.remove(st)
       st.slot = self.free_slots.pop(0)  # the lowest free slot: a batch spans rows 0..highest slot in use
       try: records = self._open_records(st)
@@ -262,10 +272,17 @@ class Driver:
         continue
       st.state = "open"
       self.active[st.id] = st
-      st.t_admitted = time.monotonic()
+      self.tally.kv_peak = max(self.tally.kv_peak, self.held())
+      if st.t_admitted is None: st.t_admitted = time.monotonic()
       # the grammar goes to the tail directly, before the OPEN: the tail waits for it when the OPEN says there is one
       if st.req.grammar is not None: self.pool.handles[-1].send(protocol.Command.SET_GRAMMAR, stream=st.id, grammar=st.req.grammar)
       for oid, payload, flags in records: self._write(oid, payload, flags)
+
+  def held(self) -> int:
+    """Under self.lock: the positions the open streams' slots hold, as the kv_budget counts them. A closing (or
+    preempted) stream's CLOSE is in the head ring already: every stage frees its slot before it takes any record written
+    after, so its positions count no more."""
+    return sum(s.held for s in self.active_open())
 
   def reads_cache(self, req: Request) -> bool:
     """The request's prompt may come from the prefix cache. A scored prompt computes every row (a cached row's logits
@@ -273,16 +290,23 @@ class Driver:
     return self.prefix is not None and req.prefix_cache and not req.prompt_logprobs
 
   def _open_records(self, st: StreamHandle) -> list[tuple[int, bytes, int]]:
-    """The stream's OPEN and prompt records, built whole before any is written (a failure here leaves no trace)."""
-    blocks = self.prefix.match(st.ids, st.req.cache_salt) if self.reads_cache(st.req) else []
+    """The stream's OPEN and prompt records, built whole before any is written (a failure here leaves no trace). A
+    resumed stream's prompt is its prompt and its answer so far (`resumed`: the tail replays the answer's sampler draws
+    and grammar steps); its scored rows were answered before it was preempted."""
+    resumed = len(st.out)
+    tokens = st.ids + st.out if resumed else st.ids
+    reads = self.prefix is not None and st.req.prefix_cache if resumed else self.reads_cache(st.req)
+    blocks = self.prefix.match(tokens, st.req.cache_salt) if reads else []
     cached = len(blocks) * BLOCK
     state = self.prefix.state_of(blocks[-1]) if blocks else None
-    info = protocol.OpenInfo(st.slot, len(st.ids), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), st.ids,
+    info = protocol.OpenInfo(st.slot, len(tokens), {"request": st.id, "recipe": self.recipe}, st.params.to_dict(), tokens,
                              sorted(st.end_ids), st.want_logits, cached, [[b, i * BLOCK] for i, b in enumerate(blocks)],
-                             st.req.grammar is not None, st.spec.length is not None, st.k, st.req.prompt_logprobs, state)
-    rest = st.ids[cached:]
+                             st.req.grammar is not None, st.spec.length is not None, st.k, st.req.prompt_logprobs and not resumed,
+                             state, resumed)
+    rest = tokens[cached:]
     records = [(object_id(st.id, 0), info.encode(4), FLAG_OPEN), (object_id(st.id, cached), struct.pack(f"<{len(rest)}I", *rest), 0)]
-    st.cached = st.computed = cached
+    if not resumed: st.cached = cached  # the request's usage counts its first admission's cached positions
+    st.computed, st.held = cached, len(tokens)
     return records
 
   def cancel(self, st: StreamHandle) -> None:
@@ -300,6 +324,7 @@ class Driver:
             finally: self.outbox = None
         elif st.state == "open" and not self.closed:
           self._close_stream(st, settled=False)  # its next token may be in flight
+        elif st.state == "preempted": st.state = "closing"  # its CLOSE is out: it is not resumed
         else: return
         done = None if st.ended else st.final("cancelled")
       if done is not None: st.deliver(done)
@@ -390,8 +415,10 @@ class Driver:
     if flags & FLAG_CLOSE:
       del self.active[sid]
       self.free_slots.append(st.slot); self.free_slots.sort()
+      if st.state == "preempted": self._requeue(st)
+      else: st.closed()
       self._admit()
-      st.closed()
+      if self.parked and not self.next: self._flush_next()  # the stream that held them back failed or was cancelled
     elif flags & (FLAG_OPEN | FLAG_CACHE): pass  # echoes: the tail bound the stream, or filled its blocks
     elif flags & FLAG_ERROR:
       info = protocol.decode_json(rec.payload)
@@ -479,9 +506,62 @@ class Driver:
   def _flush_next(self) -> None:
     """The tail's step is complete: its streams' next tokens go to the head as one group (MORE on all but the last),
     so the head computes them as one batch again instead of waking on the first and taking a batch of one."""
-    nxt = [(st, oid, toks) for st, oid, toks in self.next if st.state == "open"]  # a stream cancelled meanwhile is CLOSEd
-    self.next.clear()
+    # a stream cancelled meanwhile is CLOSEd
+    nxt = [(st, oid, toks) for st, oid, toks in self.parked + self.next if st.state == "open"]
+    self.next.clear(); self.parked.clear()
+    for st, oid, toks in nxt: st.held = split_object_id(oid)[1] + len(toks)
+    if self.kv_budget and self.held() > self.kv_budget: nxt = self._within_budget(nxt)
+    self.tally.kv_peak = max(self.tally.kv_peak, self.held())
     for i, (_, oid, toks) in enumerate(nxt): self._write(oid, struct.pack(f"<{len(toks)}I", *toks), FLAG_MORE if i < len(nxt) - 1 else 0)
+
+  def _within_budget(self, nxt: list[tuple[StreamHandle, int, list[int]]]) -> list[tuple[StreamHandle, int, list[int]]]:
+    """Under self.lock, with the step's next inputs (`nxt`) past the kv_budget: first their drafts go (a round without
+    them), then the youngest of these streams are preempted until the rest fit. Only a stream in `nxt` can go: none of
+    its records is in flight, so it is closed at a position every stage holds. The oldest open stream is never
+    preempted (the budget holds one whole context), so some stream always finishes."""
+    over = self.held() - self.kv_budget
+    for i, (st, oid, toks) in enumerate(nxt):
+      if over > 0 and len(toks) > 1:
+        over, st.held, st.spec.verify = over - (len(toks) - 1), st.held - (len(toks) - 1), None
+        nxt[i] = (st, oid, toks[:1])
+    oldest = min(s.arrival for s in self.active.values() if s.state == "open")
+    for st in sorted((x[0] for x in nxt if x[0].arrival != oldest), key=lambda s: s.arrival, reverse=True):
+      if over <= 0: break
+      over -= st.held
+      self._preempt(st)
+    nxt = [x for x in nxt if x[0].state == "open"]
+    # still over: the younger streams are computing their prompts (not settled, so not preempted yet). The rest wait,
+    # their inputs held back, until a younger one's first token comes (then it is the one preempted): some record of
+    # those is in flight, so a step (or its CLOSE) comes back and flushes the held inputs again
+    if over > 0 and len(self.active_open()) > len(nxt):
+      for x in sorted(nxt, key=lambda x: x[0].arrival, reverse=True):
+        if over <= 0: break
+        st, oid, toks = x
+        st.held = split_object_id(oid)[1]
+        over -= len(toks)
+        self.parked.append(x)
+      nxt = [x for x in nxt if x not in self.parked]
+    return nxt
+
+  def active_open(self) -> list[StreamHandle]:
+    return [s for s in self.active.values() if s.state == "open"]
+
+  def _preempt(self, st: StreamHandle) -> None:
+    """Under self.lock: close a settled stream to free its positions; what it computed goes to the prefix cache
+    (decoded positions too: every stage is on the rows path, whose decode rows have prompt rows' bits), and when its
+    CLOSE is back it waits again, ahead of the streams that came after it (_requeue)."""
+    log.info("stream %d: preempted at %d positions (kv_budget %d, %d held)", st.id, st.held, self.kv_budget, self.held())
+    st.preempted += 1
+    self.tally.preempted += 1
+    self._close_stream(st)
+    st.state = "preempted"
+
+  def _requeue(self, st: StreamHandle) -> None:
+    """Under self.lock: a preempted stream's CLOSE is back; it waits under a new id (the stages saw the old one close),
+    in arrival order, to be opened again with its answer so far as prompt (_open_records)."""
+    st.id, st.slot, st.state, st.held = next(self.stream_ids), -1, "waiting", 0
+    at = next((i for i, s in enumerate(self.waiting) if s.arrival > st.arrival), len(self.waiting))
+    self.waiting.insert(at, st)
 
   def fail_all(self, e: errors.PyruntimeError) -> None:
     with self.lock:
@@ -499,7 +579,8 @@ class Driver:
   def stats(self) -> dict:
     """Under self.lock: streams running (in the pipeline) and waiting (for a slot); tokens out; the tail's steps and
     their sizes; output tokens per second over the last RATE_WINDOW_S; speculation's counters."""
-    return stream_stats(self.tally, len(self.active), len(self.waiting), self.max_streams, self.speculative, self.drafter)
+    return stream_stats(self.tally, len(self.active), len(self.waiting), self.max_streams, self.speculative, self.drafter,
+                        self.kv_budget, self.held())
 
   def _write(self, oid: int, payload: Any, flags: int) -> None:
     """Into the head ring, under self.lock. A failed stage raises here; the driver thread (which learns of failures)
@@ -522,8 +603,10 @@ class Driver:
     finally: self.lock.release()
 
 
-def stream_stats(t: Tally, running: int, waiting: int, max_streams: int, speculative: str, drafter: Any = None) -> dict:
-  """Driver.stats' figures from a tally (a fresh one: a launcher not started yet)."""
+def stream_stats(t: Tally, running: int, waiting: int, max_streams: int, speculative: str, drafter: Any = None,
+                 kv_budget: int = 0, kv_held: int = 0) -> dict:
+  """Driver.stats' figures from a tally (a fresh one: a launcher not started yet); `kv`: the positions the open streams
+  hold (now and at most), their budget (0: none) and the streams preempted for it."""
   now = time.monotonic()
   recent = [x for x in t.token_times if now - x <= RATE_WINDOW_S]
   span = now - recent[0] if len(recent) > 1 else 0.0
@@ -531,4 +614,5 @@ def stream_stats(t: Tally, running: int, waiting: int, max_streams: int, specula
   return {"running": running, "waiting": waiting, "max_streams": max_streams, "tokens": t.tokens, "steps": t.steps,
           "last_batch": t.last_batch, "mean_batch": t.step_rows / t.steps if t.steps else 0.0,
           "tokens_per_s": (len(recent) - 1) / span if span > 0 else 0.0,
-          "speculation": spec if speculative != "off" or t.spec["rounds"] else None}
+          "speculation": spec if speculative != "off" or t.spec["rounds"] else None,
+          "kv": {"budget": kv_budget, "held": kv_held, "peak": t.kv_peak, "preempted": t.preempted}}

@@ -53,6 +53,7 @@ class Timings:
   draft_rounds: int = 0              # speculative records verified (docs/speculation.md)
   drafted_tokens: int = 0            # tokens they drafted
   accepted_tokens: int = 0           # of which the model agreed with (each saved a trip through the pipeline)
+  preempted: int = 0                 # times the stream gave its positions up for the kv_budget and was resumed
 
 
 @dataclass

@@ -33,6 +33,7 @@ class LaunchOptions:
   max_context: int | None = None
   prefill_share: float = PREFILL_SHARE
   prefix_cache: int = PREFIX_CACHE_TOKENS
+  kv_budget: int = 0                    # positions all streams' keys and values may hold (0: max_streams whole contexts)
   graph_cache: bool = True              # stages load their captured graphs from disk and keep new ones (graph_cache.py)
   stall_timeout: float = STALL_TIMEOUT_S
   stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S
@@ -49,7 +50,7 @@ class LaunchOptions:
   def __post_init__(self) -> None:
     check_launch(boundary_dtype=self.boundary_dtype, max_streams=self.max_streams, decode=self.decode, weights=self.weights,
                  tensor_cores=self.tensor_cores,
-                 prefill_share=self.prefill_share, prefix_cache=self.prefix_cache, stall_timeout=self.stall_timeout,
+                 prefill_share=self.prefill_share, prefix_cache=self.prefix_cache, kv_budget=self.kv_budget, stall_timeout=self.stall_timeout,
                  stall_capture_timeout=self.stall_capture_timeout, speculative=self.speculative, draft_tokens=self.draft_tokens)
     if not isinstance(self.graph_cache, bool): raise errors.InvalidOption("graph_cache", f"must be true or false, got {self.graph_cache!r}")
     if self.placement not in ("local", "ray"): raise errors.InvalidOption("placement", f"must be local or ray, not {self.placement!r:.80}")
@@ -123,6 +124,7 @@ def held_bytes(header: GGUFHeader, names: Sequence[str], weights: str) -> int:
 
 
 CONTEXT_STEP = 256  # a default context cut to fit memory is a multiple of this
+KEY_PAGE_POSITIONS = 1024  # a 4 KiB page of a slot's keys holds one head's lane for this many float32 positions
 
 
 def memory_need(header: GGUFHeader, options: LaunchOptions, split: Sequence[tuple[int, int]], devices: Sequence[str],
@@ -133,13 +135,15 @@ def memory_need(header: GGUFHeader, options: LaunchOptions, split: Sequence[tupl
   slot's state too), and the prefix cache's pool (every stage's, at its token budget; with recurrent blocks also the
   two states each slot keeps aside for it, kv_blocks.KVBlocks.mark, in host memory whatever the device). A GPU stage's
   weights and caches are on its GPU, not counted. Graph buffers and the interpreters (a few hundred MB a stage) come on
-  top."""
+  top. With a kv_budget the keys and values written are at most the budget's positions, plus in every slot the rest
+  of a page of keys (which hold a head's positions side by side: KEY_PAGE_POSITIONS) and a chunk's padding rows."""
   from pyruntime.devices import parse_device
   from pyruntime.modelfile.plan import kv_bytes_per_position, prefix_cache_bytes_per_token, recurrent_state_bytes, stage_tensor_names
   from pyruntime.protocol import MAX_CHUNK
   host = [i for i, d in enumerate(devices) if parse_device(d).base == "CPU"]
   slots = options.max_streams + 1
   positions = slots * (context + MAX_CHUNK + 31)
+  if options.kv_budget: positions = min(positions, options.kv_budget + slots * (KEY_PAGE_POSITIONS + MAX_CHUNK + 31))
   kept = 2 * options.max_streams * recurrent_state_bytes(header, 0, header.num_blocks) if options.prefix_cache >= BLOCK else 0
   return {"weights": sum(held_bytes(header, list(dict.fromkeys(stage_tensor_names(header, *split[i]))), weights[i]) for i in host),
           "kv": sum(kv_bytes_per_position(header, *split[i]) * positions + recurrent_state_bytes(header, *split[i]) * slots for i in host),
@@ -154,15 +158,20 @@ def fit_context(header: GGUFHeader, options: LaunchOptions, split: Sequence[tupl
   can; Launcher emits ContextReduced). Stages on other hosts (placement="ray") are not checked here."""
   most = int(header.get("context_length"))
   want = int(min(options.max_context or most, most))
+  if options.kv_budget and options.kv_budget < want:  # a stream alone must fit in the budget: it is never preempted then
+    if options.max_context: raise errors.InvalidOption("kv_budget", f"{options.kv_budget} positions cannot hold one stream at "
+                                                       f"max_context={want}: give at least the context, or 0 for none")
+    want = options.kv_budget
   def need(ctx: int) -> int: return sum(memory_need(header, options, split, devices, weights, ctx).values())
   if options.placement != "local" or need(want) <= memory: return want
   fixed, per = need(0), need(1) - need(0)
-  fits = 0 if per <= 0 or fixed > memory else (memory - fixed) // per // CONTEXT_STEP * CONTEXT_STEP
+  # with a budget the keys and values stop growing with the context: the budget is what to lower, not the context
+  fits = 0 if per <= 0 or fixed > memory or options.kv_budget else (memory - fixed) // per // CONTEXT_STEP * CONTEXT_STEP
   if options.max_context is None and fits >= CONTEXT_STEP: return min(fits, want)
   gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
   parts = memory_need(header, options, split, devices, weights, want)
-  advice = (f"at most max_context={fits} fits, or fewer max_streams" if fits >= CONTEXT_STEP else
-            "lower max_streams or prefix_cache, keep smaller weights (weights='quantized'), or put stages on GPUs")
+  advice = (f"at most max_context={fits} fits, or fewer max_streams (or a kv_budget)" if fits >= CONTEXT_STEP else
+            "lower max_streams, kv_budget or prefix_cache, keep smaller weights (weights='quantized'), or put stages on GPUs")
   raise errors.InvalidOption("max_context", f"a context of {want} with max_streams={options.max_streams} needs {gib(need(want))} of "
                              f"host memory (weights {gib(parts['weights'])}, keys and values {gib(parts['kv'])}, prefix cache "
                              f"{gib(parts['prefix_cache'])}) and {gib(memory)} is available: {advice}")
@@ -214,6 +223,9 @@ def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: 
   if options.decode == "reference" and header.arch in OWN_ARCHS:
     raise errors.InvalidOption("decode", f"{header.arch} runs on the rows path only: tinygrad has no model of it whose kernels "
                                "decode='reference' would run")
+  if options.kv_budget and (options.decode == "reference" or header.arch not in ROWS_ARCHS):
+    raise errors.InvalidOption("kv_budget", "a preempted stream is resumed exactly only on the rows path, whose prompt rows "
+                               f"have its decode rows' bits: not with decode={options.decode!r} on {header.arch}")
   if options.tensor_cores == "on" and (header.arch not in ROWS_ARCHS or header.arch in SSM_SUPPORTED):
     raise errors.InvalidOption("tensor_cores", f"needs the rows path's projections (architectures {sorted(ROWS_ARCHS - SSM_SUPPORTED)}); "
                                f"{header.arch}'s recurrent blocks project with tinygrad's own kernels")

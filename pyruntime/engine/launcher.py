@@ -71,7 +71,7 @@ class Launcher:
                decode: str = "batched", weights: str = "auto", warmup: bool = False, max_context: int | None = None,
                prefill_share: float = PREFILL_SHARE, on_event: Callable[[dict], None] | None = None,
                cache_dir: str | None = None, stage_env: dict[str, str] | None = None, load_timeout_s: float = 900.0,
-               prefix_cache: int = PREFIX_CACHE_TOKENS, graph_cache: bool = True, stall_timeout: float = STALL_TIMEOUT_S,
+               prefix_cache: int = PREFIX_CACHE_TOKENS, kv_budget: int = 0, graph_cache: bool = True, stall_timeout: float = STALL_TIMEOUT_S,
                stall_capture_timeout: float = STALL_CAPTURE_TIMEOUT_S, speculative: str = "off", draft_tokens: int = 7,
                placement: str = "local", ray_address: str | None = None, hosts: int | None = None, tensor_cores: str = "off"):
     if placement == "ray":
@@ -169,6 +169,8 @@ class Launcher:
       # its stages take a rejected draft's state back, StageModel.rewind)
       self.requests.scores_everywhere = all(h.info.get("batched") for h in self.handles)
       self.requests.rows_everywhere = self.requests.scores_everywhere
+      if o.kv_budget and not self.requests.rows_everywhere:  # the plan refused what it could foresee
+        raise errors.InvalidOption("kv_budget", "needs every stage on the rows path (a preempted stream is resumed from prompt rows)")
       recurrent = any(h.info.get("family") == "hybrid" for h in self.handles)
       if draft_path is not None:
         self._check_open()  # a close() meanwhile found no drafter to end: start none
@@ -182,7 +184,7 @@ class Launcher:
       self.driver = Driver(self.arena.writer(placement.head_ring), self.arena.reader(placement.tail_ring), self.pool, tokenizer=p.tokenizer,
                            max_streams=self.options.max_streams, recipe=p.recipe, context_length=p.context_length, prefix=self.prefix.index,
                            cache_decoded=self.prefix.decoded, speculative=self.options.speculative, draft_tokens=self.options.draft_tokens,
-                           load_s=self.load_s, on_failure=self._fail, drafter=self.drafter)
+                           load_s=self.load_s, on_failure=self._fail, drafter=self.drafter, kv_budget=self.options.kv_budget)
       if recurrent: self.driver.min_accepted = MIN_ACCEPTED_RECURRENT
       for h in self.handles: h.progress_t = time.monotonic()
       self.driver.thread.start()

@@ -114,6 +114,12 @@ class _PipelineCollector:
                               ("pyruntime_batch_size_mean", view.get("batch", {}).get("mean", 0.0), "Mean streams per tail step since the start."),
                               ("pyruntime_output_tokens_per_second", view.get("tokens_per_s", 0.0), "Tokens generated per second, all streams.")):
       yield GaugeMetricFamily(name, text, value=value)
+    kv = view.get("kv", {})
+    yield GaugeMetricFamily("pyruntime_kv_positions_held", "Positions the running streams' keys and values hold (the kv_budget's count).",
+                            value=kv.get("held", 0))
+    yield GaugeMetricFamily("pyruntime_kv_budget_positions", "The kv_budget (0: none).", value=kv.get("budget", 0))
+    yield CounterMetricFamily("pyruntime_streams_preempted", "Streams preempted for the kv_budget (each resumed with the same tokens).",
+                              value=kv.get("preempted", 0))
     rings = GaugeMetricFamily("pyruntime_ring_occupancy_ratio", "Fill fraction of each ring (ring i feeds stage i; the last carries "
                               "tokens back).", labels=["ring"])
     for i, v in enumerate(view.get("rings", [])): rings.add_metric([str(i)], v)
@@ -198,6 +204,7 @@ class StatsSampler:
       self._memory, self._memory_t = list(m.stage_memory()), time.monotonic()
     view = {"t": round(now, 3), "phase": raw.get("phase"), "model": raw.get("model"), "restarts": raw.get("restarts", 0),
             "streams": {"running": raw.get("running", 0), "waiting": raw.get("waiting", 0), "max": raw.get("max_streams", 0)},
+            "kv": dict(raw.get("kv") or {"budget": 0, "held": 0, "peak": 0, "preempted": 0}),
             "batch": {"last": raw.get("last_batch", 0), "mean": round(raw.get("mean_batch", 0.0), 3)},
             "tokens_per_s": round(raw.get("tokens_per_s", 0.0), 3), "rings": [round(v, 4) for v in raw.get("rings", [])],
             "stages": [self._stage(st) for st in raw.get("stages", [])], "prefix_cache": self._prefix(raw.get("prefix_cache") or {}),

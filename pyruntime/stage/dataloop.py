@@ -257,6 +257,11 @@ class DataLoop:
         if not self.model.score_rows: raise errors.InvalidOption("prompt_logprobs", "scoring a prompt needs the rows path at the tail")
         st.score_rows = self.model.score_rows
       if info.get("grammar"): st.constraint = self.constraint(stream_id)
+      if (resumed := info.get("resumed", 0)) and not (isinstance(resumed, int) and 0 < resumed < len(st.history)):
+        raise errors.ActivationExtentInvalid(f"stream {stream_id}: resumed={resumed!r} with a history of {len(st.history)}")
+      if resumed:  # preempted and opened again: as if it had never stopped (the same draws next, the grammar where it was)
+        st.sampler.skip(resumed)
+        if st.constraint is not None: st.constraint.replay(st.history[-resumed:])
     self.sched.streams[stream_id] = st
 
   def save_blocks(self, stream_id: int, info: dict) -> None:

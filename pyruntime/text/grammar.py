@@ -193,6 +193,13 @@ class Constraint:
     self.stopped = self.matcher.is_stopped()
     if not self.stopped: self.next = _mask_worker().submit(self._compute)
 
+  def replay(self, tokens: list[int]) -> None:
+    """A resumed stream's answer so far goes into a fresh matcher (the tokens it allowed then), then its next mask starts."""
+    for t in tokens[:-1]:
+      if not self.matcher.consume_token(t):
+        raise errors.StreamFailed(None, "GrammarViolation", f"token {t} is outside the grammar: {self.matcher.get_error()[:200]}")
+    if tokens: self.take(tokens[-1])
+
   def close(self) -> None:
     """The stream ended: a mask still being computed is waited for (it uses the matcher), its result dropped."""
     if self.next is not None:

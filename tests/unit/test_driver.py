@@ -138,3 +138,59 @@ def test_an_answer_for_no_open_stream_fails_the_pipeline_by_name(pipeline):
   answer(tail, 77, 0, 1)
   d.thread.join(5)
   assert len(failures) == 1 and failures[0].reason == "ResultIdentityMissing"
+
+
+@pytest.fixture
+def budgeted(tokenizer):
+  """(driver, head reader, tail writer): three slots, a context of 16 and a kv_budget of 16 positions."""
+  arena = Arena.create([RingSpec(1 << 16, 4096), RingSpec(1 << 16, 4096)])
+  d = Driver(arena.writer(0), arena.reader(1), PoolDoubleForUnitTests(), tokenizer=tokenizer, max_streams=3, recipe="r", context_length=16,
+             prefix=None, cache_decoded=False, speculative="off", draft_tokens=4, load_s=0.0, on_failure=print, kv_budget=16)
+  d.thread.start()
+  head, tail = arena.reader(0), arena.writer(1)
+  yield d, head, tail
+  d.closed = True
+  d.wake(1.0)
+  tail.close()
+  d.thread.join(5)
+  arena.close()
+
+
+def test_past_the_kv_budget_the_youngest_stream_is_preempted_and_resumed_with_its_answer(budgeted, tokenizer):
+  """Admission counts prompts against the budget (first come, first served: a small prompt does not pass a waiting
+  large one); growth past it closes the youngest settled stream, which reopens under a new id once room is back, its
+  answer so far as prompt (`resumed`), and finishes as if it had not stopped."""
+  d, head, tail = budgeted
+  t = tokenizer.encode("a")[0]
+  a, _ = submit(d, [1, 2, 3, 4, 5, 6], max_tokens=4)
+  b, b_events = submit(d, [7, 8, 9, 10, 11, 12], max_tokens=6)
+  c, _ = submit(d, [13, 14, 15, 16, 17])   # 6 + 6 + 5 > 16: waits, though a slot is free
+  take(head, 4)
+  assert c.state == "waiting" and d.stats()["kv"]["held"] == 12
+  for pos in (5, 6):   # two steps: 7 + 7, then 8 + 8 positions fit
+    answer(tail, a.id, pos, t, FLAG_MORE); answer(tail, b.id, pos, t)
+    assert [(r[0], r[1]) for r in take(head, 2)] == [(a.id, pos + 1), (b.id, pos + 1)]
+  answer(tail, a.id, 7, t, FLAG_MORE); answer(tail, b.id, 7, t)   # 9 + 9 > 16: b, the younger, goes
+  recs = take(head, 2)
+  assert [(r[0], r[1], r[2]) for r in recs] == [(b.id, 0, FLAG_CLOSE), (a.id, 8, 0)] and b.state == "preempted"
+  old = b.id
+  tail.write(object_id(old, 0), b"", FLAG_CLOSE)   # its CLOSE is back: b waits again, ahead of c; 9 + 9 does not fit
+  with pytest.raises(errors.RingTimeout): head.read(0.3)
+  assert list(d.waiting) == [b, c] and b.id != old
+  answer(tail, a.id, 8, t)   # a's fourth token: done
+  assert take(head, 1)[0][:3] == (a.id, 0, FLAG_CLOSE)
+  tail.write(object_id(a.id, 0), b"", FLAG_CLOSE)
+  recs = take(head, 4)   # b (9 positions) and then c (5) fit
+  assert [(r[0], r[2]) for r in recs] == [(b.id, FLAG_OPEN), (b.id, 0), (c.id, FLAG_OPEN), (c.id, 0)]
+  info = decode_json(recs[0][3])
+  assert (info["prompt_tokens"], info["resumed"], info["history"]) == (9, 3, [7, 8, 9, 10, 11, 12, t, t, t])
+  assert struct.unpack("<9I", recs[1][3]) == (7, 8, 9, 10, 11, 12, t, t, t)
+  for pos in (8, 9, 10):
+    answer(tail, b.id, pos, t)
+    if pos < 10: assert take(head, 1)[0][:2] == (b.id, pos + 1)
+  events = []
+  while not events or not isinstance(events[-1], Done): events.append(b_events.get(timeout=5))
+  done = events[-1]
+  assert done.token_ids == [t] * 6 and done.usage.prompt_tokens == 6 and done.timings.preempted == 1
+  assert sum(len(e.token_ids) for e in events if isinstance(e, Delta)) == 6   # each token once, across the preemption
+  assert d.stats()["kv"]["preempted"] == 1 and d.stats()["kv"]["peak"] <= 16

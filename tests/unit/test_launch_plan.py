@@ -170,6 +170,36 @@ def test_a_context_that_cannot_be_held_is_refused_with_the_numbers_and_a_default
   assert plan(path, memory=1 << 10, devices="CUDA:0,CUDA:1", prefix_cache=0).context_length == 8192  # on the GPUs
 
 
+def test_a_kv_budget_counts_its_positions_not_every_slots_context_and_holds_one_stream(tmp_path):
+  """With kv_budget the keys and values are counted at the budget's positions (plus a page of keys and a chunk's padding
+  per slot), so a context and a slot count whose product does not fit plan where the budget does; a budget below
+  the context cuts a default context to it and refuses an explicit one (a stream alone must fit); a budget that does
+  not fit is refused naming it; decode="reference" (whose prompt rows are not its decode rows) refuses a budget."""
+  from pyruntime.engine.launch_plan import KEY_PAGE_POSITIONS, memory_need
+  from pyruntime.modelfile.plan import kv_bytes_per_position
+  from pyruntime.protocol import MAX_CHUNK
+  path = write_tiny_gguf(tmp_path / "long.gguf", **TINY_MODELS["llama_tied"] | {"context": 8192})
+  def kv(p) -> int: return memory_need(p.header, p.options, p.split, p.devices, p.weights, p.context_length)["kv"]
+  full, budgeted = (plan(path, devices="CPU", max_streams=16, prefix_cache=0, kv_budget=b) for b in (0, 8192))
+  per = sum(kv_bytes_per_position(full.header, *r) for r in full.split)
+  assert kv(full) == per * 17 * (8192 + MAX_CHUNK + 31)
+  assert kv(budgeted) == per * (8192 + 17 * (KEY_PAGE_POSITIONS + MAX_CHUNK + 31)) < kv(full) / 4
+  def total(p) -> int: return sum(memory_need(p.header, p.options, p.split, p.devices, p.weights, p.context_length).values())
+  memory = total(budgeted) + 1
+  assert plan(path, memory=memory, devices="CPU", max_streams=16, prefix_cache=0, kv_budget=8192).context_length == 8192
+  assert plan(path, memory=memory, devices="CPU", max_streams=16, prefix_cache=0).context_length < 8192  # cut without one
+  assert plan(path, devices="CPU", kv_budget=1000).context_length == 1000
+  with pytest.raises(errors.InvalidOption, match="cannot hold one stream") as e: plan(path, devices="CPU", kv_budget=1000, max_context=2048)
+  assert e.value.field == "kv_budget"
+  with pytest.raises(errors.InvalidOption, match="kv_budget") as e: plan(path, memory=memory // 2, devices="CPU", max_streams=16,
+                                                                          prefix_cache=0, kv_budget=8192)
+  assert e.value.field == "max_context"
+  with pytest.raises(errors.InvalidOption, match="rows path") as e: plan(path, devices="CPU", kv_budget=8192, decode="reference")
+  assert e.value.field == "kv_budget"
+  with pytest.raises(errors.InvalidOption) as e: LaunchOptions(kv_budget=-1)
+  assert e.value.field == "kv_budget"
+
+
 def test_the_launcher_says_when_it_cut_the_context(tmp_path, monkeypatch):
   """Launcher.plan() (before any stage is spawned) emits ContextReduced with the two contexts; an explicit max_context
   that cannot fit is refused there, before anything is spawned."""

@@ -137,6 +137,10 @@ class Sampler:
       self._counts = Tensor.empty(vocab_size, dtype=dtypes.float32, device=device)
       self._counts.uop.buffer.ensure_allocated()
 
+  def skip(self, n: int) -> None:
+    """Make the draws of n samples already taken (a resumed stream's): the next sample draws what it would have."""
+    if not self.params.greedy: self.rng.random(n, dtype=np.float32)  # the same numbers as n draws of one
+
   def counts(self, history: list[int]) -> np.ndarray:
     """Occurrences of each token id in the penalty window of `history`."""
     n = self.params.penalty_last_n

@@ -101,7 +101,7 @@ class LoadProgress:
     if kind == "StageWarning":  # always said, even when quiet: something runs degraded
       with self.lock: Term.message(f"pyruntime: stage {ev.get('stage', '?')}: warning: {ev.get('message', '')}")
       return
-    if kind == "ContextReduced":  # always said: a smaller context than the file's, chosen to fit memory
+    if kind in ("ContextReduced", "KVBudgetSet"):  # always said: a smaller context than the file's, or a budget, chosen to fit memory
       with self.lock: Term.message(f"pyruntime: warning: {ev.get('message', '')}")
       return
     if self.quiet: return
@@ -304,7 +304,8 @@ def _fits_here(h: Any) -> dict:
   try: p = plan_launch(h.path, h, o, memory)
   except errors.InvalidOption as e: return {"available_bytes": memory, "refused": str(e)}
   return {"available_bytes": memory, "stages": len(p.split), "weights": p.weights, "max_streams": o.max_streams, "context": p.context_length,
-          "file_context": int(h.get("context_length")), "bytes": memory_need(h, o, p.split, p.devices, p.weights, p.context_length)}
+          "kv_budget": p.kv_budget,
+          "file_context": int(h.get("context_length")), "bytes": memory_need(h, o, p.split, p.devices, p.weights, p.context_length, p.kv_budget)}
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -354,7 +355,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
           g = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
           b = v["bytes"]
           print(f"{k:>{w}}: with the launcher's defaults ({v['stages']} stages, weights {'/'.join(dict.fromkeys(v['weights']))}, "
-                f"{v['max_streams']} streams): context {v['context']} of the file's {v['file_context']}, {g(sum(b.values()))} GiB "
+                f"{v['max_streams']} streams): context {v['context']} of the file's {v['file_context']}"
+                + (f", the streams' keys and values within {v['kv_budget']} positions (kv_budget)" if v.get("kv_budget") else "")
+                + f", {g(sum(b.values()))} GiB "
                 f"(weights {g(b['weights'])}, keys and values {g(b['kv'])}, prefix cache {g(b['prefix_cache'])}) of "
                 f"{g(v['available_bytes'])} GiB available")
         continue

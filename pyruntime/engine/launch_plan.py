@@ -84,6 +84,7 @@ class LaunchPlan:
   dim: int
   template: str
   recipe: str               # names what produced a result (recipe_digest)
+  kv_budget: int = 0        # positions the open streams may hold (options.kv_budget, or set to fit memory: fit_context)
 
   @property
   def num_blocks(self) -> int: return self.header.num_blocks
@@ -128,22 +129,24 @@ KEY_PAGE_POSITIONS = 1024  # a 4 KiB page of a slot's keys holds one head's lane
 
 
 def memory_need(header: GGUFHeader, options: LaunchOptions, split: Sequence[tuple[int, int]], devices: Sequence[str],
-                weights: Sequence[str], context: int) -> dict[str, int]:
+                weights: Sequence[str], context: int, kv_budget: int | None = None) -> dict[str, int]:
   """Host bytes the plan's CPU stages hold once every stream slot is at `context` positions: their weights, their keys
   and values (reserved for max_streams + 1 slots of the context plus one prompt chunk's padding rows, as
   stage/compute/rows.py does; on a CPU the pages become resident as streams reach them; with recurrent blocks each
   slot's state too), and the prefix cache's pool (every stage's, at its token budget; with recurrent blocks also the
   two states each slot keeps aside for it, kv_blocks.KVBlocks.mark, in host memory whatever the device). A GPU stage's
   weights and caches are on its GPU, not counted. Graph buffers and the interpreters (a few hundred MB a stage) come on
-  top. With a kv_budget the keys and values written are at most the budget's positions, plus in every slot the rest
-  of a page of keys (which hold a head's positions side by side: KEY_PAGE_POSITIONS) and a chunk's padding rows."""
+  top. With a kv_budget (`kv_budget`, else the options') the keys and values written are at most the budget's
+  positions, plus in every slot the rest of a page of keys (which hold a head's positions side by side:
+  KEY_PAGE_POSITIONS) and a chunk's padding rows."""
   from pyruntime.devices import parse_device
   from pyruntime.modelfile.plan import kv_bytes_per_position, prefix_cache_bytes_per_token, recurrent_state_bytes, stage_tensor_names
   from pyruntime.protocol import MAX_CHUNK
   host = [i for i, d in enumerate(devices) if parse_device(d).base == "CPU"]
   slots = options.max_streams + 1
   positions = slots * (context + MAX_CHUNK + 31)
-  if options.kv_budget: positions = min(positions, options.kv_budget + slots * (KEY_PAGE_POSITIONS + MAX_CHUNK + 31))
+  budget = options.kv_budget if kv_budget is None else kv_budget
+  if budget: positions = min(positions, budget + slots * (KEY_PAGE_POSITIONS + MAX_CHUNK + 31))
   kept = 2 * options.max_streams * recurrent_state_bytes(header, 0, header.num_blocks) if options.prefix_cache >= BLOCK else 0
   return {"weights": sum(held_bytes(header, list(dict.fromkeys(stage_tensor_names(header, *split[i]))), weights[i]) for i in host),
           "kv": sum(kv_bytes_per_position(header, *split[i]) * positions + recurrent_state_bytes(header, *split[i]) * slots for i in host),
@@ -151,27 +154,44 @@ def memory_need(header: GGUFHeader, options: LaunchOptions, split: Sequence[tupl
 
 
 def fit_context(header: GGUFHeader, options: LaunchOptions, split: Sequence[tuple[int, int]], devices: Sequence[str],
-                weights: Sequence[str], memory: int) -> int:
-  """The context the stages are given: max_context (at most the file's), refused by name with the numbers when what
-  the stages would hold at it (memory_need) exceeds the host memory available now; with none given, the file's context,
-  cut to the largest multiple of CONTEXT_STEP that fits when it does not (a launch's default always starts where it
-  can; Launcher emits ContextReduced). Stages on other hosts (placement="ray") are not checked here."""
+                weights: Sequence[str], memory: int) -> tuple[int, int]:
+  """The context the stages are given and the kv_budget the driver keeps (0: none), from what the stages would hold
+  (memory_need) against the host memory available now. max_context (at most the file's; none given: the file's) when
+  every slot's keys and values at it fit. When they do not and streams can be preempted (the rows path), the context
+  stays and a budget is set: the positions that fit (Launcher emits KVBudgetSet); where not even one context fits, or
+  on tinygrad's own decode path, a given max_context is refused by name with the numbers and a default one cut to the
+  largest multiple of CONTEXT_STEP that fits (Launcher emits ContextReduced; with a budget, the budget is that
+  context). A kv_budget given is kept, and refused by name where it does not fit. Stages on other hosts
+  (placement="ray") are not checked here."""
+  from pyruntime.modelfile.plan import ROWS_ARCHS
   most = int(header.get("context_length"))
   want = int(min(options.max_context or most, most))
   if options.kv_budget and options.kv_budget < want:  # a stream alone must fit in the budget: it is never preempted then
     if options.max_context: raise errors.InvalidOption("kv_budget", f"{options.kv_budget} positions cannot hold one stream at "
                                                        f"max_context={want}: give at least the context, or 0 for none")
     want = options.kv_budget
-  def need(ctx: int) -> int: return sum(memory_need(header, options, split, devices, weights, ctx).values())
-  if options.placement != "local" or need(want) <= memory: return want
-  fixed, per = need(0), need(1) - need(0)
-  # with a budget the keys and values stop growing with the context: the budget is what to lower, not the context
-  fits = 0 if per <= 0 or fixed > memory or options.kv_budget else (memory - fixed) // per // CONTEXT_STEP * CONTEXT_STEP
-  if options.max_context is None and fits >= CONTEXT_STEP: return min(fits, want)
+  def need(ctx: int, budget: int | None = None) -> int: return sum(memory_need(header, options, split, devices, weights, ctx, budget).values())
+  if options.placement != "local" or need(want) <= memory: return want, options.kv_budget
   gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+  if options.kv_budget:
+    parts = memory_need(header, options, split, devices, weights, want)
+    raise errors.InvalidOption("kv_budget", f"a budget of {options.kv_budget} positions needs {gib(need(want))} of host memory (weights "
+                               f"{gib(parts['weights'])}, keys and values {gib(parts['kv'])}, prefix cache {gib(parts['prefix_cache'])}) "
+                               f"and {gib(memory)} is available: lower kv_budget, max_streams or prefix_cache")
+  if options.decode != "reference" and header.arch in ROWS_ARCHS:
+    # the budget's keys and values grow one position at a time past the per-slot slack (memory_need): solve for it
+    fixed, per = need(want, 1), need(want, 2) - need(want, 1)
+    budget = 0 if per <= 0 or fixed > memory else ((memory - fixed) // per + 1) // BLOCK * BLOCK
+    if budget >= want: return want, budget
+    if options.max_context is None and budget >= CONTEXT_STEP: return budget // CONTEXT_STEP * CONTEXT_STEP, budget // CONTEXT_STEP * CONTEXT_STEP
+    fits = budget // CONTEXT_STEP * CONTEXT_STEP
+  else:
+    fixed, per = need(0), need(1) - need(0)
+    fits = 0 if per <= 0 or fixed > memory else (memory - fixed) // per // CONTEXT_STEP * CONTEXT_STEP
+    if options.max_context is None and fits >= CONTEXT_STEP: return min(fits, want), 0
   parts = memory_need(header, options, split, devices, weights, want)
-  advice = (f"at most max_context={fits} fits, or fewer max_streams (or a kv_budget)" if fits >= CONTEXT_STEP else
-            "lower max_streams, kv_budget or prefix_cache, keep smaller weights (weights='quantized'), or put stages on GPUs")
+  advice = (f"at most max_context={fits} fits" if fits >= CONTEXT_STEP else
+            "lower max_streams or prefix_cache, keep smaller weights (weights='quantized'), or put stages on GPUs")
   raise errors.InvalidOption("max_context", f"a context of {want} with max_streams={options.max_streams} needs {gib(need(want))} of "
                              f"host memory (weights {gib(parts['weights'])}, keys and values {gib(parts['kv'])}, prefix cache "
                              f"{gib(parts['prefix_cache'])}) and {gib(memory)} is available: {advice}")
@@ -242,9 +262,10 @@ def plan_launch(path: Path, header: GGUFHeader, options: LaunchOptions, memory: 
   # balanced by what a decode step takes on each stage: the bytes it reads of its weights, in the form it holds them
   # (float16 weights cost half of float32's per parameter: the same proportions, so the same split)
   split = plan_split(header, n, options.split, by="time-float32" if all(w in ("float16", "float32") for w in weights) else "time")
-  context = fit_context(header, options, split, devices, weights, memory)
+  context, kv_budget = fit_context(header, options, split, devices, weights, memory)
   name = header.kv.get("general.name") or path.stem
   template = header.kv.get("tokenizer.chat_template") or ""
   return LaunchPlan(path, header, options, name, split, devices, weights, n if own else 1,
                     context, Tokenizer.from_gguf_kv(header.kv),
-                    int(header.get("embedding_length")), template, recipe_digest(name, split, options.boundary_dtype, template))
+                    int(header.get("embedding_length")), template, recipe_digest(name, split, options.boundary_dtype, template),
+                    kv_budget)

@@ -140,6 +140,11 @@ class Launcher:
     path = resolve_model(None if self.model_source is None else str(self.model_source), cache_dir=self.options.cache_dir,
                          on_progress=lambda done, total: self._event({"event": Event.DOWNLOAD_PROGRESS, "bytes": done, "total": total}))
     p = self.planned = plan_launch(path, read_header(path), self.options, available_memory())
+    if p.kv_budget and not self.options.kv_budget:
+      self._event({"event": "KVBudgetSet", "kv_budget": p.kv_budget, "context": p.context_length, "max_streams": self.options.max_streams,
+                   "message": f"the running streams' keys and values are kept within {p.kv_budget} positions (past it the youngest "
+                              f"is preempted and resumed later): {self.options.max_streams} streams at {p.context_length} would not "
+                              "fit in the host memory available (give kv_budget to choose)"})
     if p.context_length < (most := int(p.header.get("context_length"))) and self.options.max_context is None:
       self._event({"event": "ContextReduced", "context": p.context_length, "file_context": most,
                    "message": f"the context is {p.context_length} tokens, not the file's {most}: every stream slot's keys and values "
@@ -169,7 +174,7 @@ class Launcher:
       # its stages take a rejected draft's state back, StageModel.rewind)
       self.requests.scores_everywhere = all(h.info.get("batched") for h in self.handles)
       self.requests.rows_everywhere = self.requests.scores_everywhere
-      if o.kv_budget and not self.requests.rows_everywhere:  # the plan refused what it could foresee
+      if p.kv_budget and not self.requests.rows_everywhere:  # the plan refused what it could foresee
         raise errors.InvalidOption("kv_budget", "needs every stage on the rows path (a preempted stream is resumed from prompt rows)")
       recurrent = any(h.info.get("family") == "hybrid" for h in self.handles)
       if draft_path is not None:
@@ -184,7 +189,7 @@ class Launcher:
       self.driver = Driver(self.arena.writer(placement.head_ring), self.arena.reader(placement.tail_ring), self.pool, tokenizer=p.tokenizer,
                            max_streams=self.options.max_streams, recipe=p.recipe, context_length=p.context_length, prefix=self.prefix.index,
                            cache_decoded=self.prefix.decoded, speculative=self.options.speculative, draft_tokens=self.options.draft_tokens,
-                           load_s=self.load_s, on_failure=self._fail, drafter=self.drafter, kv_budget=self.options.kv_budget)
+                           load_s=self.load_s, on_failure=self._fail, drafter=self.drafter, kv_budget=p.kv_budget)
       if recurrent: self.driver.min_accepted = MIN_ACCEPTED_RECURRENT
       for h in self.handles: h.progress_t = time.monotonic()
       self.driver.thread.start()

@@ -148,14 +148,15 @@ def test_every_launch_option_is_a_launcher_keyword_with_the_same_default():
 
 def test_a_context_that_cannot_be_held_is_refused_with_the_numbers_and_a_default_one_cut_to_fit(tmp_path):
   """fit_context: the CPU stages' weights, every slot's keys and values at the full context and the prefix cache's pool
-  against the memory available. An explicit max_context that does not fit is refused by name, naming the largest that
-  does (which plans, and a step more does not); with none given the plan takes the largest multiple of CONTEXT_STEP
-  that fits; with too little for any context, a refusal that says what else to lower. GPU stages are not counted."""
+  against the memory available. Where not even one stream's context fits beside the slots' slack, an explicit
+  max_context is refused by name, naming the largest that does (which plans, and a step more does not); with none given
+  the plan takes the largest multiple of CONTEXT_STEP that fits, as its kv_budget too; with too little for any
+  context, a refusal that says what else to lower. GPU stages are not counted."""
   from pyruntime.engine.launch_plan import CONTEXT_STEP, memory_need
   path = write_tiny_gguf(tmp_path / "long.gguf", **TINY_MODELS["llama_tied"] | {"context": 8192})
   full = plan(path, devices="CPU")
   assert full.context_length == 8192
-  def need(p) -> int: return sum(memory_need(p.header, p.options, p.split, p.devices, p.weights, p.context_length).values())
+  def need(p) -> int: return sum(memory_need(p.header, p.options, p.split, p.devices, p.weights, p.context_length, p.kv_budget).values())
   memory = need(full) // 3
   with pytest.raises(errors.InvalidOption) as e: plan(path, memory=memory, devices="CPU", max_context=8192)
   assert e.value.field == "max_context" and "8192" in str(e.value) and "GiB" in str(e.value)
@@ -164,7 +165,7 @@ def test_a_context_that_cannot_be_held_is_refused_with_the_numbers_and_a_default
   assert plan(path, memory=memory, devices="CPU", max_context=most).context_length == most
   with pytest.raises(errors.InvalidOption): plan(path, memory=memory, devices="CPU", max_context=most + CONTEXT_STEP)
   cut = plan(path, memory=memory, devices="CPU")  # no max_context: the largest that fits
-  assert cut.context_length == most and need(cut) <= memory
+  assert cut.context_length == cut.kv_budget == most and need(cut) <= memory
   with pytest.raises(errors.InvalidOption, match="lower max_streams") as e: plan(path, memory=1 << 10, devices="CPU")
   assert e.value.field == "max_context"
   assert plan(path, memory=1 << 10, devices="CUDA:0,CUDA:1", prefix_cache=0).context_length == 8192  # on the GPUs
@@ -184,34 +185,44 @@ def test_a_kv_budget_counts_its_positions_not_every_slots_context_and_holds_one_
   per = sum(kv_bytes_per_position(full.header, *r) for r in full.split)
   assert kv(full) == per * 17 * (8192 + MAX_CHUNK + 31)
   assert kv(budgeted) == per * (8192 + 17 * (KEY_PAGE_POSITIONS + MAX_CHUNK + 31)) < kv(full) / 4
-  def total(p) -> int: return sum(memory_need(p.header, p.options, p.split, p.devices, p.weights, p.context_length).values())
+  def total(p) -> int: return sum(memory_need(p.header, p.options, p.split, p.devices, p.weights, p.context_length, p.kv_budget).values())
   memory = total(budgeted) + 1
   assert plan(path, memory=memory, devices="CPU", max_streams=16, prefix_cache=0, kv_budget=8192).context_length == 8192
-  assert plan(path, memory=memory, devices="CPU", max_streams=16, prefix_cache=0).context_length < 8192  # cut without one
+  auto = plan(path, memory=memory, devices="CPU", max_streams=16, prefix_cache=0)  # none given: one that fits, the context kept
+  assert auto.context_length == 8192 and 8192 <= auto.kv_budget < 8192 + BLOCK and total(auto) <= memory
+  ref = plan(path, memory=memory, devices="CPU", max_streams=16, prefix_cache=0, decode="reference")  # never preempted: cut
+  assert ref.context_length < 8192 and ref.kv_budget == 0
   assert plan(path, devices="CPU", kv_budget=1000).context_length == 1000
   with pytest.raises(errors.InvalidOption, match="cannot hold one stream") as e: plan(path, devices="CPU", kv_budget=1000, max_context=2048)
   assert e.value.field == "kv_budget"
-  with pytest.raises(errors.InvalidOption, match="kv_budget") as e: plan(path, memory=memory // 2, devices="CPU", max_streams=16,
-                                                                          prefix_cache=0, kv_budget=8192)
-  assert e.value.field == "max_context"
+  with pytest.raises(errors.InvalidOption, match="lower kv_budget") as e: plan(path, memory=memory // 2, devices="CPU", max_streams=16,
+                                                                                prefix_cache=0, kv_budget=8192)
+  assert e.value.field == "kv_budget"
   with pytest.raises(errors.InvalidOption, match="rows path") as e: plan(path, devices="CPU", kv_budget=8192, decode="reference")
   assert e.value.field == "kv_budget"
   with pytest.raises(errors.InvalidOption) as e: LaunchOptions(kv_budget=-1)
   assert e.value.field == "kv_budget"
 
 
-def test_the_launcher_says_when_it_cut_the_context(tmp_path, monkeypatch):
-  """Launcher.plan() (before any stage is spawned) emits ContextReduced with the two contexts; an explicit max_context
-  that cannot fit is refused there, before anything is spawned."""
+def test_the_launcher_says_when_it_set_a_budget_or_cut_the_context(tmp_path, monkeypatch):
+  """Launcher.plan() (before any stage is spawned) emits KVBudgetSet when the slots' contexts do not fit and a budget
+  does, ContextReduced with the two contexts when it cut the context (here on tinygrad's own decode path, which never
+  preempts); an explicit max_context that cannot fit is refused there, before anything is spawned."""
   import pyruntime.engine.launcher as launcher_module
   from pyruntime.engine.launcher import Launcher
   path = write_tiny_gguf(tmp_path / "long.gguf", **TINY_MODELS["llama_tied"] | {"context": 8192})
-  monkeypatch.setattr(launcher_module, "available_memory", lambda: 64 << 20)
+  monkeypatch.setattr(launcher_module, "available_memory", lambda: 40 << 20)
   seen: list[dict] = []
   p = Launcher(path, stages=1, devices="CPU", on_event=seen.append).plan()
-  assert p.context_length < 8192
+  assert p.context_length == 8192 and p.kv_budget >= 8192
+  assert [(ev["kv_budget"], ev["context"]) for ev in seen if ev["event"] == "KVBudgetSet"] == [(p.kv_budget, 8192)]
+  assert not [ev for ev in seen if ev["event"] == "ContextReduced"]
+  seen.clear()
+  p = Launcher(path, stages=1, devices="CPU", decode="reference", on_event=seen.append).plan()
+  assert p.context_length < 8192 and p.kv_budget == 0
   assert [(ev["context"], ev["file_context"]) for ev in seen if ev["event"] == "ContextReduced"] == [(p.context_length, 8192)]
-  with pytest.raises(errors.InvalidOption, match="max_context"): Launcher(path, stages=1, devices="CPU", max_context=8192).start()
+  with pytest.raises(errors.InvalidOption, match="max_context"):
+    Launcher(path, stages=1, devices="CPU", decode="reference", max_context=8192).start()
 
 
 def test_a_hybrids_recurrent_state_is_counted_per_slot_and_its_kept_copies_with_the_prefix_cache(tmp_path):

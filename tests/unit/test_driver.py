@@ -194,3 +194,24 @@ def test_past_the_kv_budget_the_youngest_stream_is_preempted_and_resumed_with_it
   assert done.token_ids == [t] * 6 and done.usage.prompt_tokens == 6 and done.timings.preempted == 1
   assert sum(len(e.token_ids) for e in events if isinstance(e, Delta)) == 6   # each token once, across the preemption
   assert d.stats()["kv"]["preempted"] == 1 and d.stats()["kv"]["peak"] <= 16
+
+
+def test_an_oldest_stream_waits_while_the_younger_one_over_the_budget_computes_its_prompt(budgeted, tokenizer):
+  """Past the budget with only the oldest stream answered (the younger one's prompt still in the pipeline, so not
+  settled: it cannot be closed at a position every stage holds), the oldest's next input is held back; when the
+  younger one's first token comes, that one is preempted and the held input goes out."""
+  d, head, tail = budgeted
+  t = tokenizer.encode("a")[0]
+  a, _ = submit(d, [1, 2, 3, 4, 5, 6], max_tokens=8)
+  take(head, 2)
+  answer(tail, a.id, 5, t)
+  assert take(head, 1)[0][:2] == (a.id, 6)
+  b, _ = submit(d, [7, 8, 9, 10, 11, 12, 13, 14, 15])   # 7 + 9 = 16: admitted
+  assert [r[:3] for r in take(head, 2)] == [(b.id, 0, FLAG_OPEN), (b.id, 0, 0)]
+  answer(tail, a.id, 6, t)   # a would hold 8 + 9 > 16; b is computing: a waits
+  with pytest.raises(errors.RingTimeout): head.read(0.3)
+  assert d.stats()["kv"]["held"] == 16
+  answer(tail, b.id, 8, t)   # b's first token: b (the younger) goes, a's held input follows
+  recs = take(head, 2)
+  assert [r[:3] for r in recs] == [(b.id, 0, FLAG_CLOSE), (a.id, 7, 0)] and struct.unpack("<I", recs[1][3]) == (t,)
+  assert b.state == "preempted" and d.stats()["kv"]["peak"] <= 16

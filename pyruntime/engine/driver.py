@@ -196,7 +196,8 @@ class Tally:
 class Driver:
   """The streams of a running pipeline: admitted into slots, their records written to the head ring, their tokens read
   from the tail's ring on the driver thread (`run`). Failures go to `on_failure` (the launcher ends the pipeline).
-  A little over 250 lines: the token loop with its speculative verification, whose state the lock guards together."""
+  About 400 lines: the token loop with its speculative verification and the kv_budget's preemption, whose state the
+  lock guards together."""
 
   def __init__(self, head: Writer, tail: Reader, pool: StagePool, *, tokenizer: Tokenizer, max_streams: int, recipe: str,
                context_length: int, prefix: PrefixIndex | None, cache_decoded: bool, speculative: str, draft_tokens: int,

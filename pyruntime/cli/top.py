@@ -1,6 +1,7 @@
 """`pyruntime top URL`: a running server's pipeline in the terminal, from its /stats (docs/stats.md), refreshed every
 second, so a user sees whether a split is balanced: per stage its layers, busy %, rows per step and what it does, the
-ring between stages, streams, tokens/s and the prefix cache's hit rate."""
+ring between stages, streams, tokens/s, the prefix cache's hit rate and, with a kv_budget, the positions held and the
+streams preempted."""
 from __future__ import annotations
 
 import json
@@ -34,10 +35,12 @@ def render(view: dict[str, Any]) -> str:
   """One screen of the view, plain text."""
   s, pc = view.get("streams", {}), view.get("prefix_cache") or {}
   cache = f"prefix cache hit {100 * pc.get('hit_rate', 0.0):.0f}%" if pc.get("enabled") else "prefix cache off"
+  kv = view.get("kv") or {}
+  budget = f"   kv {kv.get('held', 0)}/{kv['budget']} positions, {kv.get('preempted', 0)} preempted" if kv.get("budget") else ""
   lines = [f"{view.get('model', '?')}  {view.get('phase', '?')}  restarts {view.get('restarts', 0)}",
            f"streams {s.get('running', 0)}/{s.get('max', 0)} running, {s.get('waiting', 0)} waiting   "
            f"{view.get('tokens_per_s', 0.0):.1f} tok/s   batch {view.get('batch', {}).get('last', 0)} "
-           f"(mean {view.get('batch', {}).get('mean', 0.0):.2f})   {cache}", ""]
+           f"(mean {view.get('batch', {}).get('mean', 0.0):.2f})   {cache}{budget}", ""]
   rings = view.get("rings", [])
   for st in view.get("stages", []):
     i = st["stage"]

@@ -283,3 +283,11 @@ def test_serve_options_are_defined_once_and_reach_flag_field_and_check():
   for bad in (["--queue-size", "-1"], ["--timeout-keep-alive", "0"], ["--port", "65536"], ["--api-key", ""]):
     with pytest.raises(errors.InvalidOption) as e: ServeOptions.from_args(build_parser().parse_args(["serve", *bad]))
     assert e.value.field == bad[0][2:].replace("-", "_")
+
+
+def test_top_shows_the_kv_budget_only_where_there_is_one():
+  """`pyruntime top`'s streams line: with a kv_budget, the positions held against it and the streams preempted."""
+  from pyruntime.cli.top import render
+  view = {"model": "m", "phase": "ok", "streams": {"running": 3, "waiting": 2, "max": 8}, "stages": [], "rings": []}
+  assert "kv " not in render(view) and "kv " not in render(view | {"kv": {"budget": 0, "held": 0, "preempted": 0}})
+  assert "kv 900/1024 positions, 4 preempted" in render(view | {"kv": {"budget": 1024, "held": 900, "peak": 1024, "preempted": 4}})

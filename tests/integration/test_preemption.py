@@ -2,7 +2,8 @@
 real stage processes on tiny models: streams preempted for it and resumed give, token for token (and log-probability
 for log-probability), what each gives alone on a launcher without a budget: greedy, seeded, with logprobs, with a JSON
 grammar, with the prefix cache giving back their positions and without it, on a dense model and on a hybrid (whose
-recurrent state comes back from a snapshot). The budget holds at every step; the launch plan's rules are unit-tested
+recurrent state comes back from a snapshot); speculating streams give plain decoding's tokens. The budget holds at
+every step; the launch plan's rules are unit-tested
 in tests/unit/test_launch_plan.py."""
 from __future__ import annotations
 
@@ -56,3 +57,17 @@ def test_preempted_streams_answer_as_they_do_alone(tmp_path, family, prefix_cach
   assert [(s.token, s.logprob, [t[0] for t in s.top]) for s in got[2].logprobs] == \
          [(s.token, s.logprob, [t[0] for t in s.top]) for s in alone[2].logprobs]
   assert got[3].text.lstrip().startswith("{")  # JSON (cut by max_tokens): the grammar held
+
+
+def test_speculating_streams_preempted_answer_as_they_do_alone(tmp_path):
+  """Two streams drafting with n-grams (repetitive prompts) outgrow the budget: a step past it drops its drafts before
+  it preempts, and both streams still answer plain decoding's tokens."""
+  path = write_tiny_gguf(tmp_path / "llama.gguf", **TINY_MODELS["llama_tied"], context=512)
+  requests = [dict(prompt=p * 4, max_tokens=150, ignore_eos=True) for p in ("the dog the dog the dog the dog ", "hello world hello world ")]
+  with Launcher(path, stages=2, max_context=CONTEXT, prefix_cache=0) as lm:
+    plain = [together(lm, [r])[0] for r in requests]
+  with Launcher(path, stages=2, max_context=CONTEXT, max_streams=2, kv_budget=BUDGET, speculative="ngram") as lm:
+    got = together(lm, requests)
+    kv = lm.scheduler_stats()["kv"]
+  assert [d.token_ids for d in got] == [d.token_ids for d in plain]
+  assert kv["preempted"] >= 1 and kv["peak"] <= BUDGET and all(d.timings.draft_rounds for d in got)

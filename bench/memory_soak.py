@@ -1,6 +1,6 @@
 """Memory under a long mixed load: does a server's resident memory stay flat? (#60: "memory flat under an hour").
 
-  python bench/memory_soak.py [--minutes 60] [--clients 6] [--every 30] [--model PATH | --model-size 1b] [--json]
+  python bench/memory_soak.py [--minutes 60] [--clients 6] [--every 30] [--model PATH | --model-size 1b] [--kv-budget N] [--json]
 
 Starts the OpenAI server over a launcher here (bench/serve.py's server_here: 2 stages, every graph captured first), then
 --clients threads send real traffic through HTTP for --minutes, each request drawn by a seeded generator from a mix:
@@ -89,6 +89,7 @@ def main() -> None:
   ap.add_argument("--stages", type=int, default=2)
   ap.add_argument("--max-streams", type=int, default=8)
   ap.add_argument("--max-context", type=int, default=2048)
+  ap.add_argument("--kv-budget", type=int, default=0, help="the launcher's kv_budget (0: none): a soak of preemption too")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
   if a.model_size:
@@ -110,13 +111,14 @@ def main() -> None:
       stats = lm.stage_stats()
       stages = [rss_mb(h.proc.pid) for h in lm.handles]
       s = {"t_s": round(time.monotonic() - t0, 1), "stages_mb": [round(x, 1) for x in stages], "launcher_mb": round(rss_mb(os.getpid()), 1),
-           "memory": [st.get("memory") for st in stats], "requests": dict(counts)}
+           "memory": [st.get("memory") for st in stats], "requests": dict(counts), "kv": lm.scheduler_stats()["kv"]}
       s["total_mb"] = round(sum(stages) + s["launcher_mb"], 1)
       samples.append(s)
       kinds = ", ".join(f"{m.get('prefix_cache', 0) / 1e6:.0f}/{m.get('other_buffers', 0) / 1e6:.0f}/{m.get('kv_resident', 0) / 1e6:.0f}/"
                         f"{m.get('rest', 0) / 1e6:.0f}" for m in s["memory"] if m)
       print(f"{s['t_s']:8.0f} s  total {s['total_mb']:8.1f} MB  stages {s['stages_mb']}  launcher {s['launcher_mb']} MB  "
-            f"(prefix cache/other buffers/kv/rest MB per stage: {kinds})  requests {sum(counts.values())}", flush=True)
+            f"(prefix cache/other buffers/kv/rest MB per stage: {kinds})  requests {sum(counts.values())}"
+            + (f"  preempted {s['kv']['preempted']} (peak {s['kv']['peak']} of {s['kv']['budget']})" if s["kv"]["budget"] else ""), flush=True)
     for t in threads: t.join(timeout=900)
   settled = [s for s in samples if s["t_s"] >= 0.2 * a.minutes * 60]
   ys = [s["total_mb"] for s in settled]

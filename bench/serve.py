@@ -311,7 +311,7 @@ def server_here(a: argparse.Namespace, prefill_share: float) -> Iterator[tuple[s
   from pyruntime.serving.httpd import BackgroundServer
   from pyruntime.serving.server import create_app
   with Launcher(a.model, stages=a.stages, max_streams=a.max_streams, max_context=a.max_context, weights=a.weights, warmup=True,
-                prefill_share=prefill_share) as lm:
+                prefill_share=prefill_share, kv_budget=getattr(a, "kv_budget", 0)) as lm:
     server = BackgroundServer(create_app(lm, queue_size=64)).start()
     try: yield server.url, lm
     finally: server.stop()

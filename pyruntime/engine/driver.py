@@ -511,21 +511,23 @@ class Driver:
     nxt = [(st, oid, toks) for st, oid, toks in self.parked + self.next if st.state == "open"]
     self.next.clear(); self.parked.clear()
     for st, oid, toks in nxt: st.held = split_object_id(oid)[1] + len(toks)
-    if self.kv_budget and self.held() > self.kv_budget: nxt = self._within_budget(nxt)
-    self.tally.kv_peak = max(self.tally.kv_peak, self.held())
+    held = self.held()
+    if self.kv_budget and held > self.kv_budget:
+      nxt = self._within_budget(nxt, held - self.kv_budget)
+      held = self.held()
+    self.tally.kv_peak = max(self.tally.kv_peak, held)
     for i, (_, oid, toks) in enumerate(nxt): self._write(oid, struct.pack(f"<{len(toks)}I", *toks), FLAG_MORE if i < len(nxt) - 1 else 0)
 
-  def _within_budget(self, nxt: list[tuple[StreamHandle, int, list[int]]]) -> list[tuple[StreamHandle, int, list[int]]]:
+  def _within_budget(self, nxt: list[tuple[StreamHandle, int, list[int]]], over: int) -> list[tuple[StreamHandle, int, list[int]]]:
     """Under self.lock, with the step's next inputs (`nxt`) past the kv_budget: first their drafts go (a round without
     them), then the youngest of these streams are preempted until the rest fit. Only a stream in `nxt` can go: none of
     its records is in flight, so it is closed at a position every stage holds. The oldest open stream is never
-    preempted (the budget holds one whole context), so some stream always finishes."""
-    over = self.held() - self.kv_budget
+    preempted (the budget holds one whole context), so some stream always finishes. `over`: the positions past it."""
     for i, (st, oid, toks) in enumerate(nxt):
       if over > 0 and len(toks) > 1:
         over, st.held, st.spec.verify = over - (len(toks) - 1), st.held - (len(toks) - 1), None
         nxt[i] = (st, oid, toks[:1])
-    oldest = min(s.arrival for s in self.active.values() if s.state == "open")
+    oldest = min(s.arrival for s in self.active_open())
     for st in sorted((x[0] for x in nxt if x[0].arrival != oldest), key=lambda s: s.arrival, reverse=True):
       if over <= 0: break
       over -= st.held

@@ -183,8 +183,8 @@ def fit_context(header: GGUFHeader, options: LaunchOptions, split: Sequence[tupl
     fixed, per = need(want, 1), need(want, 2) - need(want, 1)
     budget = 0 if per <= 0 or fixed > memory else ((memory - fixed) // per + 1) // BLOCK * BLOCK
     if budget >= want: return want, budget
-    if options.max_context is None and budget >= CONTEXT_STEP: return budget // CONTEXT_STEP * CONTEXT_STEP, budget // CONTEXT_STEP * CONTEXT_STEP
     fits = budget // CONTEXT_STEP * CONTEXT_STEP
+    if options.max_context is None and fits >= CONTEXT_STEP: return fits, fits
   else:
     fixed, per = need(0), need(1) - need(0)
     fits = 0 if per <= 0 or fixed > memory else (memory - fixed) // per // CONTEXT_STEP * CONTEXT_STEP

@@ -261,7 +261,7 @@ class DataLoop:
         raise errors.ActivationExtentInvalid(f"stream {stream_id}: resumed={resumed!r} with a history of {len(st.history)}")
       if resumed:  # preempted and opened again: as if it had never stopped (the same draws next, the grammar where it was)
         st.sampler.skip(resumed)
-        if st.constraint is not None: st.constraint.replay(st.history[-resumed:])
+        if st.constraint is not None: st.constraint.take(*st.history[-resumed:])
     self.sched.streams[stream_id] = st
 
   def save_blocks(self, stream_id: int, info: dict) -> None:

@@ -185,20 +185,14 @@ class Constraint:
     """The answer is whole: the mask now allows only end tokens."""
     return self.stopped and not self.matcher.is_error()  # stopped: no mask is being computed, the matcher is ours
 
-  def take(self, token: int) -> None:
-    """The sampled token goes into the matcher; the next mask starts at once (the previous one was used: the sampler
-    copied it to the device)."""
-    if not self.matcher.consume_token(token):
-      raise errors.StreamFailed(None, "GrammarViolation", f"token {token} is outside the grammar: {self.matcher.get_error()[:200]}")
+  def take(self, *tokens: int) -> None:
+    """The sampled token (or a resumed stream's answer so far, in order) goes into the matcher; the next mask starts at
+    once (the previous one was used: the sampler copied it to the device)."""
+    for token in tokens:
+      if not self.matcher.consume_token(token):
+        raise errors.StreamFailed(None, "GrammarViolation", f"token {token} is outside the grammar: {self.matcher.get_error()[:200]}")
     self.stopped = self.matcher.is_stopped()
     if not self.stopped: self.next = _mask_worker().submit(self._compute)
-
-  def replay(self, tokens: list[int]) -> None:
-    """A resumed stream's answer so far goes into a fresh matcher (the tokens it allowed then), then its next mask starts."""
-    for t in tokens[:-1]:
-      if not self.matcher.consume_token(t):
-        raise errors.StreamFailed(None, "GrammarViolation", f"token {t} is outside the grammar: {self.matcher.get_error()[:200]}")
-    if tokens: self.take(tokens[-1])
 
   def close(self) -> None:
     """The stream ended: a mask still being computed is waited for (it uses the matcher), its result dropped."""

@@ -283,7 +283,7 @@ class Driver:
     """Under self.lock: the positions the open streams' slots hold, as the kv_budget counts them. A closing (or
     preempted) stream's CLOSE is in the head ring already: every stage frees its slot before it takes any record written
     after, so its positions count no more."""
-    return sum(s.held for s in self.active_open())
+    return sum(s.held for s in self.active.values() if s.state == "open")  # every step: no list built
 
   def reads_cache(self, req: Request) -> bool:
     """The request's prompt may come from the prefix cache. A scored prompt computes every row (a cached row's logits

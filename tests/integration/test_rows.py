@@ -283,15 +283,28 @@ def test_short_chunks_beside_decode_rows_go_apart_only_with_packed_weights(paths
 def test_a_closed_streams_cache_pages_go_back_to_the_system(tmp_path):
   """On a CPU a slot's keys and values are given back to the system when its stream ends (reset_slot: the pages a
   stream wrote would otherwise stay resident for the stage's life), so the cache's resident memory follows the streams;
-  the next stream in that slot computes the same bits as the first did."""
+  a short stream's keys, one page of each (kv head, dim) lane, stay for the next stream (which would fault them in
+  again), and no more than those. The next stream in that slot computes the same bits as the first did."""
+  from pyruntime.stage.compute.rows import PAGE_POSITIONS
   from pyruntime.stage.memory_use import buffer_resident
   path = write_tiny_gguf(tmp_path / "long.gguf", **dict(TINY_MODELS["llama_tied"], context=2048))
   m = StageModel.load(path, 0, 5, max_context=2048, slots=2, weights="float32", graph_cache=stage_graphs())
   def kv() -> int: return sum(buffer_resident(t) for t in m.state_tensors())
-  prompt = np.asarray((list(range(5, 250)) * 5)[:1000], np.uint32)
+  lanes = sum(t.nbytes() // (m.slots + 1) // (4 * m.rows.length) for t, _ in m.rows.caches)  # one slot's key lanes
   m.reset_slot(0)
+  base = kv()
+  prompt = np.asarray((list(range(5, 250)) * 7)[:1500], np.uint32)  # past each lane's first page
   first = m.prefill_rows(0, prompt, 0).numpy().copy()
   grown = kv()
   m.reset_slot(0)
-  assert grown > 500_000 and kv() < grown // 10, (grown, kv())
+  assert grown - base > 500_000 and kv() - base < (grown - base) // 10, (base, grown, kv())
   assert np.array_equal(bits(m.prefill_rows(0, prompt, 0).numpy()), bits(first))
+  m.reset_slot(0)
+  short = prompt[:100]
+  want = m.prefill_rows(0, short, 0).numpy().copy()
+  m.reset_slot(0)
+  kept = kv() - base
+  assert 0 < kept <= lanes * 4 * PAGE_POSITIONS, (kept, lanes)  # its keys' first pages, no more (the values went)
+  assert np.array_equal(bits(m.prefill_rows(0, short, 0).numpy()), bits(want))
+  m.reset_slot(0)
+  assert kv() - base == kept  # the next short stream wrote into the same pages

@@ -615,6 +615,7 @@ class StageModel:
     """The slot holds n positions now (its first n were copied in from the prefix cache)."""
     self._check_slot(slot)
     self._pos[slot] = n
+    if self.rows is not None: self.rows.reached(slot, n)
 
   def _zero_state(self, slot: int) -> None:
     """A new stream on a recurrent stage starts from zero state (the reference's _state_reset_ops)."""

@@ -68,6 +68,10 @@ RECURRENT_ROWS = ROW_UNIT
 # sequential steps in it, not all of them
 RECURRENT_SHORT = (loop_schedules.ROWS, RECURRENT_ROWS)
 KV_UNIT = 32     # attended lengths are padded to a multiple of this (loop_schedules.VEC x two threads)
+# float32 positions in one 4 KiB page of a key lane (a slot's keys hold each (kv head, dim) lane's positions side by
+# side): on a CPU the lanes start on pages of their own, and a closed stream that stayed within its lanes' first pages
+# leaves them to the next stream (RowPath.release); the launch plan counts them (launch_plan.KEY_PAGE_POSITIONS)
+PAGE_POSITIONS = 1024
 
 
 def _round(n: int, unit: int) -> int: return -(-n // unit) * unit
@@ -190,7 +194,9 @@ class RowPath:
     # attention one cache of one head (kv_lora_rank + rope_dim, positions) whose latent rows are also the values
     self.latent = cfg.kv_lora_rank > 0
     self.kv_heads, self.key_dim = (1, cfg.kv_lora_rank + cfg.rope_dim) if self.latent else (cfg.n_kv_heads, cfg.head_dim)
-    self.length = _round(cfg.max_context + MAX_ROWS, KV_UNIT)  # a chunk's padding rows may run past the context
+    # a chunk's padding rows may run past the context; on a CPU (pages committed as written) whole pages of positions
+    self.length = _round(cfg.max_context + MAX_ROWS, PAGE_POSITIONS if m.device.startswith("CPU") else KV_UNIT)
+    self.reach = [0] * (self.slots + 1)  # per slot: the positions its stream wrote keys at, padding rows included
     self.v_rows = UOp.variable("rows16", 1, MAX_ROWS // ROW_UNIT)
     self.v_kv = UOp.variable("kv32", 1, self.length // KV_UNIT)
     self.v_kvp = UOp.variable("kvp32", 1, self.length // KV_UNIT)  # the prompt's attended length in a mixed step
@@ -253,16 +259,24 @@ class RowPath:
   def release(self, slot: int) -> int:
     """Give the pages of `slot`'s keys and values back to the system (a CPU's: device_memory.release), so that a closed
     stream's cache does not stay resident; what they held is never read again (a new stream writes a position before
-    any row sees it, _attend). Recurrent states stay (zero_state rewrites them). Returns the bytes released."""
+    any row sees it, _attend). Recurrent states stay (zero_state rewrites them). A stream that stayed within its key
+    lanes' first pages (PAGE_POSITIONS) leaves its keys: one page a lane, which the next stream would otherwise fault in
+    again, a page a lane (~3 us each: ~15 ms on SmolLM2 at 2048 positions, more than a short prompt's own compute).
+    Returns the bytes released."""
+    reach, self.reach[slot] = self.reach[slot], 0
     if self._caches is None or not self.m.device.startswith("CPU"): return 0
     self.m.synchronize()  # no kernel still writes there
     out = 0
-    for b, kv in zip(self.m.blk, self._caches, strict=True):
+    for b, (keys, values) in zip(self.m.blk, self._caches, strict=True):
       if isinstance(b, GatedDeltaNetBlock): continue
-      for t in (x for x in kv if x is not None):
+      for t in (x for x in (None if reach <= PAGE_POSITIONS else keys, values) if x is not None):
         one = t.nbytes() // (self.slots + 1)
         out += device_memory.release(t.uop.buffer, slot * one, one)
     return out
+
+  def reached(self, slot: int, n: int) -> None:
+    """`slot`'s stream has written keys at positions below n (release keeps or gives back its pages by that)."""
+    self.reach[slot] = max(self.reach[slot], n)
 
   def zero_state(self, slot: int) -> None:
     """A new stream in `slot` starts from zero recurrent state (the reference's _state_reset_ops)."""
@@ -649,6 +663,7 @@ class RowPath:
     # a recurrent model's chunk graph has its rows' steps written out one after another: RECURRENT_SHORT's sizes
     short = next((n for n in RECURRENT_SHORT if T <= n)) if m.recurrent else next((n for n in self.short_rows if T <= n), None)
     R = short or _round(T, ROW_UNIT)
+    self.reached(slot, start + R)
     _put((self.prefill_in, self.prefill_pos, self.prefill_rope), self._prefill_inputs(inp, start, R))
     graph, rows = (self.short_graph(R), R) if short else (self.prefill_graph(), self.v_rows.bind(R // ROW_UNIT))
     with loop_schedules.rows_schedules():
@@ -716,6 +731,7 @@ class RowPath:
     internal buffer."""
     m = self.m
     lo, W = window or self.window(slots)
+    for s, p in zip(slots, positions, strict=True): self.reached(s, int(p) + 1)
     _put((self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v), self._decode_inputs(slots, inp, positions, lo, W))
     with loop_schedules.rows_schedules():
       ret = self.decode_graph(W)(self.decode_in, self.decode_pos, self.decode_rope, self.decode_at_k, self.decode_at_v, W, self.v_lo.bind(lo),
@@ -782,6 +798,7 @@ class RowPath:
     # a chunk's rows)
     lo, W = 0, self.slots
     R = _round(T, ROW_UNIT)
+    for s, p in [*zip(slots, positions, strict=True), (slot, start + R - 1)]: self.reached(s, int(p) + 1)
     d_in, d_pos, d_rope, d_ak, d_av = self._decode_inputs(slots, dec_inp, positions, lo, W)
     p_in, p_pos, p_rope = self._prefill_inputs(pre_inp, start, R)
     # the prompt's rows' cache offsets after the window's, then the padding's (into the spare slot)

@@ -1,10 +1,10 @@
 """What one whole-model stage's steps cost on the rows path, alone (no rings, no launcher): a decode step of 1 and of
 `--rows` rows at a short and a long position (what eight streams' own keys and values add as contexts grow), and a
-prompt's first chunk by its length (the short graphs of 8 and 16 rows, then the chunk graph). The numbers behind the
-families bench's 8-stream ratios and first tokens.
+prompt's first chunk by its length in a slot just closed, as a new stream finds it (the short graphs of 8 and 16
+rows, then the chunk graph). The numbers behind the families bench's 8-stream ratios and first tokens.
 
   python bench/step_costs.py [--model PATH | --family llama|qwen3moe|...] [--size small|1b] [--positions 40,400]
-                             [--rows 8] [--lengths 1,8,16,17,32,64,128] [--weights packed] [--json]
+                             [--rows 8] [--lengths 1,8,16,17,32,64,128] [--context N] [--weights packed] [--json]
 
 Printed first: the CPU. Medians of `--repeats` calls after one that may capture. Decode rows past the first are other
 slots at the same position, each holding a prompt of that length (computed first, not timed).
@@ -30,10 +30,10 @@ def step_ms(call, repeats: int) -> float:
   return round(1000 * float(np.median(ts)), 2)
 
 
-def measure(path: str, positions: list[int], rows: int, lengths: list[int], weights: str, repeats: int) -> dict:
+def measure(path: str, positions: list[int], rows: int, lengths: list[int], weights: str, repeats: int, context: int = 0) -> dict:
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.stage.compute.model import StageModel
-  ctx = max([*positions, *lengths]) + 64
+  ctx = context or max([*positions, *lengths]) + 64
   m = StageModel.load(path, 0, read_header(path).num_blocks, max_context=ctx, slots=rows, decode="batched", weights=weights, graph_cache=None)
   ids = lambda n: (np.arange(n) * 7 + 3).astype(np.uint32) % m.vocab_size  # noqa: E731 - any valid tokens
   out: dict = {"decode_ms": {}, "prompt_ms": {}}
@@ -61,6 +61,7 @@ def main() -> None:
   ap.add_argument("--lengths", default="1,8,16,17,32,64,128")
   ap.add_argument("--weights", default="packed")
   ap.add_argument("--repeats", type=int, default=15)
+  ap.add_argument("--context", type=int, default=0, help="the stage's context (default: the longest position or prompt, + 64)")
   ap.add_argument("--json", action="store_true")
   a = ap.parse_args()
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # families.py, beside this file
@@ -71,7 +72,7 @@ def main() -> None:
   else:
     from pyruntime.modelfile.source import default_model_path
     path = a.model or str(default_model_path())
-  r = measure(path, [int(x) for x in a.positions.split(",")], a.rows, [int(x) for x in a.lengths.split(",")], a.weights, a.repeats)
+  r = measure(path, [int(x) for x in a.positions.split(",")], a.rows, [int(x) for x in a.lengths.split(",")], a.weights, a.repeats, a.context)
   if a.json: return print(json.dumps({"cpu": cpu(), "model": a.family or path, **r}))
   print(cpu())
   print(f"{a.family or path} ({a.weights})")

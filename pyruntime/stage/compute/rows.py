@@ -260,9 +260,9 @@ class RowPath:
     """Give the pages of `slot`'s keys and values back to the system (a CPU's: device_memory.release), so that a closed
     stream's cache does not stay resident; what they held is never read again (a new stream writes a position before
     any row sees it, _attend). Recurrent states stay (zero_state rewrites them). A stream that stayed within its key
-    lanes' first pages (PAGE_POSITIONS) leaves its keys: one page a lane, which the next stream would otherwise fault in
-    again, a page a lane (~3 us each: ~15 ms on SmolLM2 at 2048 positions, more than a short prompt's own compute).
-    Returns the bytes released."""
+    lanes' first pages (PAGE_POSITIONS) leaves its keys, one page a lane: the next stream would otherwise fault each in
+    again (~3 us a page: ~15 ms on SmolLM2 at 2048 positions, more than a short prompt's own compute). Returns the
+    bytes released."""
     reach, self.reach[slot] = self.reach[slot], 0
     if self._caches is None or not self.m.device.startswith("CPU"): return 0
     self.m.synchronize()  # no kernel still writes there

@@ -769,7 +769,10 @@ class StageModel:
       run("decode", lambda: self.forward(0, zeros, 1, prefill=False))
     else:
       short = RECURRENT_SHORT if self.recurrent else self.rows.short_rows  # (a recurrent model's chunks: 8 and 16 rows)
-      if not self.recurrent: run("prefill", lambda: self.prefill_rows(0, np.repeat(zeros, short[-1] + 1 if short else 1, axis=0), 0))
+      # the symbolic prefill graph, unless every prompt goes in short graphs' calls (RowPath.prompt_rows: a matrix too
+      # large to stage): there this run would only run the short graphs below once more (at 1B: 24 rows of ~1.5 s)
+      if not self.recurrent and self.rows.prompt_rows > max(short, default=0):
+        run("prefill", lambda: self.prefill_rows(0, np.repeat(zeros, short[-1] + 1 if short else 1, axis=0), 0))
       for R in short:
         self.reset_slot(0)
         run(f"prefill-{R}", lambda R=R: self.prefill_rows(0, np.repeat(zeros, R, axis=0), 0))

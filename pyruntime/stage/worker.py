@@ -206,8 +206,14 @@ class Stage:
       try: os.sched_setaffinity(0, cpus)  # before tinygrad sizes its CPU thread pool
       except OSError as e: raise errors.InvalidCommand(f"InitializeWorker: cannot run on CPUs {show(cpus)}: {e}") from e
     if device:
-      try: os.environ["DEV"] = parse_device(device).target  # the renderer only: tinygrad reads "CUDA:1" as renderer "1"
+      try: target = parse_device(device).target  # the renderer only: tinygrad reads "CUDA:1" as renderer "1"
       except errors.InvalidOption as e: raise errors.InvalidCommand(f"InitializeWorker: {e}") from e
+      # tinygrad read DEV when it was imported (before this command); the environment is for processes this one starts.
+      # Without its own default, tinygrad finds one by opening every backend in turn (Device.DEFAULT) the first time a
+      # tensor names no device (the blocks' constructors): PoCL's OpenCL in every CPU stage (~0.6 s), GPU 0 in every
+      # stage of a GPU host
+      from tinygrad.helpers import DEV
+      os.environ["DEV"] = DEV.value = target
     nvidia_compilers()
     self.device = device
     self.ch.emit(Event.WORKER_READY, pid=os.getpid(), device=device, abi_version=ABI_VERSION)

@@ -61,6 +61,19 @@ def test_two_stages_on_indexed_devices_equal_one(tiny):
   assert got.token_ids == want.token_ids and len(got.token_ids) == N
 
 
+def test_a_cpu_stage_opens_no_other_backend(tiny, monkeypatch):
+  """Started without DEV in the environment on a host with an OpenCL driver, a CPU stage never opens OpenCL: tinygrad's
+  default device is the stage's own (stage/worker.py), not found by opening every backend in turn, which loaded PoCL
+  into every CPU stage (and would open GPU 0 in every stage of a GPU host)."""
+  lane_device(CL)  # the OpenCL driver is here: the check below means something
+  monkeypatch.delenv("DEV", raising=False)
+  with Launcher(tiny, split=[(0, 2), (2, 5)], devices="CPU", max_context=128) as lm:
+    generate(lm)
+    for st in lm.stage_view():
+      with open(f"/proc/{st['pid']}/maps") as f: libs = {line.rsplit("/", 1)[-1].strip() for line in f if ".so" in line}
+      assert not any("OpenCL" in lib or "pocl" in lib for lib in libs), (st["stage"], sorted(libs))
+
+
 def test_a_cpu_without_clang_answers_with_float32_weights(tiny):
   """CPU:X86 (what a machine without clang gets): auto weights are float32 there (tinygrad's x86 backend cannot run
   packed or float16 weights), and two stages equal one."""

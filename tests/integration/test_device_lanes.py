@@ -64,7 +64,8 @@ def test_two_stages_on_indexed_devices_equal_one(tiny):
 def test_a_cpu_stage_opens_no_other_backend(tiny, monkeypatch):
   """Started without DEV in the environment on a host with an OpenCL driver, a CPU stage never opens OpenCL: tinygrad's
   default device is the stage's own (stage/worker.py), not found by opening every backend in turn, which loaded PoCL
-  into every CPU stage (and would open GPU 0 in every stage of a GPU host)."""
+  into every CPU stage (and, on a GPU host, opened the first GPU backend that answers in every stage whose device names
+  no renderer: `CUDA:1`; one that names one, `NULL:1:CUDA:sm_90`, had DEV set already, model.resolve_device)."""
   lane_device(CL)  # the OpenCL driver is here: the check below means something
   monkeypatch.delenv("DEV", raising=False)
   with Launcher(tiny, split=[(0, 2), (2, 5)], devices="CPU", max_context=128) as lm:

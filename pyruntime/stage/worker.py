@@ -210,8 +210,8 @@ class Stage:
       except errors.InvalidOption as e: raise errors.InvalidCommand(f"InitializeWorker: {e}") from e
       # tinygrad read DEV when it was imported (before this command); the environment is for processes this one starts.
       # Without its own default, tinygrad finds one by opening every backend in turn (Device.DEFAULT) the first time a
-      # tensor names no device (the blocks' constructors): PoCL's OpenCL in every CPU stage (~0.6 s), GPU 0 in every
-      # stage of a GPU host
+      # tensor names no device (the blocks' constructors): PoCL's OpenCL in every CPU stage (~50 MB), the first GPU
+      # backend that answers in a GPU host's stages (model.resolve_device sets DEV only for a device naming a renderer)
       from tinygrad.helpers import DEV
       os.environ["DEV"] = DEV.value = target
     nvidia_compilers()

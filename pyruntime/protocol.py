@@ -58,6 +58,10 @@ FLAG_CACHE = 1 << 5   # fill prefix-cache blocks from the stream's KV slot (payl
 
 PREFILL_CHUNK = 32    # tinygrad's Transformer.generate chunk size: the largest chunk of its prefill (--decode reference)
 MAX_CHUNK = 256       # the most prompt rows one record between stages carries (the rows path's largest chunk)
+# float32 positions in one 4 KiB page of a key lane (a slot's keys hold each (kv head, dim) lane's positions side by
+# side): a CPU stage starts each lane on a page of its own and keeps a short stream's first pages for the next one
+# (stage/compute/rows.py), and the launch plan counts that page in every slot (engine/launch_plan.py)
+PAGE_POSITIONS = 1024
 MAX_VERIFY_ROWS = 16  # a speculative record: the last token and up to 15 drafted ones (one unit of the rows path)
 # ConfigureRole's options (prefill_share, weights, decode, the stall bounds) are defined once, in pyruntime/options.py
 

@@ -125,7 +125,6 @@ def held_bytes(header: GGUFHeader, names: Sequence[str], weights: str) -> int:
 
 
 CONTEXT_STEP = 256  # a default context cut to fit memory is a multiple of this
-KEY_PAGE_POSITIONS = 1024  # a 4 KiB page of a slot's keys holds one head's lane for this many float32 positions
 
 
 def memory_need(header: GGUFHeader, options: LaunchOptions, split: Sequence[tuple[int, int]], devices: Sequence[str],
@@ -138,15 +137,15 @@ def memory_need(header: GGUFHeader, options: LaunchOptions, split: Sequence[tupl
   weights and caches are on its GPU, not counted. Graph buffers and the interpreters (a few hundred MB a stage) come on
   top. With a kv_budget (`kv_budget`, else the options') the keys and values written are at most the budget's
   positions, plus in every slot the rest of a page of keys (which hold a head's positions side by side:
-  KEY_PAGE_POSITIONS) and a chunk's padding rows."""
+  protocol.PAGE_POSITIONS) and a chunk's padding rows."""
   from pyruntime.devices import parse_device
   from pyruntime.modelfile.plan import kv_bytes_per_position, prefix_cache_bytes_per_token, recurrent_state_bytes, stage_tensor_names
-  from pyruntime.protocol import MAX_CHUNK
+  from pyruntime.protocol import MAX_CHUNK, PAGE_POSITIONS
   host = [i for i, d in enumerate(devices) if parse_device(d).base == "CPU"]
   slots = options.max_streams + 1
   positions = slots * (context + MAX_CHUNK + 31)
   budget = options.kv_budget if kv_budget is None else kv_budget
-  if budget: positions = min(positions, budget + slots * (KEY_PAGE_POSITIONS + MAX_CHUNK + 31))
+  if budget: positions = min(positions, budget + slots * (PAGE_POSITIONS + MAX_CHUNK + 31))
   kept = 2 * options.max_streams * recurrent_state_bytes(header, 0, header.num_blocks) if options.prefix_cache >= BLOCK else 0
   return {"weights": sum(held_bytes(header, list(dict.fromkeys(stage_tensor_names(header, *split[i]))), weights[i]) for i in host),
           "kv": sum(kv_bytes_per_position(header, *split[i]) * positions + recurrent_state_bytes(header, *split[i]) * slots for i in host),

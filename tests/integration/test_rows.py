@@ -291,7 +291,7 @@ def test_a_closed_streams_cache_pages_go_back_to_the_system(tmp_path):
   stream wrote would otherwise stay resident for the stage's life), so the cache's resident memory follows the streams;
   a short stream's keys, one page of each (kv head, dim) lane, stay for the next stream (which would fault them in
   again), and no more than those. The next stream in that slot computes the same bits as the first did."""
-  from pyruntime.stage.compute.rows import PAGE_POSITIONS
+  from pyruntime.protocol import PAGE_POSITIONS
   from pyruntime.stage.memory_use import buffer_resident
   path = write_tiny_gguf(tmp_path / "long.gguf", **dict(TINY_MODELS["llama_tied"], context=2048))
   m = StageModel.load(path, 0, 5, max_context=2048, slots=2, weights="float32", graph_cache=stage_graphs())

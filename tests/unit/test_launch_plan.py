@@ -176,15 +176,15 @@ def test_a_kv_budget_counts_its_positions_not_every_slots_context_and_holds_one_
   per slot), so a context and a slot count whose product does not fit plan where the budget does; a budget below
   the context cuts a default context to it and refuses an explicit one (a stream alone must fit); a budget that does
   not fit is refused naming it; decode="reference" (whose prompt rows are not its decode rows) refuses a budget."""
-  from pyruntime.engine.launch_plan import KEY_PAGE_POSITIONS, memory_need
+  from pyruntime.engine.launch_plan import memory_need
   from pyruntime.modelfile.plan import kv_bytes_per_position
-  from pyruntime.protocol import MAX_CHUNK
+  from pyruntime.protocol import MAX_CHUNK, PAGE_POSITIONS
   path = write_tiny_gguf(tmp_path / "long.gguf", **TINY_MODELS["llama_tied"] | {"context": 8192})
   def kv(p) -> int: return memory_need(p.header, p.options, p.split, p.devices, p.weights, p.context_length)["kv"]
   full, budgeted = (plan(path, devices="CPU", max_streams=16, prefix_cache=0, kv_budget=b) for b in (0, 8192))
   per = sum(kv_bytes_per_position(full.header, *r) for r in full.split)
   assert kv(full) == per * 17 * (8192 + MAX_CHUNK + 31)
-  assert kv(budgeted) == per * (8192 + 17 * (KEY_PAGE_POSITIONS + MAX_CHUNK + 31)) < kv(full) / 4
+  assert kv(budgeted) == per * (8192 + 17 * (PAGE_POSITIONS + MAX_CHUNK + 31)) < kv(full) / 4
   def total(p) -> int: return sum(memory_need(p.header, p.options, p.split, p.devices, p.weights, p.context_length, p.kv_budget).values())
   memory = total(budgeted) + 1
   assert plan(path, memory=memory, devices="CPU", max_streams=16, prefix_cache=0, kv_budget=8192).context_length == 8192

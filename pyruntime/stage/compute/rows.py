@@ -46,7 +46,7 @@ from tinygrad.uop.ops import KernelInfo
 
 from pyruntime import errors
 from pyruntime.modelfile.boundary import DTYPES
-from pyruntime.protocol import MAX_CHUNK
+from pyruntime.protocol import MAX_CHUNK, PAGE_POSITIONS
 from pyruntime.stage.compute import device_memory, experts, loop_schedules
 from pyruntime.stage.compute.packed import PackedMatrix
 from pyruntime.stage.compute.weights import expert_matrices, linears
@@ -68,10 +68,6 @@ RECURRENT_ROWS = ROW_UNIT
 # sequential steps in it, not all of them
 RECURRENT_SHORT = (loop_schedules.ROWS, RECURRENT_ROWS)
 KV_UNIT = 32     # attended lengths are padded to a multiple of this (loop_schedules.VEC x two threads)
-# float32 positions in one 4 KiB page of a key lane (a slot's keys hold each (kv head, dim) lane's positions side by
-# side): on a CPU the lanes start on pages of their own, and a closed stream that stayed within its lanes' first pages
-# leaves them to the next stream (RowPath.release); the launch plan counts them (launch_plan.KEY_PAGE_POSITIONS)
-PAGE_POSITIONS = 1024
 
 
 def _round(n: int, unit: int) -> int: return -(-n // unit) * unit

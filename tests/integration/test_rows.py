@@ -21,7 +21,8 @@ from pyruntime.stage.compute import packed as packed_module
 from pyruntime.stage.compute.loop_schedules import VEC
 from pyruntime.stage.compute.model import StageModel
 from pyruntime.stage.compute.packed import PackedMatrix, packable
-from pyruntime.stage.compute.rows import MAX_ROWS, SHORT_ROWS
+from pyruntime.stage.compute.rows import MAX_ROWS, PIECES_REGISTERS_ROWS, SHORT_ROWS
+from pyruntime.stage.compute.weights import linears
 
 DENSE = ["llama_tied", "llama_untied", "llama_gqa", "qwen2", "qwen3"]
 
@@ -255,21 +256,26 @@ def test_a_mixed_step_equals_its_decode_and_prompt_apart(paths, name, cut, devic
 
 
 def test_matrices_too_large_to_stage_keep_every_bit(paths, monkeypatch):
-  """A packed matrix whose float16 copy would not stay in the CPU's cache (packed.STAGED_MAX_BYTES; here every matrix)
-  is rebuilt in registers for any number of rows, and a prompt goes in calls of the largest short graph's rows
-  (RowPath.prompt_rows): a 100-row prompt and a mixed step's 40-row chunk give the bits of the stage that stages them.
-  Such a stage's warm-up skips the symbolic prefill graph, which no prompt of it runs, and still leaves nothing for
-  those calls to capture."""
+  """A packed matrix whose float16 copy would not stay in the CPU's cache (packed.STAGED_MAX_BYTES; here every matrix of
+  more than one column block) is staged in pieces for a prompt chunk, each piece's product stored, then joined
+  (rows._blocked_product): a 100-row prompt in one call and a mixed step's 40-row chunk give the bits of the stage that
+  stages each matrix whole. A shorter chunk goes in short graphs' calls (RowPath.registers_rows). The warm-up leaves
+  nothing for those calls to capture."""
   path = paths["llama_tied"]
-  outs = []
-  for registers in (False, True):
-    if registers: monkeypatch.setattr(packed_module, "STAGED_MAX_BYTES", 0)
+  outs, widest = [], 0
+  for pieces in (False, True):
+    # one column block of the widest matrix a piece: every matrix but the narrowest in pieces
+    if pieces: monkeypatch.setattr(packed_module, "STAGED_MAX_BYTES", 2 * VEC * widest)
     # no graph cache: the two stages' graphs differ under one key
     m = StageModel.load(path, 0, tiny_refs_blocks(path), max_context=CTX, slots=2, decode="batched", weights="packed")
-    assert m.rows.prompt_rows == (SHORT_ROWS[-1] if registers else MAX_ROWS)
-    if registers:
+    held = [wb for b in m.blk for w in linears(b) if isinstance(wb := getattr(w, "rows_blocked", None), PackedMatrix)]
+    widest = max(wb.shape[1] for wb in held)
+    split = [len(wb.pieces()) > 1 for wb in held]
+    assert held and (sum(split) >= len(held) // 2 if pieces else not any(split))
+    # a chunk too short to pay for staging goes in short graphs' calls; the 100-row prompt below stages
+    assert m.rows.prompt_rows == MAX_ROWS and m.rows.registers_rows == (PIECES_REGISTERS_ROWS if pieces else SHORT_ROWS[-1]) < 100
+    if pieces:
       m.warm_up()
-      assert m.rows.prefill_jit is None and set(m.rows.short_jits) == set(SHORT_ROWS)
       m.on_capture = lambda name: pytest.fail(f"graph {name} captured after the warm-up")
     prompt = np.asarray((PROMPT * 3)[:100], np.uint32)
     out = [m.prefill_rows(0, prompt, 0).numpy().copy()]

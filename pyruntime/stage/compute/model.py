@@ -431,12 +431,12 @@ class StageModel:
 
   def mixes(self, rows: int) -> bool:
     """Whether a chunk of `rows` beside decode rows costs less inside their step (forward_mixed) than apart from it:
-    not when the chunk fits a short graph (RowPath.short_rows: with packed weights only). The mixed graph, symbolic
+    not when the chunk goes in short graphs' calls (RowPath.registers_rows: with packed weights only). The mixed graph, symbolic
     in the chunk's rows, rebuilds every packed weight into a scratch buffer first; a decode step and a short chunk each
     rebuild them in registers (SmolLM2, 7 decode rows beside 8 prompt rows: ~190 ms mixed, ~100 apart). Either way the
     same bits."""
     if self.recurrent: return rows == 1  # a recurrent model's prompt row rides in the decode window (_mixed_row)
-    return self.rows is None or rows > max(self.rows.short_rows, default=0)
+    return self.rows is None or rows > self.rows.registers_rows
 
   def mixed_rows(self, batch: Tensor, slots: list[int]) -> list[Tensor]:
     """The rows of a forward_mixed decode result, in the order of `slots`, each a realized view (no copy)."""
@@ -450,7 +450,9 @@ class StageModel:
     inp = self._validate(slot, inp, start_pos)
     T = len(inp)
     if self.recurrent: return self._prefill_recurrent(slot, inp, start_pos, every_row)
-    if T <= (n := self.rows.prompt_rows):
+    # a chunk the short graphs take is cut into their calls (registers_rows), a longer one into the largest calls
+    n = self.rows.prompt_rows if T > self.rows.registers_rows else max(self.rows.short_rows, default=T)
+    if T <= n:
       out = self.rows.prefill(slot, inp, start_pos, every_row)
       self._keep_routers([(slot, 0, T)])
       self._pos[slot] = start_pos + T
@@ -772,7 +774,9 @@ class StageModel:
       # the symbolic prefill graph, unless every prompt goes in short graphs' calls (RowPath.prompt_rows: a matrix too
       # large to stage): there this run would only run the short graphs below once more (at 1B: 24 rows of ~1.5 s)
       if not self.recurrent and self.rows.prompt_rows > max(short, default=0):
-        run("prefill", lambda: self.prefill_rows(0, np.repeat(zeros, short[-1] + 1 if short else 1, axis=0), 0))
+        # (the fewest rows it takes, given it directly: prefill_rows cuts a chunk up to RowPath.registers_rows into short
+        # calls, and a longer one here would only cost the warm-up time)
+        run("prefill", lambda: self.rows.prefill(0, np.repeat(zeros, short[-1] + 1 if short else 1, axis=0), 0))
       for R in short:
         self.reset_slot(0)
         run(f"prefill-{R}", lambda R=R: self.prefill_rows(0, np.repeat(zeros, R, axis=0), 0))

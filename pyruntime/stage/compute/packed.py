@@ -35,11 +35,14 @@ from pyruntime.modelfile.gguf import GGML_TYPES, PACKED_TYPES, SUPER_BLOCK
 from pyruntime.stage.compute import device_memory
 
 LOW = 4  # the low bits of a code below 8 bits live in words of 8 fields; the rest in words of their own
-# a packed matrix is staged (dequantised into a float16 scratch copy for a product of many rows: matrix(staged=True))
-# only while that copy fits this: a copy that does not stay in the CPU's last-level cache costs more memory traffic than
-# rebuilding the values in registers for every ROWS rows (Llama 3.2 1B's 2048 x 8192 feed-forward: 33.5 MB; its 64-row
-# chunks 1.4x faster in registers; SmolLM2's 1.8 MB copies stay staged, 1.2-1.35x faster so). A MoE block's experts are
-# one matrix here: a Qwen3-30B-A3B block's 128 experts would be a 403 MB copy per matrix, 1.2 GB a block
+# a product of many rows reads a packed matrix staged (dequantised into a float16 scratch copy first:
+# matrix(staged=True)), in pieces whose copies each fit this (PackedMatrix.pieces): a copy that does not stay in the
+# CPU's last-level cache costs more memory traffic than rebuilding the values in registers for every ROWS rows (Llama
+# 3.2 1B's 2048 x 8192 feed-forward, 33.5 MB staged whole: its 64-row chunks 1.4x faster in registers), while a piece
+# read by all the rows as soon as it is written is the float16 product's rate (that matrix's 256-row chunks ~1.5x
+# faster in two pieces than in registers; SmolLM2's 1.8 MB copies are one piece each). A MoE block's experts are one
+# copy here, staged only whole (a row's experts are chosen inside the kernel): a Qwen3-30B-A3B block's 128 experts
+# would be a 403 MB copy per matrix, 1.2 GB a block, and stay in registers
 STAGED_MAX_BYTES = 16 << 20
 
 
@@ -81,6 +84,14 @@ class PackedMatrix:
   def fits_staging(self) -> bool:
     """Whether matrix(staged=True)'s float16 copy (every expert's, for a MoE block's) is at most STAGED_MAX_BYTES."""
     return 2 * math.prod(self.shape) <= STAGED_MAX_BYTES
+
+  def pieces(self) -> list[PackedMatrix]:
+    """One matrix (no leading axes) as runs of its column blocks whose float16 copies each fit STAGED_MAX_BYTES (itself
+    when its copy fits, or when not even one column block's would): a product of many rows stages one piece, reads it
+    while it is in the cache, then the next."""
+    n, K, vec = self.shape
+    per = STAGED_MAX_BYTES // (2 * K * vec)
+    return [self] if per >= n or per == 0 else [self[i:i + per] for i in range(0, n, per)]
 
   @property
   def lead(self) -> tuple[int, ...]:

@@ -58,6 +58,9 @@ ROW_UNIT = 16    # prompt rows are padded to a multiple of this (loop_schedules.
 # registers (SmolLM2: 8 rows ~2.5 decode steps, 16 ~5, against ~9 in the symbolic graph, which stages the weights first).
 # Float weights have nothing to stage: there the symbolic graph costs the same and two more captures would buy nothing.
 SHORT_ROWS = (loop_schedules.ROWS, ROW_UNIT)
+# a stage with a matrix staged in pieces takes a prompt chunk of at most this many rows in short graphs' calls
+# (RowPath.registers_rows)
+PIECES_REGISTERS_ROWS = 64
 STAGED_ROWS = ROW_UNIT  # a packed matrix read by more rows than this is dequantised into a scratch buffer first (_values)
 # the tensor-core mode: a projection's rows are padded to this, the rows of every float16 tile tinygrad's renderers
 # know (CUDA's 16x8x16, AMD's 16x16x16, Metal's 8x8x8 and Intel's 8x8x16 divide it)
@@ -124,6 +127,10 @@ def _blocked_product(x: Tensor, wb: Tensor | PackedMatrix, tc: bool, staged: boo
   """x (..., K) times the column blocks wb (outputs / VEC, K, VEC): (..., outputs), one sum over K per output."""
   if tc: return _tensor_core_rows(x, lambda r: _blocked_product(r, wb, False, staged))
   *lead, K = x.shape
+  if isinstance(wb, PackedMatrix) and not wb.lead and len(parts := wb.pieces()) > 1 and (_staged(lead) if staged is None else staged):
+    # each piece's product stored on its own (a product fused into the join would rebuild its weights in registers), the
+    # join stored too (a kernel reading a slice of the lazy join would pick each value from every piece with a mask)
+    return Tensor.cat(*[_blocked_product(x, p, False, True).contiguous() for p in parts], dim=-1).contiguous()
   return (x.reshape(*lead, 1, K, 1) * _values(wb, lead, staged)).sum(-2).reshape(*lead, wb.shape[0] * wb.shape[2])
 
 
@@ -226,6 +233,7 @@ class RowPath:
     self.arange = Tensor.arange(self.length, dtype=dtypes.int32, device=m.device).contiguous().realize()
     self._caches: list[tuple[Tensor, Tensor | None]] | None = None
     self._prompt_rows: int | None = None
+    self._registers_rows: int | None = None
     self.router_rows: Tensor | None = None  # while a graph is traced: its router block's logits (_blocks)
     self.router: np.ndarray | None = None  # the last call's router logits, every row of its graph (_result)
 
@@ -314,14 +322,27 @@ class RowPath:
 
   @property
   def prompt_rows(self) -> int:
-    """The most rows one prefill call takes: MAX_ROWS, or where a packed matrix is too large to stage
-    (packed.STAGED_MAX_BYTES) the largest short graph's: a chunk of many rows would rebuild that matrix's values in registers
-    for every ROWS rows anyway, and the short graph does so fastest (Llama 3.2 1B's shapes: 64 rows 1.25x, 256 rows
-    1.2x faster as 16-row calls than in one call; SmolLM2's, whose copies stay staged, 0.75x: one call each)."""
+    """The most rows one prefill call takes: MAX_ROWS, or where a MoE block's experts are too large to stage
+    (packed.STAGED_MAX_BYTES) the largest short graph's: a chunk of many rows would rebuild those values in registers
+    for every ROWS rows anyway, and the short graph does so fastest (Llama 3.2 1B's shapes, rebuilt so: 64 rows 1.25x,
+    256 rows 1.2x faster as 16-row calls than in one call). A dense matrix too large is staged in pieces (_blocked_product)."""
     if self._prompt_rows is None:
-      big = any(isinstance(wb, PackedMatrix) and not wb.fits_staging for b in self.m.blk for wb in _packed_matrices(b))
+      big = any(isinstance(wb, PackedMatrix) and wb.lead and not wb.fits_staging for b in self.m.blk for wb in _packed_matrices(b))
       self._prompt_rows = self.short_rows[-1] if big and self.short_rows else MAX_ROWS
     return self._prompt_rows
+
+  @property
+  def registers_rows(self) -> int:
+    """The most rows of a prompt chunk taken in short graphs' calls (each weight rebuilt in registers) rather than in one
+    call that stages them: the largest short graph's, or PIECES_REGISTERS_ROWS where a matrix is staged in pieces (its
+    staging costs a pass over every weight: on Llama 3.2 1B's shapes a 32-row chunk took 1.15x the time of two 16-row
+    calls, 48 and 64 rows about the same, 96 rows 0.85x)."""
+    if self._registers_rows is None:
+      short = max(self.short_rows, default=0)
+      split = short and any(isinstance(wb, PackedMatrix) and not wb.lead and len(wb.pieces()) > 1
+                            for b in self.m.blk for wb in _packed_matrices(b))
+      self._registers_rows = PIECES_REGISTERS_ROWS if split and self.prompt_rows > PIECES_REGISTERS_ROWS else short
+    return self._registers_rows
 
   @property
   def short_rows(self) -> tuple[int, ...]:
@@ -542,7 +563,12 @@ class RowPath:
       # tinygrad's dense feed-forward (FFNBlock._feed_forward), through the column-blocked matrices: a dense block's, or
       # a MoE block's shared expert; Gemma's GeGLU (GELU, tanh-approximated, for SiLU)
       gate, up = _projections(b, n, fused, gate_up, tc)
-      return _linear(getattr(b, down), (gate.gelu() if gemma else gate.silu()).contiguous() * up, tc)
+      h = (gate.gelu() if gemma else gate.silu()).contiguous() * up
+      # for more than one row the down projection's input is stored: read inside the product, each row's gate and up
+      # (power-of-two strides apart) are two streams beside the weights', and eight rows' sixteen fought for the L1
+      # cache's ways (1B: 2.9x the product's time in a 256-row chunk); one row's two cost less than a kernel of its own
+      one = all(isinstance(d, int) for d in n.shape[:-1]) and prod(n.shape[:-1]) == 1
+      return _linear(getattr(b, down), h if one else h.contiguous(), tc)
 
     def post(norm: Any, t: Tensor) -> Tensor:
       # Gemma's norm of a block's attention or feed-forward output before the residual adds it (the output a buffer:

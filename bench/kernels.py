@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 
 def measure(model: str, rows: list[int], decode: list[int], repeats: int) -> dict:
@@ -59,17 +60,21 @@ def measure(model: str, rows: list[int], decode: list[int], repeats: int) -> dic
   return out
 
 
-def numpy_floor(model: str, rows: list[int], repeats: int) -> dict:
-  """Seconds per call of the stage's projections in numpy at each row count (random float32 weights of the same shapes)."""
-  import numpy as np
-
+def projection_shapes(model: str) -> tuple[Any, list[tuple[int, int]]]:
+  """The model's config, and one block's projections (q, k, v, output, gate, up, down) as (inputs, outputs)."""
   from pyruntime.modelfile.gguf import read_header
   from pyruntime.stage.compute.model import model_config
   cfg = model_config(read_header(model))
-  rng = np.random.default_rng(0)
   hd, kv = cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-  shapes = [(cfg.dim, cfg.n_heads * hd), (cfg.dim, kv), (cfg.dim, kv), (cfg.n_heads * hd, cfg.dim), (cfg.dim, cfg.hidden_dim),
-            (cfg.dim, cfg.hidden_dim), (cfg.hidden_dim, cfg.dim)]
+  return cfg, [(cfg.dim, cfg.n_heads * hd), (cfg.dim, kv), (cfg.dim, kv), (cfg.n_heads * hd, cfg.dim), (cfg.dim, cfg.hidden_dim),
+               (cfg.dim, cfg.hidden_dim), (cfg.hidden_dim, cfg.dim)]
+
+
+def numpy_floor(model: str, rows: list[int], repeats: int) -> dict:
+  """Seconds per call of the stage's projections in numpy at each row count (random float32 weights of the same shapes)."""
+  import numpy as np
+  cfg, shapes = projection_shapes(model)
+  rng = np.random.default_rng(0)
   weights = [[rng.standard_normal(s, dtype=np.float32) for s in shapes] for _ in range(cfg.num_blocks)]
   vocab = rng.standard_normal((cfg.dim, cfg.vocab_size), dtype=np.float32)
   out = {}

@@ -68,14 +68,10 @@ def llama_cpp_side(model: str, rows: list[int], repeats: int) -> dict:
 
 
 def projection_flops(model: str) -> tuple[int, list[tuple[int, int]]]:
-  """Multiply-adds x 2 per row of every block's projections, and their shapes (inputs, outputs)."""
-  from pyruntime.modelfile.gguf import read_header
-  from pyruntime.stage.compute.model import model_config
-  c = model_config(read_header(model))
-  hd, kv = c.head_dim, c.n_kv_heads * c.head_dim
-  shapes = [(c.dim, c.n_heads * hd), (c.dim, kv), (c.dim, kv), (c.n_heads * hd, c.dim), (c.dim, c.hidden_dim),
-            (c.dim, c.hidden_dim), (c.hidden_dim, c.dim)]
-  return 2 * c.num_blocks * sum(a * b for a, b in shapes), shapes
+  """Multiply-adds x 2 per row of every block's projections, and one block's shapes (inputs, outputs)."""
+  from kernels import projection_shapes
+  cfg, shapes = projection_shapes(model)
+  return 2 * cfg.num_blocks * sum(a * b for a, b in shapes), shapes
 
 
 def numpy_rate(shapes: list[tuple[int, int]], rows: list[int], repeats: int) -> dict[int, float]:

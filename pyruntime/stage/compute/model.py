@@ -771,8 +771,8 @@ class StageModel:
       run("decode", lambda: self.forward(0, zeros, 1, prefill=False))
     else:
       short = RECURRENT_SHORT if self.recurrent else self.rows.short_rows  # (a recurrent model's chunks: 8 and 16 rows)
-      # the symbolic prefill graph, unless every prompt goes in short graphs' calls (RowPath.prompt_rows: a matrix too
-      # large to stage): there this run would only run the short graphs below once more (at 1B: 24 rows of ~1.5 s)
+      # the symbolic prefill graph, unless every prompt goes in short graphs' calls (RowPath.prompt_rows: a MoE block's
+      # experts too large to stage): there this run would only run the short graphs below once more
       if not self.recurrent and self.rows.prompt_rows > max(short, default=0):
         # (the fewest rows it takes, given it directly: prefill_rows cuts a chunk up to RowPath.registers_rows into short
         # calls, and a longer one here would only cost the warm-up time)

@@ -127,7 +127,7 @@ def _blocked_product(x: Tensor, wb: Tensor | PackedMatrix, tc: bool, staged: boo
   """x (..., K) times the column blocks wb (outputs / VEC, K, VEC): (..., outputs), one sum over K per output."""
   if tc: return _tensor_core_rows(x, lambda r: _blocked_product(r, wb, False, staged))
   *lead, K = x.shape
-  if isinstance(wb, PackedMatrix) and not wb.lead and len(parts := wb.pieces()) > 1 and (_staged(lead) if staged is None else staged):
+  if isinstance(wb, PackedMatrix) and not wb.lead and (_staged(lead) if staged is None else staged) and len(parts := wb.pieces()) > 1:
     # each piece's product stored on its own (a product fused into the join would rebuild its weights in registers), the
     # join stored too (a kernel reading a slice of the lazy join would pick each value from every piece with a mask)
     return Tensor.cat(*[_blocked_product(x, p, False, True).contiguous() for p in parts], dim=-1).contiguous()

@@ -56,7 +56,7 @@ class LaunchOptions:
     if self.placement not in ("local", "ray"): raise errors.InvalidOption("placement", f"must be local or ray, not {self.placement!r:.80}")
     if self.placement == "local" and (self.ray_address is not None or self.hosts is not None):
       raise errors.InvalidOption("placement", "ray_address and hosts need placement='ray'")
-    if self.tensor_cores == "on" and (self.decode == "reference" or self.weights == "float32"):
+    if self.tensor_cores == "on" and (self.decode == "reference" or self.weights in ("float32", "packed-int8")):
       raise errors.InvalidOption("tensor_cores", "needs decode='batched' and float16 values of the weights "
                                                  f"(weights 'auto', 'packed', 'float16' or 'quantized'), not {self.decode!r} and {self.weights!r}")
 
@@ -214,8 +214,11 @@ def weights_for(options: LaunchOptions, arch: str, device: str, copy_fits: bool,
   from pyruntime.modelfile.plan import ROWS_ARCHS
   spec = parse_device(device)
   x86 = spec.base == "CPU" and spec.renderer not in CLANG_RENDERERS
-  if x86 and options.weights in ("packed", "packed-all", "float16"):
+  if x86 and options.weights in ("packed", "packed-all", "packed-int8", "float16"):
     raise errors.InvalidOption("weights", f"{options.weights!r} needs clang's CPU kernels; {device} runs 'float32' or 'quantized'")
+  if options.weights == "packed-int8" and (spec.base != "CPU" or options.decode == "reference"):
+    raise errors.InvalidOption("weights", f"'packed-int8' runs on a CPU's rows path (integer kernels for clang), not {device} with "
+                               f"decode {options.decode!r}")
   if options.weights != "auto": return options.weights
   if options.decode == "reference" or spec.base != "CPU" or arch not in ROWS_ARCHS:
     return "quantized"  # the other families decode with tinygrad's own kernels, one stream at a time (ROWS_ARCHS)

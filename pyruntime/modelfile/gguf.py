@@ -48,13 +48,14 @@ PACKED_TYPES: dict[int, tuple[int, int, int, bool, bool, int]] = {
 }  # Q4_0 Q4_1 Q5_0 Q5_1 / Q8_0 Q4_K Q5_K Q6_K
 SUPER_BLOCK = 256  # a K-quant's inputs per float16 d (and dmin)
 # what weights="packed" keeps packed: the types whose kernels decode at least as fast as float16 holding them (measured,
-# bench/results/2026-12-06-packed-k-quants.md); "packed-all" keeps every PACKED_TYPES type
+# bench/results/2026-12-06-packed-k-quants.md), and those weights="packed-int8" multiplies in integers; "packed-all" keeps every
+# PACKED_TYPES type
 FAST_PACKED_TYPES = frozenset({2, 3, 8})
 
 
 def packed_types(weights: str) -> frozenset[int]:
   """The GGML types a stage keeps as codes in weights mode `weights` (none outside the packed modes)."""
-  return frozenset(PACKED_TYPES) if weights == "packed-all" else FAST_PACKED_TYPES if weights == "packed" else frozenset()
+  return frozenset(PACKED_TYPES) if weights == "packed-all" else FAST_PACKED_TYPES if weights in ("packed", "packed-int8") else frozenset()
 
 
 def packed_nbytes(ggml_type: int, elements: int) -> int:

@@ -59,7 +59,8 @@ def position_kv(m: StageModel, slot: int, pos: int) -> list[np.ndarray]:
 
 # every dense model with float32 weights; two models cover the dequantising kernels, and two the CL lane
 DECODE_CASES = [(n, "float32", None) for n in DENSE] + [(n, w, d) for n in ("llama_tied", "qwen3") for w, d in
-                                                        (("quantized", None), ("float32", CL), ("quantized", CL))]
+                                                        (("quantized", None), ("float32", CL), ("quantized", CL))] + \
+               [(n, "packed-int8", None) for n in ("llama_tied", "llama_gqa")]  # integer products: Q4_0, Q4_1 and Q8_0
 
 
 # the tensor-core mode (docs/prompt-path.md, "Tensor cores"): each weight form it takes, and the CL lane
@@ -162,11 +163,13 @@ def test_splits_equal_the_unsplit_rows_and_tinygrads_tokens(paths, name):
       assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(logits, unsplit, strict=True)), ranges
 
 
-@pytest.mark.parametrize("device,tensor_cores", [(None, False), (CL, False), (None, True)])
-def test_decode_windows_and_streams_beside_change_no_bit(paths, device, tensor_cores):
+@pytest.mark.parametrize("device,tensor_cores,weights", [(None, False, None), (CL, False, None), (None, True, "float16"),
+                                                         (None, False, "packed-int8")])
+def test_decode_windows_and_streams_beside_change_no_bit(paths, device, tensor_cores, weights):
   """One stream decoding alone (windows of 1 row) and beside streams in other slots (windows of 2, 4 and 8 rows, the
-  stream at different rows of them): the same logits; in the tensor-core mode too (every window padded to the tile)."""
-  m = whole(paths["llama_gqa"], slots=8, tensor_cores=tensor_cores, **({"weights": "float16"} if tensor_cores else {}), **on(device))
+  stream at different rows of them): the same logits; in the tensor-core mode too (every window padded to the tile),
+  and with integer products (each row quantized on its own)."""
+  m = whole(paths["llama_gqa"], slots=8, tensor_cores=tensor_cores, **({"weights": weights} if weights else {}), **on(device))
   rng = np.random.default_rng(1)
   prompts = [rng.integers(1, 250, n).astype(np.uint32) for n in (40, 3, 17, 60, 9, 25, 33, 12)]
 
@@ -184,6 +187,29 @@ def test_decode_windows_and_streams_beside_change_no_bit(paths, device, tensor_c
   # the same prompt in slot 5, with slots 2..7 beside it: the same numbers again
   prompts[5] = prompts[0]
   assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(run([2, 3, 4, 5, 6, 7], 5), alone, strict=True))
+
+
+def test_integer_products_run_where_the_mode_asks(paths):
+  """weights="packed-int8": every Q4_0/Q4_1/Q8_0 projection multiplies in integers, every prompt goes in the short graphs'
+  calls (the integer kernel takes a concrete count of rows: no symbolic or mixed graph), a prompt in pieces gives the
+  whole prompt's bits, and the logits are int8 arithmetic's: not float32 mode's bits, within its error of them. Elsewhere
+  than a CPU's rows path the mode is refused by name."""
+  path = paths["llama_gqa"]
+  m, f = whole(path, slots=2, weights="packed-int8"), whole(path, slots=2, weights="float32")
+  kept = [wb for b in m.blk for lin in linears(b) if isinstance(wb := getattr(lin, "rows_blocked", None), PackedMatrix)]
+  assert kept and all(wb.integer for wb in kept)
+  assert m.rows.prompt_rows == max(SHORT_ROWS) and m.rows.registers_rows == MAX_ROWS and not m.mixes(MAX_ROWS)
+  prompt = np.asarray(PROMPT, np.uint32)
+  whole_prompt = m.prefill_rows(0, prompt, 0).numpy().copy()
+  for s, e in ((0, 3), (3, 24), (24, len(prompt))): pieced = m.prefill_rows(1, prompt[s:e], s)
+  assert np.array_equal(bits(pieced.numpy()), bits(whole_prompt))
+  want = f.prefill_rows(0, prompt, 0).numpy()
+  rms = lambda a: float(np.sqrt(np.mean(np.square(a, dtype=np.float64))))  # noqa: E731
+  assert 0 < rms(whole_prompt - want) < 0.05 * rms(want)
+  from pyruntime.engine.launch_plan import LaunchOptions, weights_for
+  for device, decode in (("CL", "batched"), ("CPU", "reference")):
+    with pytest.raises(errors.InvalidOption, match="packed-int8"):
+      weights_for(LaunchOptions(weights="packed-int8", decode=decode), "llama", device, True)
 
 
 def test_bad_rows_are_refused_by_name(paths):

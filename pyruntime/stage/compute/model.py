@@ -41,7 +41,7 @@ from pyruntime.modelfile.boundary import DTYPES, MLA_POS, ROUTER, StageBoundary
 from pyruntime.modelfile.gguf import GGUFHeader, read_header
 from pyruntime.modelfile.plan import check_architecture, num_blocks, output_tensor_name
 from pyruntime.options import DECODE_MODES, WEIGHT_MODES
-from pyruntime.protocol import PREFILL_CHUNK
+from pyruntime.protocol import MAX_CHUNK, PREFILL_CHUNK
 from pyruntime.stage.compute import cpu_graph, cuda_graph, device_memory, loop_schedules
 from pyruntime.stage.compute.gemma import gemma_form
 from pyruntime.stage.compute.graph_cache import GraphCache
@@ -207,7 +207,7 @@ class StageModel:
     if self.tensor_cores and (not self.batched or self.recurrent):
       raise errors.InvalidOption("tensor_cores", "needs the rows path's projections (decode='batched' and a dense, MoE, MLA or Gemma "
                                  f"model; this stage: {self.family}, {decode})")
-    if self.tensor_cores and (self.weights == "float32" or not self.half):
+    if self.tensor_cores and (self.weights in ("float32", "packed-int8") or not self.half):
       raise errors.InvalidOption("tensor_cores", "needs float16 weights (weights 'float16', 'packed' or 'quantized', and not HALF=0), "
                                  f"not {self.weights!r}" + ("" if self.half else " with HALF=0"))
     try: load_weights(self)
@@ -784,7 +784,7 @@ class StageModel:
       for slot in range(self.slots): self._pos[slot] = 1
       for rows in shapes: run(f"decode-{rows}", lambda rows=rows: step(rows))
       if every_window: self.shape_ms = {rows: 1e3 * sorted(step(rows) for _ in range(3))[1] for rows in shapes}
-      if every_window and self.slots > 1 and not self.recurrent:  # a prompt's chunk beside decoding streams: the mixed step
+      if every_window and self.slots > 1 and not self.recurrent and self.mixes(MAX_CHUNK):  # a prompt's chunk beside decoding streams: the mixed step
         last = self.slots - 1
         self.reset_slot(last)
         run("mixed", lambda: self.forward_mixed(list(range(last)), np.repeat(zeros, last, axis=0), [1] * last, last, zeros, 0))

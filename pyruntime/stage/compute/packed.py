@@ -76,6 +76,7 @@ class PackedMatrix:
   scaled_offset: int = 0  # k: an offset of k * scale (Q5_0), computed here rather than held
   dscale: Any = None      # a K-quant's super-block factors of its integer scales and offsets
   doffset: Any = None
+  integer: bool = False   # its products in int8 arithmetic (weights="packed-int8", int8_product.py), not from its values
 
   @property
   def low_bits(self) -> int: return 8 if self.bits == 8 else LOW
@@ -132,7 +133,8 @@ class PackedMatrix:
 
   def _with(self, arrays: Any) -> PackedMatrix:
     codes, high, scale, offset, dscale, doffset = arrays
-    return PackedMatrix(codes, high, scale, offset, self.bits, self.bias, self.block, self.half, self.scaled_offset, dscale, doffset)
+    return PackedMatrix(codes, high, scale, offset, self.bits, self.bias, self.block, self.half, self.scaled_offset, dscale, doffset,
+                        self.integer)
 
   def __getitem__(self, s: slice) -> PackedMatrix:
     """Column blocks s of this matrix (views of its buffers)."""
@@ -150,7 +152,8 @@ class PackedMatrix:
   def cat(parts: list[PackedMatrix]) -> PackedMatrix | None:
     """Host matrices one after another in one set of arrays, or None when their formats differ."""
     first = parts[0]
-    kinds = {(p.bits, p.bias, p.block, p.half, p.scaled_offset, p.high is None, p.offset is None, p.dscale is None, p.scale.dtype, p.shape[1:])
+    kinds = {(p.bits, p.bias, p.block, p.half, p.scaled_offset, p.high is None, p.offset is None, p.dscale is None, p.scale.dtype, p.shape[1:],
+              p.integer)
              for p in parts}
     if not all(p.on_host for p in parts) or len(kinds) != 1: return None
     return first._with(None if a is None else np.concatenate([p._arrays()[i] for p in parts], axis=0) for i, a in enumerate(first._arrays()))

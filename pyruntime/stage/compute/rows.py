@@ -47,7 +47,7 @@ from tinygrad.uop.ops import KernelInfo
 from pyruntime import errors
 from pyruntime.modelfile.boundary import DTYPES
 from pyruntime.protocol import MAX_CHUNK, PAGE_POSITIONS
-from pyruntime.stage.compute import device_memory, experts, loop_schedules
+from pyruntime.stage.compute import device_memory, experts, int8_product, loop_schedules
 from pyruntime.stage.compute.packed import PackedMatrix
 from pyruntime.stage.compute.weights import expert_matrices, linears
 
@@ -126,6 +126,7 @@ def _gated(out: Tensor, gate: Tensor | None) -> Tensor:
 def _blocked_product(x: Tensor, wb: Tensor | PackedMatrix, tc: bool, staged: bool | None = None) -> Tensor:
   """x (..., K) times the column blocks wb (outputs / VEC, K, VEC): (..., outputs), one sum over K per output."""
   if tc: return _tensor_core_rows(x, lambda r: _blocked_product(r, wb, False, staged))
+  if isinstance(wb, PackedMatrix) and wb.integer: return int8_product.product(x, wb)
   *lead, K = x.shape
   if isinstance(wb, PackedMatrix) and not wb.lead and (_staged(lead) if staged is None else staged) and len(parts := wb.pieces()) > 1:
     # each piece's product stored on its own (a product fused into the join would rebuild its weights in registers), the
@@ -325,10 +326,11 @@ class RowPath:
     """The most rows one prefill call takes: MAX_ROWS, or where a MoE block's experts are too large to stage
     (packed.STAGED_MAX_BYTES) the largest short graph's: a chunk of many rows would rebuild those values in registers
     for every ROWS rows anyway, and the short graph does so fastest (Llama 3.2 1B's shapes, rebuilt so: 64 rows 1.25x,
-    256 rows 1.2x faster as 16-row calls than in one call). A dense matrix too large is staged in pieces (_blocked_product)."""
+    256 rows 1.2x faster as 16-row calls than in one call). A dense matrix too large is staged in pieces (_blocked_product).
+    The same for integer products (`integer`), whose kernels take a concrete count of rows."""
     if self._prompt_rows is None:
       big = any(isinstance(wb, PackedMatrix) and wb.lead and not wb.fits_staging for b in self.m.blk for wb in _packed_matrices(b))
-      self._prompt_rows = self.short_rows[-1] if big and self.short_rows else MAX_ROWS
+      self._prompt_rows = self.short_rows[-1] if (big or self.integer) and self.short_rows else MAX_ROWS
     return self._prompt_rows
 
   @property
@@ -338,11 +340,19 @@ class RowPath:
     staging costs a pass over every weight: on Llama 3.2 1B's shapes a 32-row chunk took 1.15x the time of two 16-row
     calls, 48 and 64 rows about the same, 96 rows 0.85x)."""
     if self._registers_rows is None:
+      if self.integer:  # every chunk in short calls: nothing stages, nothing is symbolic in rows
+        self._registers_rows = MAX_ROWS
+        return MAX_ROWS
       short = max(self.short_rows, default=0)
       split = short and any(isinstance(wb, PackedMatrix) and not wb.lead and len(wb.pieces()) > 1
                             for b in self.m.blk for wb in _packed_matrices(b))
       self._registers_rows = PIECES_REGISTERS_ROWS if split and self.prompt_rows > PIECES_REGISTERS_ROWS else short
     return self._registers_rows
+
+  @property
+  def integer(self) -> bool:
+    """Whether a projection here multiplies in integers (weights="packed-int8": int8_product.py)."""
+    return any(isinstance(wb, PackedMatrix) and wb.integer for b in self.m.blk for wb in _packed_matrices(b))
 
   @property
   def short_rows(self) -> tuple[int, ...]:

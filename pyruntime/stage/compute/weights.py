@@ -30,7 +30,7 @@ from tinygrad.nn.state import get_state_dict
 from pyruntime import errors
 from pyruntime.modelfile.gguf import TensorInfo, packed_types
 from pyruntime.modelfile.plan import FFN_NORM_RENAMED, block_tensor_names, output_tensor_name, stage_tensor_names
-from pyruntime.stage.compute import device_memory, loop_schedules
+from pyruntime.stage.compute import device_memory, int8_product, loop_schedules
 from pyruntime.stage.compute.gemma import GemmaBlock, GemmaForm, rope_tables
 from pyruntime.stage.compute.packed import PackedMatrix, packable, repack, repack_experts
 
@@ -204,6 +204,7 @@ def load(m: Any) -> None:
             # realized only where `rotary` permutes (q and k): each realize is a small schedule, ~60 ms at load
             row_orders[key] = None if (order := rotary(m, name, rows)) is rows else order.numpy()[:, 0]
           lin.rows_blocked = repack(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, row_orders[key], loop_schedules.VEC, m.half)
+          lin.rows_blocked.integer = m.weights == "packed-int8" and int8_product.supported(lin.rows_blocked, m.device)
         elif (ew := by_experts.get(id(p))) is not None and (name := file_name.get(id(p))) in m._packed:
           # the experts' codes, each expert repacked as a projection is, one buffer set on the device (experts.py)
           ti = header.tensors[name]
@@ -260,9 +261,9 @@ def host_vector(m: Any, ti: TensorInfo, mm: np.ndarray) -> np.ndarray | None:
 
 
 def keeps_packed(m: Any, name: str) -> bool:
-  """Whether the stage keeps tensor `name` as the file's blocks (weights="packed" or "packed-all": the rows path's
+  """Whether the stage keeps tensor `name` as the file's blocks (weights="packed", "packed-int8" or "packed-all": the rows path's
   projections and routed experts of the mode's types, modelfile.gguf.packed_types)."""
-  if m.weights not in ("packed", "packed-all") or not m.batched or m.header.tensors[name].ggml_type not in packed_types(m.weights): return False
+  if not m.weights.startswith("packed") or not m.batched or m.header.tensors[name].ggml_type not in packed_types(m.weights): return False
   ti, kind = m.header.tensors[name], name.rsplit(".", 2)[-2]
   projection = kind in PROJECTIONS or (m.is_tail and name == output_tensor_name(m.header))
   return (projection and len(ti.shape) == 2 or kind in EXPERTS and len(ti.shape) == 3) and packable(ti.ggml_type, ti.shape, loop_schedules.VEC)

@@ -22,6 +22,9 @@ on the same tokens (a fixed text, the first `--tokens` of it), each logit of eve
   a lent GPU).
 - **pyruntime HALF=0 vs file**: the float32 side with every weight kept as the file's value (`HALF=0`: no float16
   rounding), against the file's float64 arithmetic: what a file-exact contract would give.
+- **pyruntime packed-int8 vs file** (on a CPU): the integer products of `--weights packed-int8` (each row's activations
+  quantized to int8 per block of 32, llama.cpp's arithmetic; pyruntime/stage/compute/int8_product.py) against the file's
+  values, which its Q4_0/Q4_1/Q8_0 products read unrounded (other types stay float16, as in packed).
 - **tinygrad's own** (`Transformer.from_gguf`, its blocks over the whole prompt at once, as its `generate` prefills): the
   model pyruntime's contract is measured against, against both references: its weights are dequantised and cast to
   float16 inside the kernels that read them, and there (on the CPU backend, measured) the cast does not round, so its
@@ -325,6 +328,8 @@ def main() -> None:
     rows.append((f"pyruntime float32 ({dev})", compare(ref, f32)))
     rows.append((f"pyruntime float32 ({dev}) vs file", compare(ref_file, f32)))
     rows.append((f"pyruntime HALF=0 ({dev}) vs file", compare(ref_file, file_exact_logits(path, tokens, dev))))
+    if dev == "CPU":  # integer products: llama.cpp's arithmetic, on the file's values (no float16 rounding of weights)
+      rows.append((f"pyruntime packed-int8 ({dev}) vs file", compare(ref_file, pyruntime_logits(path, tokens, dev, weights="packed-int8"))))
     if kv["general.architecture"] not in SSM_SUPPORTED:  # (recurrent blocks project with tinygrad's kernels: no tensor-core mode)
       rows.append((f"pyruntime tensor-cores ({dev})", compare(ref, pyruntime_logits(path, tokens, dev, weights="float16", tensor_cores=True))))
   if kv["general.architecture"] not in OWN_ARCHS:  # (tinygrad has no model of gemma3)

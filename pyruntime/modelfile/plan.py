@@ -52,7 +52,8 @@ def support_table() -> str:
   return "\n".join(rows + ["", f"Tokenizer models: {', '.join(f'`{m}`' for m in TOKENIZER_MODELS)} "
                               "(byte-level BPE, SentencePiece), with any architecture.", "",
                               f"Tensor types read: {names(GGML_TYPES)}. Kept as the file's codes on a CPU (`--weights packed`): "
-                              f"{names(FAST_PACKED_TYPES)}; with `--weights packed-all` also {names(set(PACKED_TYPES) - FAST_PACKED_TYPES)}."])
+                              f"{names(FAST_PACKED_TYPES)} (multiplied in integers with `--weights packed-int8`); "
+                              f"with `--weights packed-all` also {names(set(PACKED_TYPES) - FAST_PACKED_TYPES)}."])
 
 
 def unservable(header: GGUFHeader) -> list[str]:

@@ -113,7 +113,8 @@ def packed_bytes(header: GGUFHeader, weights: str = "packed", names: Sequence[st
   kept = packed_types(weights)
   def packs(name: str, t: Any) -> bool: return t.ggml_type in kept and (len(t.dims) == 2 or len(t.dims) == 3 and "_exps." in name)
   tensors = header.tensors.items() if names is None else ((n, header.tensors[n]) for n in names)
-  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims)) if packs(n, t) else 2 * math.prod(t.dims) for n, t in tensors)
+  wide = weights == "packed-int8"  # (5- and 6-bit codes a byte each)
+  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims), wide) if packs(n, t) else 2 * math.prod(t.dims) for n, t in tensors)
 
 
 def held_bytes(header: GGUFHeader, names: Sequence[str], weights: str) -> int:

@@ -48,20 +48,22 @@ PACKED_TYPES: dict[int, tuple[int, int, int, bool, bool, int]] = {
 }  # Q4_0 Q4_1 Q5_0 Q5_1 / Q8_0 Q4_K Q5_K Q6_K
 SUPER_BLOCK = 256  # a K-quant's inputs per float16 d (and dmin)
 # what weights="packed" keeps packed: the types whose kernels decode at least as fast as float16 holding them (measured,
-# bench/results/2026-12-06-packed-k-quants.md), and those weights="packed-int8" multiplies in integers; "packed-all" keeps every
-# PACKED_TYPES type
+# bench/results/2026-12-06-packed-k-quants.md); "packed-all" keeps every PACKED_TYPES type, and so does "packed-int8",
+# whose projections multiply in integers
 FAST_PACKED_TYPES = frozenset({2, 3, 8})
 
 
 def packed_types(weights: str) -> frozenset[int]:
   """The GGML types a stage keeps as codes in weights mode `weights` (none outside the packed modes)."""
-  return frozenset(PACKED_TYPES) if weights == "packed-all" else FAST_PACKED_TYPES if weights in ("packed", "packed-int8") else frozenset()
+  return frozenset(PACKED_TYPES) if weights in ("packed-all", "packed-int8") else FAST_PACKED_TYPES if weights == "packed" else frozenset()
 
 
-def packed_nbytes(ggml_type: int, elements: int) -> int:
-  """Bytes a stage holds of `elements` weights of a PACKED_TYPES type: the codes, and a scale (and offset) per block:
-  float16, or for a K-quant an integer byte per block and a float16 per super-block; about the file's own size."""
+def packed_nbytes(ggml_type: int, elements: int, wide: bool = False) -> int:
+  """Bytes a stage holds of `elements` weights of a PACKED_TYPES type: the codes (5- and 6-bit ones a byte each when
+  `wide`: packed.repack's), and a scale (and offset) per block: float16, or for a K-quant an integer byte per block and
+  a float16 per super-block; about the file's own size."""
   block, bits, _, offset, k_quant, _ = PACKED_TYPES[ggml_type]
+  if wide and bits > 4: bits = 8
   per_block = 1 if k_quant else 2  # bytes of a block's scale
   scales = elements // block * per_block + (elements // SUPER_BLOCK * 2 if k_quant else 0)
   return elements * bits // 8 + scales * (2 if offset else 1)

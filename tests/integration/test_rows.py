@@ -60,7 +60,7 @@ def position_kv(m: StageModel, slot: int, pos: int) -> list[np.ndarray]:
 # every dense model with float32 weights; two models cover the dequantising kernels, and two the CL lane
 DECODE_CASES = [(n, "float32", None) for n in DENSE] + [(n, w, d) for n in ("llama_tied", "qwen3") for w, d in
                                                         (("quantized", None), ("float32", CL), ("quantized", CL))] + \
-               [(n, "packed-int8", None) for n in ("llama_tied", "llama_gqa")]  # integer products: Q4_0, Q4_1 and Q8_0
+               [(n, "packed-int8", None) for n in ("llama_tied", "llama_gqa", "llama_kquant")]  # integer products: every packed type
 
 
 # the tensor-core mode (docs/prompt-path.md, "Tensor cores"): each weight form it takes, and the CL lane
@@ -190,7 +190,7 @@ def test_decode_windows_and_streams_beside_change_no_bit(paths, device, tensor_c
 
 
 def test_integer_products_run_where_the_mode_asks(paths):
-  """weights="packed-int8": every Q4_0/Q4_1/Q8_0 projection multiplies in integers, every prompt goes in the short graphs'
+  """weights="packed-int8": every packed projection (Q4_0, Q4_1, Q8_0 here) multiplies in integers, every prompt goes in the short graphs'
   calls (the integer kernel takes a concrete count of rows: no symbolic or mixed graph), a prompt in pieces gives the
   whole prompt's bits, and the logits are int8 arithmetic's: not float32 mode's bits, within its error of them. Elsewhere
   than a CPU's rows path the mode is refused by name."""

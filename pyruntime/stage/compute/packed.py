@@ -251,15 +251,18 @@ def repack_experts(raw: np.ndarray, ggml_type: int, shape: tuple[int, int, int],
   return PackedMatrix.stack([repack(raw[e * each:(e + 1) * each], ggml_type, (n_out, K), None, vec, half) for e in range(E)])
 
 
-def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], rows: np.ndarray | None, vec: int, half: bool) -> PackedMatrix:
+def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], rows: np.ndarray | None, vec: int, half: bool,
+           wide: bool = False) -> PackedMatrix:
   """The matrix of `shape` (outputs, inputs) from its GGML bytes `raw`, its outputs taken in the order `rows` (the
-  reference's rotary permutation of q and k, or None), as a PackedMatrix of host arrays (`upload` puts it on a device)."""
+  reference's rotary permutation of q and k, or None), as a PackedMatrix of host arrays (`upload` puts it on a device).
+  `wide`: 5- and 6-bit codes held a byte each (as 8-bit codes: the integer products' kernel reads bytes), not split."""
   block, bits, bias, _, _, scaled_offset = PACKED_TYPES[ggml_type]
   per_block, size = GGML_TYPES[ggml_type]
   n_out, K = shape
   blocks = np.ascontiguousarray(raw[:n_out * K // per_block * size]).reshape(n_out, K // per_block, size)
   if rows is not None: blocks = blocks[rows]
   q, scale, offset, dscale, doffset = decode(blocks, ggml_type)
+  if wide and bits > LOW: bits = 8
   low = LOW if bits < 8 else 8
   codes = _pack(q if bits == low else q & ((1 << low) - 1), low)  # (codes of `low` bits or fewer need no mask)
   high = _pack(q >> LOW, bits - LOW) if LOW < bits < 8 else None

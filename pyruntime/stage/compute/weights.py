@@ -203,7 +203,8 @@ def load(m: Any) -> None:
             rows = Tensor.arange(p.shape[0], device=m.device).reshape(-1, 1)
             # realized only where `rotary` permutes (q and k): each realize is a small schedule, ~60 ms at load
             row_orders[key] = None if (order := rotary(m, name, rows)) is rows else order.numpy()[:, 0]
-          lin.rows_blocked = repack(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, row_orders[key], loop_schedules.VEC, m.half)
+          lin.rows_blocked = repack(mm[ti.offset:ti.offset + ti.nbytes], ti.ggml_type, p.shape, row_orders[key], loop_schedules.VEC, m.half,
+                                    wide=m.weights == "packed-int8")
           lin.rows_blocked.integer = m.weights == "packed-int8" and int8_product.supported(lin.rows_blocked, m.device)
         elif (ew := by_experts.get(id(p))) is not None and (name := file_name.get(id(p))) in m._packed:
           # the experts' codes, each expert repacked as a projection is, one buffer set on the device (experts.py)

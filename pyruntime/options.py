@@ -19,8 +19,8 @@ BOUNDARY_DTYPES = ("float32", "float16")
 # pyruntime/stage/compute/packed.py), every other type as float16; "packed-all": every type of a Q4_K_M file so
 # (Q5_0/Q5_1 and the K-quants too: the smallest memory, and for now a slower decode than float16 holds them,
 # bench/results/2026-12-06-packed-k-quants.md); "float16": dequantised once at load (tinygrad's REALIZE=1); "float32":
-# those float16 values held as float32 (the same products); "packed-int8": packed's weights, a CPU's Q4_0/Q4_1/Q8_0
-# products in llama.cpp's arithmetic (each row's activations quantized to int8 per block of 32, integer dot products:
+# those float16 values held as float32 (the same products); "packed-int8": packed-all's types (5- and 6-bit codes a
+# byte each), a CPU's products in llama.cpp's arithmetic (each row's activations quantized to int8 per block of 32, integer dot products:
 # pyruntime/stage/compute/int8_product.py), faster and further from the file's values
 WEIGHT_MODES = ("quantized", "packed", "packed-all", "packed-int8", "float16", "float32")
 # "batched" runs a stage's rows path (many streams per step, prompt and decode rows with the same bits,
@@ -53,7 +53,7 @@ CHOICES = {c.name: c for c in (
          "kernels, one stream at a time, its exact tokens"),
   Choice("weights", ("auto", *WEIGHT_MODES), "auto", "how stages keep the weights: quantized as in the file (tinygrad's own kernels), "
          "packed (the file's Q4_0/Q4_1/Q8_0 blocks dequantised in registers, float32's bits at the file's size), packed-all (every "
-         "type of a Q4_K_M file so: the least memory, a slower decode for now), packed-int8 (packed's weights on a CPU, "
+         "type of a Q4_K_M file so: the least memory, a slower decode for now), packed-int8 (packed-all's types on a CPU, "
          "activations quantized to int8 per row: llama.cpp's arithmetic and error, integer products), or dequantised once at "
          "load (float16, float32); auto: packed on a CPU when it takes at most half of free memory (float32 on CPU:X86, which has no "
          "clang kernels), quantized on GPUs and with --decode reference"),

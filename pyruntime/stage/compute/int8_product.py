@@ -36,7 +36,7 @@ from tinygrad.uop.ops import AxisType, KernelInfo, Ops, UOp
 from pyruntime import errors
 from pyruntime.stage.compute.packed import PackedMatrix
 
-BLOCK = 32   # inputs per quantized block of a row (a Q4_0/Q4_1/Q8_0 weight block)
+BLOCK = 32   # inputs per quantized block of a row: a weight block, a K-quant's sub-block, or two of Q6_K's
 LANES = 16   # outputs per column block (loop_schedules.VEC on a CPU)
 # rows of one tile: each shares the tile's unpacked codes. AVX-512's 32 registers hold 8 rows' two accumulators, AVX2's
 # 16 hold 4

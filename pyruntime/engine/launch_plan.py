@@ -107,14 +107,15 @@ def recipe_digest(model: str, split: Sequence[tuple[int, int]], dtype: str, temp
 
 
 def packed_bytes(header: GGUFHeader, weights: str = "packed", names: Sequence[str] | None = None) -> int:
-  """What a CPU stage holds of the model (or of its tensors `names`) with weights="packed" (or "packed-all"): every matrix
-  and every MoE block's experts (`*_exps`) of a type that mode packs as codes and scales (about the file's bytes), two
-  bytes an element of the rest (float16)."""
+  """What a CPU stage holds of the model (or of its tensors `names`) with weights="packed" (or "packed-all", "packed-int8"):
+  every matrix and every MoE block's experts (`*_exps`) of a type that mode packs as codes and scales (about the file's
+  bytes; packed-int8's matrices hold 5- and 6-bit codes a byte each), two bytes an element of the rest (float16)."""
   kept = packed_types(weights)
   def packs(name: str, t: Any) -> bool: return t.ggml_type in kept and (len(t.dims) == 2 or len(t.dims) == 3 and "_exps." in name)
   tensors = header.tensors.items() if names is None else ((n, header.tensors[n]) for n in names)
-  wide = weights == "packed-int8"  # (5- and 6-bit codes a byte each)
-  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims), wide) if packs(n, t) else 2 * math.prod(t.dims) for n, t in tensors)
+  wide = weights == "packed-int8"  # (its matrices' 5- and 6-bit codes a byte each; a MoE block's experts stay split)
+  return sum(packed_nbytes(t.ggml_type, math.prod(t.dims), wide and len(t.dims) == 2) if packs(n, t) else 2 * math.prod(t.dims)
+             for n, t in tensors)
 
 
 def held_bytes(header: GGUFHeader, names: Sequence[str], weights: str) -> int:

@@ -66,6 +66,12 @@ def test_repacked_codes_rebuild_the_reference_weights(kind):
   held = sum(a.nbytes for a in (pm.codes, pm.high, pm.scale, pm.offset, pm.dscale, pm.doffset) if a is not None)
   assert held == packed_nbytes(kind, 48 * 512) <= 1.03 * len(raw), (held, len(raw))  # the file's size
   assert np.array_equal(unpack_on_host(pm).view(np.uint16), want.view(np.uint16))
+  # `wide` (weights="packed-int8"): 5- and 6-bit codes a byte each, the same values, the bytes packed_nbytes counts
+  wide = repack(raw, kind, (48, 512), None, VEC, half=True, wide=True)
+  assert wide.high is None and wide.low_bits == (4 if bits == 4 else 8)
+  wide_held = sum(a.nbytes for a in (wide.codes, wide.scale, wide.offset, wide.dscale, wide.doffset) if a is not None)
+  assert wide_held == packed_nbytes(kind, 48 * 512, wide=True)
+  assert np.array_equal(unpack_on_host(wide).view(np.uint16), want.view(np.uint16))
 
 
 @pytest.mark.parametrize("kind", TYPES)
